@@ -1,0 +1,89 @@
+"""EngineConfig: the one home of the engine's defaults, validated on construction.
+
+Flag names follow vLLM's engine arguments (``--block-size``, ``--max-num-seqs``, ...).
+Sizes given as text use binary suffixes for KiB/MiB/GiB (2^10, 2^20, 2^30 bytes) and
+decimal ones for KB/MB/GB (1e3, 1e6, 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``"512MiB"``, ``"4GiB"``, ``"1.5GB"`` or a plain byte count into bytes.
+
+    Raises:
+        ValueError: for anything else, or a size that is not positive.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB, 4GiB or 2GB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Every default lives here.
+
+    Attributes:
+        model: model name, ``.gguf`` path or Hugging Face folder.
+        block_size: token slots per KV page.
+        kv_cache_dtype: KV storage dtype; ``auto`` = the compute dtype (float32 on CPU).
+        kv_cache_memory: KV budget in bytes (default 4 GiB, like vLLM's CPU backend);
+            ignored when ``num_blocks`` is set.
+        num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
+        max_num_seqs: most requests running in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_model_len: longest sequence (prompt + output) in tokens; ``None`` = the model's.
+        enable_prefix_caching: share full blocks across requests with equal prefixes.
+        seed: seed of the sampler's default generator.
+        debug_invariants: check the KV manager's invariants after every step.
+    Raises:
+        ValueError: on an out-of-range value, naming the field.
+    """
+
+    model: str = DEFAULT_MODEL
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | str = 4 * 2**30
+    num_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    debug_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _positive(name, getattr(self, name))
+        for name in ("num_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
