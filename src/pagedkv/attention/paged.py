@@ -1,0 +1,77 @@
+"""Paged attention: the pure-torch reference.
+
+Shape contract (one engine step, ``T`` new tokens from ``S`` sequences, flattened)::
+
+    q            [T, num_heads, head_dim]          fp32
+    k_cache      [num_blocks, block_size, num_kv_heads, head_dim]   storage dtype
+    v_cache      [num_blocks, block_size, num_kv_heads, head_dim]
+    seq i        query rows q[query_start : query_start + query_len]
+                 context_len tokens of KV, the last query_len of which are the new ones
+                 block_table [ceil(context_len / block_size)] int64
+    out          [T, num_heads, head_dim]          fp32
+
+Query row ``r`` of sequence ``i`` sits at position ``context_len - query_len + r`` and
+sees keys ``0..that position`` (causal). Grouped-query attention: query head ``h`` reads
+KV head ``h // (num_heads // num_kv_heads)``. Every K/V, new ones included, is read back
+from the pages, so the storage dtype rounds a token's KV the same way in prefill and decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqAttention:
+    """One sequence's slice of a step."""
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens write (``slot_mapping`` ``[T]`` int64) and what each sequence reads."""
+    slot_mapping: torch.Tensor
+    seqs: list[SeqAttention]
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous ``[length, num_kv_heads, head_dim]`` fp32 copy of a sequence's first ``length`` tokens."""
+    pages = cache.index_select(0, block_table)           # [nb, block_size, kv_heads, head_dim]
+    return pages.flatten(0, 1)[:length].float()           # [length, kv_heads, head_dim]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of the last ``n`` positions of a length-``L`` context.
+
+    ``q`` ``[n, H, D]``, ``k``/``v`` ``[L, Hkv, D]`` with ``n <= L``; returns ``[n, H, D]``.
+    """
+    n, num_heads, dim = q.shape
+    length, kv_heads, _ = k.shape
+    group = num_heads // kv_heads
+    qh = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
+    scores = torch.bmm(qh, k.permute(1, 2, 0)) * scale    # [Hkv, G*n, L]
+    if n > 1:
+        rows = torch.arange(length - n, length).unsqueeze(1)  # position of each query row
+        future = torch.arange(length).unsqueeze(0) > rows     # [n, L]
+        scores = scores.view(kv_heads, group, n, length).masked_fill(future, float("-inf"))
+        scores = scores.view(kv_heads, group * n, length)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs, v.permute(1, 0, 2))            # [Hkv, G*n, D]
+    return out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention over paged KV, one sequence at a time (see the module's shape contract)."""
+    out = torch.empty_like(q)
+    for s in meta.seqs:
+        rows = slice(s.query_start, s.query_start + s.query_len)
+        k = gather_pages(k_cache, s.block_table, s.context_len)
+        v = gather_pages(v_cache, s.block_table, s.context_len)
+        out[rows] = attend(q[rows], k, v, scale)
+    return out

@@ -1,0 +1,103 @@
+"""LLM: the offline facade, shaped after vLLM's ``LLM`` class.
+
+    llm = LLM()   # smollm2-135m-instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    llm.chat([{"role": "user", "content": "Hi"}])
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from pagedkv.config import EngineConfig
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.sampling_params import SamplingParams
+
+Prompt = str | dict
+
+
+class LLM:
+    """A model on a paged KV cache. Keyword arguments are :class:`EngineConfig` fields.
+
+    Raises:
+        TypeError: for an unknown keyword argument.
+        FileNotFoundError / ValueError: as :class:`LLMEngine`.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        unknown = set(engine_args) - EngineConfig.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        if model is not None:
+            engine_args["model"] = model
+        self.engine = LLMEngine(EngineConfig(**engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_output: Callable[[RequestOutput], None] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
+        for all or one per prompt. ``on_output`` sees each request's output when it finishes.
+
+        Raises:
+            ValueError: if any prompt is invalid or can never fit (naming its index and the
+                numbers); then no prompt of this call is run.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._params_list(sampling_params, len(prompts))
+        ids = self._add_all(prompts, params, cache_salt)
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if on_output:
+                        on_output(out)
+        return [results[i] for i in ids]
+
+    def _add_all(self, prompts, params, cache_salt) -> list[str]:
+        ids: list[str] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt).request_id)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return ids
+
+    @staticmethod
+    def _params_list(sp, n: int) -> list[SamplingParams]:
+        if sp is None or isinstance(sp, SamplingParams):
+            return [sp or SamplingParams()] * n
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
+        return list(sp)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
+        """Apply the model's chat template (with the generation prompt) and generate.
+        ``messages`` is one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(c, add_generation_prompt=True,
+                                                                     tokenize=True, return_dict=False)),
+                    "prompt": tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)}
+                   for c in convs]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    def stats(self):
+        return self.engine.stats()

@@ -1,0 +1,77 @@
+"""Request: one prompt's state as it moves through the engine.
+
+One counter rules scheduling: each step gives a request tokens so that
+``num_computed_tokens`` catches up with ``num_tokens`` (prompt + output so far). Prefill,
+chunked prefill, decode and recompute after preemption are all that one rule::
+
+    | prompt tokens ........................ | output tokens ... |
+    |<------ num_computed_tokens ------>|                       num_tokens
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A request's tokens, progress, sampling state and timings (seconds, ``time.perf_counter``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1        # prefix-cache hit at first admission; -1 until then
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    max_tokens: int = 0                # resolved against max_model_len by the engine
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.token_times.append(now)

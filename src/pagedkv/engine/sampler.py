@@ -1,0 +1,61 @@
+"""Sampler: greedy, temperature, top-k and top-p sampling with per-request generators.
+
+Greedy rows take ``argmax`` (the lowest token id on ties, so it is deterministic). Other
+rows: logits / temperature -> top-k filter -> top-p (nucleus, Holtzman et al. 2019,
+arXiv:1904.09751) filter -> softmax -> one multinomial draw from the request's own
+``torch.Generator`` when it has a seed, else from the engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None = None  # sampled token and the top-n, natural log
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / top-p set to -inf. ``logits`` ``[V]`` fp32."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # keep the token that crosses p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from ``logits`` ``[V]``."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    filtered = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(filtered, -1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[SampledToken]:
+    """Sample one token per row of ``logits`` ``[n, V]`` (fp32)."""
+    out = []
+    for row, p, g in zip(logits, params, generators):
+        token = sample_row(row, p, g)
+        lp = None
+        if p.logprobs is not None:
+            logp = torch.log_softmax(row, -1)
+            lp = {token: float(logp[token])}
+            if p.logprobs:
+                top = torch.topk(logp, p.logprobs)
+                lp.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
+        out.append(SampledToken(token, lp))
+    return out

@@ -1,0 +1,65 @@
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping settings.
+
+    Attributes:
+        max_tokens: most tokens to generate; ``None`` = up to ``max_model_len``.
+        temperature: 0 = greedy; else logits are divided by it before sampling.
+        top_k: keep the k most likely tokens; 0 or -1 = all.
+        top_p: keep the smallest set of tokens whose probability reaches p; 1 = all.
+        seed: per-request generator seed (reproducible sampling); ``None`` = engine's generator.
+        stop: strings that end generation; the matched string is not in the text.
+        stop_token_ids: token ids that end generation (in ``token_ids``, not in the text).
+        ignore_eos: keep generating past the model's end-of-sequence token.
+        logprobs: number of top log-probabilities to return per generated token (0 = only
+            the sampled token's); ``None`` = none.
+        skip_special_tokens: leave special tokens out of the text.
+    Raises:
+        ValueError: on an out-of-range value, naming the field.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

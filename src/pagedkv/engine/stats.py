@@ -1,0 +1,45 @@
+"""EngineStats: a snapshot of the engine's KV usage, prefix-cache and request counters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counts are blocks, tokens or requests as named; ``kv_bytes_per_token`` is bytes."""
+
+    block_size: int
+    num_blocks: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    peak_blocks_used: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_rejected: int
+    num_generated_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of blocks in use (cached-evictable blocks count as free)."""
+        return self.blocks_used / self.num_blocks
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"kv_usage": self.kv_usage}
+
+
+def collect_stats(engine) -> EngineStats:
+    usage, kv, sched = engine.kv.usage(), engine.kv, engine.scheduler
+    return EngineStats(
+        block_size=kv.block_size, num_blocks=usage.total, blocks_used=usage.used,
+        blocks_cached=usage.cached, blocks_free=usage.free, peak_blocks_used=engine.peak_blocks_used,
+        kv_bytes_per_token=engine.parts.spec.bytes_per_token, kv_cache_bytes=engine.parts.storage.nbytes,
+        num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
+        num_rejected=engine.num_rejected, num_generated_tokens=engine.num_generated_tokens,
+        prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits)

