@@ -1,0 +1,108 @@
+"""The ``pagedkv`` command: ``generate``, ``plan`` and friends.
+
+Every command exits 0 on success and 2 with a one-line ``error: ...`` on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+GENERATE_EXAMPLES = """examples:
+  pagedkv generate "What is the capital of France?"
+  pagedkv generate --json --temperature 0 --max-tokens 32 "What is the capital of France?"
+  pagedkv generate --no-chat --max-tokens 40 "Once upon a time"
+  pagedkv generate --prompts-file prompts.jsonl --kv-cache-memory 256MiB --json > out.jsonl
+"""
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM's engine arguments."""
+    from pagedkv.config import DEFAULT_MODEL, KV_CACHE_DTYPES
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf path or HF folder (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV storage dtype")
+    g.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget, e.g. 512MiB (default: %(default)s)")
+    g.add_argument("--num-blocks", type=int, default=None, help="exact number of KV pages (overrides --kv-cache-memory)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV pages of equal prompt prefixes (default: on)")
+    g.add_argument("--seed", type=int, default=0, help="engine sampling seed")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
+                kv_cache_memory=a.kv_cache_memory, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                enable_prefix_caching=a.enable_prefix_caching, seed=a.seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(a: argparse.Namespace):
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                          seed=a.sampling_seed, stop=a.stop, stop_token_ids=a.stop_token_ids,
+                          ignore_eos=a.ignore_eos)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedkv", description="A KV-cache engine for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts", epilog=GENERATE_EXAMPLES,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen.add_argument("prompts", nargs="*", help="prompt strings")
+    gen.add_argument("--prompts-file", type=Path, help="one prompt per line, or JSONL with a 'prompt' field")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the model's chat template (default: on when the model has one)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per request, then a stats object")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=_run_generate)
+    try:
+        from pagedkv.planner.cli import add_parser as add_plan
+    except ImportError:
+        pass
+    else:
+        add_plan(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run_generate(a: argparse.Namespace) -> int:
+    from pagedkv.generate_cmd import run_generate
+
+    return run_generate(a, engine_kwargs(a), sampling_params(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""``pagedkv generate``: prompts from arguments or a file, answers on stdout.
+
+With ``--json`` each request is one JSON object per line, then one stats object
+(``block_size``, ``num_blocks``, ``peak_blocks_used``, ``kv_bytes_per_token``,
+``num_preemptions``, ``output_tokens_per_s``, ...). A tqdm bar on stderr tracks many prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def read_prompts(positional: list[str], path: Path | None) -> list[str]:
+    """Prompts from the command line and/or a file: plain lines, or JSONL objects with a
+    ``prompt`` field (or a JSON string per line). Blank lines are skipped.
+
+    Raises:
+        FileNotFoundError: missing file. ValueError: no prompt at all, or a bad JSONL line.
+    """
+    prompts = list(positional)
+    if path is not None:
+        if not path.is_file():
+            raise FileNotFoundError(f"prompts file {path} does not exist")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                prompts.append(_parse_line(line, n))
+    if not prompts:
+        raise ValueError("no prompt given: pass prompts as arguments or --prompts-file")
+    return prompts
+
+
+def _parse_line(line: str, n: int) -> str:
+    if not line.lstrip().startswith(("{", '"')):
+        return line
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"prompts file line {n}: invalid JSON ({e.msg})") from None
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+        return obj["prompt"]
+    raise ValueError(f"prompts file line {n}: expected a string or an object with a 'prompt' string")
+
+
+def _to_engine_prompts(llm, prompts: list[str], chat: bool | None) -> list:
+    tok = llm.get_tokenizer()
+    if chat is None:
+        chat = bool(getattr(tok, "chat_template", None))
+    if not chat:
+        return prompts
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("--chat: this model has no chat template")
+    out = []
+    for p in prompts:
+        msgs = [{"role": "user", "content": p}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append({"prompt_token_ids": list(ids), "prompt": p})
+    return out
+
+
+def run_generate(a, engine_args: dict, params) -> int:
+    from tqdm import tqdm
+
+    from pagedkv import LLM
+
+    prompts = read_prompts(a.prompts, a.prompts_file)
+    llm = LLM(**engine_args)
+    inputs = _to_engine_prompts(llm, prompts, a.chat)
+    bar = tqdm(total=len(inputs), desc="requests", unit="req", file=sys.stderr,
+               disable=len(inputs) < 4)
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params, on_output=lambda o: bar.update(1))
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    for o in outs:
+        print(json.dumps(_output_json(o)) if a.json else o.text)
+    if a.json:
+        print(json.dumps(_stats_json(llm, outs, elapsed)))
+    return 0
+
+
+def _output_json(o) -> dict:
+    return {"request_id": o.request_id, "prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
+            "finish_reason": o.finish_reason, "num_prompt_tokens": o.num_prompt_tokens,
+            "num_cached_tokens": o.num_cached_tokens, "num_preemptions": o.num_preemptions,
+            "ttft_s": o.ttft, "tpot_s": o.tpot, "e2e_s": o.e2e}
+
+
+def _stats_json(llm, outs, elapsed: float) -> dict:
+    s = llm.stats().to_dict()
+    n_out = sum(len(o.token_ids) for o in outs)
+    return {"stats": True, "num_requests": len(outs), "num_output_tokens": n_out, "elapsed_s": elapsed,
+            "output_tokens_per_s": n_out / elapsed if elapsed > 0 else None} | s

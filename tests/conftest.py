@@ -1,0 +1,69 @@
+"""Shared fixtures: a tiny random Llama folder (with the real SmolLM2 tokenizer) and the
+real default model, loaded once per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512,
+                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def default_model_files():
+    from pagedkv.model.loader import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+def make_hf_folder(path, seed: int = 0, tokenizer_from=None, **overrides):
+    """Save a random ``LlamaForCausalLM`` (fp32 safetensors) plus a tokenizer to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**(TINY_CONFIG | overrides))
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():  # HF inits small; widen so attention patterns are not uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    model.save_pretrained(str(path))
+    if tokenizer_from is not None:
+        for f in tokenizer_from.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_files):
+    return make_hf_folder(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=default_model_files.folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_factory(tiny_model_dir):
+    """Build an LLM on the tiny model with the given engine arguments."""
+    from pagedkv import LLM
+
+    def make(**kw):
+        kw.setdefault("num_blocks", 64)
+        kw.setdefault("debug_invariants", True)
+        return LLM(model=str(tiny_model_dir), **kw)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm(default_model_files):
+    """The real default model with a small cache (shared; tests must leave it idle)."""
+    from pagedkv import LLM
+
+    return LLM(num_blocks=256, debug_invariants=True)

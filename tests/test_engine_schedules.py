@@ -1,0 +1,106 @@
+"""Random schedules of add / abort / step on a tiny pool keep the KV invariants after every
+step, end with every block free, and give each surviving request the output it gets alone.
+Also: requests that can never fit are rejected at once while the others complete."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedkv import SamplingParams
+
+SHARED = list(range(1000, 1040))  # a 40-token prefix several prompts share
+
+
+def _prompt(kind: int, length: int) -> list[int]:
+    base = SHARED if kind % 2 == 0 else list(range(2000 + kind * 50, 2100 + kind * 50))
+    return (base + list(range(3000 + kind, 3000 + kind + length)))[:length]
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 5), st.integers(1, 48), st.integers(1, 12)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("step"), st.integers(1, 4))), min_size=1, max_size=25)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llm_factory):
+    # 6 blocks of 16 = 96 slots; max_model_len 64 keeps every request admissible alone.
+    return {"tight": tiny_llm_factory(num_blocks=6, max_model_len=64, max_num_batched_tokens=20).engine,
+            "solo": tiny_llm_factory(num_blocks=64, enable_prefix_caching=False).engine}
+
+
+def _solo_tokens(solo, ids, max_tokens):
+    solo.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    while solo.has_unfinished_requests():
+        for o in solo.step():
+            if o.finished:
+                return o.token_ids
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops)
+def test_random_schedules_keep_invariants(engines, schedule):
+    eng, solo = engines["tight"], engines["solo"]
+    added, done, aborted = {}, {}, set()
+    for op in schedule:
+        if op[0] == "add":
+            ids = _prompt(op[1], op[2])
+            r = eng.add_request({"prompt_token_ids": ids},
+                                SamplingParams(max_tokens=op[3], temperature=0, ignore_eos=True))
+            added[r.request_id] = (ids, op[3])
+        elif op[0] == "abort" and added:
+            rid = sorted(added)[op[1] % len(added)]
+            if rid not in done:
+                eng.abort_request(rid)
+                aborted.add(rid)
+        else:
+            for _ in range(op[1]):
+                done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
+                eng.kv.check_invariants()
+    while eng.has_unfinished_requests():
+        done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
+        eng.kv.check_invariants()
+    assert eng.kv.pool.num_used == 0 and not eng.kv.block_tables
+    for rid, (ids, n) in added.items():
+        if rid not in aborted:
+            assert done[rid] == _solo_tokens(solo, ids, n), f"{rid} differs from its solo run"
+
+
+def test_rejects_what_can_never_fit_while_others_complete(tiny_llm_factory):
+    llm = tiny_llm_factory(num_blocks=4, max_model_len=128)   # 4 blocks = 64 slots
+    eng = llm.engine
+    ok = eng.add_request({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=8, temperature=0))
+    with pytest.raises(ValueError, match=r"needs 5 KV blocks .* whole cache has 4"):
+        eng.add_request({"prompt_token_ids": list(range(70))}, SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match=r"exceeds max_model_len \(128\)"):
+        eng.add_request({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="max_model_len is 128"):
+        eng.add_request({"prompt_token_ids": list(range(200))}, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request({"prompt_token_ids": []})
+    with pytest.raises(ValueError, match=r"\[0, 49152\)"):
+        eng.add_request({"prompt_token_ids": [5, 49152]})
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in outs] == [ok.request_id] and len(outs[0].token_ids) >= 1
+    assert eng.stats().num_rejected == 5 and eng.kv.pool.num_used == 0
+
+
+def test_generate_rejects_bad_prompt_before_running_any(tiny_llm_factory):
+    llm = tiny_llm_factory(num_blocks=4, max_model_len=128)
+    with pytest.raises(ValueError, match="prompt 1:"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": list(range(300))}])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
+
+
+def test_abort_frees_blocks_and_reports_abort(tiny_llm_factory):
+    eng = tiny_llm_factory(num_blocks=8).engine
+    r = eng.add_request({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.kv.pool.num_used == 3
+    out = eng.abort_request(r.request_id)
+    assert out.finish_reason == "abort" and out.finished
+    assert eng.kv.pool.num_used == 0 and not eng.has_unfinished_requests()
