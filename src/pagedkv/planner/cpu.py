@@ -1,0 +1,94 @@
+"""``--gpu cpu``: measure this machine's read bandwidth and fp32 matmul rate once, then cache them.
+
+Method (torch, default threads): read bandwidth is the best of several
+``x.sum()`` passes over a float32 tensor much larger than the last-level cache
+(bytes read / seconds); the matmul rate is the best of several ``a @ b`` on square
+float32 matrices (``2 n^3`` FLOPs / seconds). Best-of-N, because these machines
+are shared and noise only ever slows a run down. Device memory is the machine's
+physical RAM.
+
+The result is cached as JSON in ``$XDG_CACHE_HOME/pagedkv/cpu.json`` (else
+``~/.cache/pagedkv/cpu.json``), keyed by host name, CPU count and torch thread
+count; delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from pagedkv.planner.hardware import Device
+
+READ_BYTES = 512 * 2**20   # 512 MiB: well past any CPU's last-level cache
+MATMUL_N = 1024
+REPEATS = 5
+
+
+def cache_path() -> Path:
+    """Where the measurement is cached."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedkv" / "cpu.json"
+
+
+def _machine_key() -> str:
+    import torch
+    return f"{platform.node()}|cpus={os.cpu_count()}|threads={torch.get_num_threads()}"
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm up: page faults, thread pool start
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure(read_bytes: int | None = None, matmul_n: int | None = None, repeats: int | None = None) -> dict:
+    """Measure now: ``{"read_bandwidth_bytes_per_s", "fp32_flops", "memory_bytes", ...}``.
+
+    Sizes default to the module's ``READ_BYTES``, ``MATMUL_N`` and ``REPEATS``.
+    """
+    import torch
+    read_bytes, matmul_n, repeats = read_bytes or READ_BYTES, matmul_n or MATMUL_N, repeats or REPEATS
+    x = torch.ones(read_bytes // 4, dtype=torch.float32)       # [read_bytes / 4]
+    bw = read_bytes / _best_seconds(lambda: x.sum(), repeats)
+    del x
+    a = torch.randn(matmul_n, matmul_n)                         # [n, n]
+    b = torch.randn(matmul_n, matmul_n)
+    flops = 2 * matmul_n**3 / _best_seconds(lambda: a @ b, repeats)
+    return {"key": _machine_key(), "read_bandwidth_bytes_per_s": bw, "fp32_flops": flops,
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "method": f"best of {repeats}: sum over {read_bytes} B float32; {matmul_n}^3 fp32 matmul",
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def load_or_measure(path: Path | None = None) -> dict:
+    """The cached measurement for this machine, measuring (and caching) if absent or stale."""
+    path = path or cache_path()
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == _machine_key():
+            return cached
+    except (OSError, ValueError):
+        pass
+    result = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+    except OSError:
+        pass  # a read-only home still gets a plan, just not a cache
+    return result
+
+
+def cpu_device() -> Device:
+    """This machine as a :class:`Device` (measured once, then cached)."""
+    m = load_or_measure()
+    return Device(name="cpu", label=f"this machine ({os.cpu_count()} CPUs, measured)",
+                  memory_bytes=int(m["memory_bytes"]), bandwidth=float(m["read_bandwidth_bytes_per_s"]),
+                  flops_16=float(m["fp32_flops"]), flops_fp8=None, host_link=None, pcie_gen=None,
+                  nvlink=None, source=f"measured {m['measured_at']} ({m['method']}); cached in {cache_path()}")

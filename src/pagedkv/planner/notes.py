@@ -1,0 +1,70 @@
+"""Plain-language findings for a plan: what does not fit and what to change, how ``auto``
+resolved, and the modelling choices a reader should know (replicated KV heads, window
+caps, FP8 on parts without FP8 units)."""
+
+from __future__ import annotations
+
+from pagedkv.planner.hardware import Device
+from pagedkv.planner.models import ModelConfig
+from pagedkv.planner.units import fmt_bytes
+
+
+def _dtype_notes(r, dev: Device | None, kv_arg: str, w_arg: str) -> list[str]:
+    out = []
+    where = "on a GPU, the checkpoint's 16-bit dtype" if dev and not dev.is_cpu else \
+        "the engine computes in float32 on CPU; pass --gpu NAME or a dtype"
+    if str(kv_arg).lower() == "auto":
+        out.append(f"kv cache dtype auto -> {r.kv_cache_dtype} ({where})")
+    if str(w_arg).lower() == "auto":
+        out.append(f"weight dtype auto -> {r.weight_dtype} ({where})")
+    if dev and r.weight_dtype.startswith("fp8") and not dev.flops_fp8:
+        out.append(f"{dev.label} has no FP8 matrix units: FP8 weights save memory and bandwidth, "
+                   "but the compute bound uses its 16-bit rate")
+    return out
+
+
+def _layout_notes(r, m: ModelConfig) -> list[str]:
+    out = []
+    if m.max_position_embeddings and r.seq_len > m.max_position_embeddings:
+        out.append(f"seq_len {r.seq_len:,} exceeds the model's max_position_embeddings "
+                   f"{m.max_position_embeddings:,}")
+    if r.sliding_window_layers:
+        out.append(f"{r.sliding_window_layers} of {r.num_layers} layers slide over {r.sliding_window:,} tokens: "
+                   f"a request holds {fmt_bytes(r.bytes_per_request)} exactly, {fmt_bytes(r.paged_bytes_per_request)} "
+                   f"in whole {r.block_size}-token blocks (a window straddles one extra block)")
+    if m.mla and r.tp > 1:
+        out.append("MLA's latent cache is not split by head: every TP device holds all of it")
+    elif not m.mla and r.tp > m.num_kv_heads:
+        out.append(f"--tp {r.tp} exceeds the {m.num_kv_heads} KV heads: each device holds 1 head, "
+                   f"so the cache is replicated {r.tp // m.num_kv_heads}x across the group")
+    if m.attention in ("GQA", "MQA"):
+        mha = r.bytes_per_token * m.num_heads // m.num_kv_heads
+        out.append(f"with MHA (--kv-heads {m.num_heads}) it would take {mha:,} B/token, "
+                   f"{m.num_heads // m.num_kv_heads}x this {m.attention} cache")
+    return out
+
+
+def _fit_notes(r) -> list[str]:
+    out = []
+    if r.weights_fit is False:
+        per = fmt_bytes(r.weight_bytes_per_device)
+        usable = fmt_bytes(r.usable_memory_bytes)
+        hint = f"fits with --tp {r.min_tp_for_weights}" if r.min_tp_for_weights else "does not fit at --tp 64"
+        out.append(f"weights do not fit: {per} per device > {usable} usable; {hint}")
+    elif r.batch_fits is False and r.max_concurrent_requests is not None:
+        hint = (f"all {r.batch} fit with --tp {r.min_tp_for_batch}" if r.min_tp_for_batch
+                else "no --tp up to 64 fits them all")
+        out.append(f"only {r.max_concurrent_requests:,} of the {r.batch:,} requests of {r.seq_len:,} tokens "
+                   f"fit in the cache; {hint}")
+    if r.cache_budget_bytes is not None and r.usable_memory_bytes is not None and \
+            r.cache_budget_bytes + r.weight_bytes_per_device > r.usable_memory_bytes:
+        out.append("--kv-cache-memory plus the weights exceed the usable device memory")
+    return out
+
+
+def plan_notes(r, m: ModelConfig, dev: Device | None, kv_arg: str, w_arg: str) -> list[str]:
+    """Findings for :class:`PlanResult` ``r``; ``kv_arg``/``w_arg`` are the dtypes as the user gave them."""
+    out = _dtype_notes(r, dev, kv_arg, w_arg) + _layout_notes(r, m) + _fit_notes(r)
+    if dev is None:
+        out.append("no --gpu: pass --gpu NAME (see --list-gpus) or --gpu cpu for capacity and speed bounds")
+    return out

@@ -1,0 +1,178 @@
+"""``plan()``: bytes per token, what fits, and how fast a step can possibly be.
+
+Every KV figure comes from :class:`pagedkv.kv.spec.KVCacheSpec`, the class the
+engine sizes its block pool with, so ``num_blocks`` here is the engine's
+``num_blocks`` for the same budget. Capacity is per device of a ``tp``-way group:
+
+    usable       = device memory × gpu_memory_utilization
+    cache budget = usable − weight bytes / tp        (or --kv-cache-memory)
+    num_blocks   = (budget − static scale bytes) // page bytes
+    max requests = (budget − static scale bytes) // paged bytes of one seq_len request
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pagedkv.config import parse_size
+from pagedkv.kv.spec import SCALE_GRANULARITIES, KVCacheSpec
+from pagedkv.planner import dtypes
+from pagedkv.planner.hardware import Device, get_device, nvme_read_bandwidth
+from pagedkv.planner.models import ModelConfig, load_model
+from pagedkv.planner.notes import plan_notes
+from pagedkv.planner.params import ParamCount, count_params
+from pagedkv.planner.result import PlanResult, SweepRow
+from pagedkv.planner.roofline import Roofline, sweep_batches
+
+TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """Resolved inputs of one plan: the model, device, dtypes and KV specs (per device and whole)."""
+    m: ModelConfig
+    dev: Device | None
+    kv_dtype: str
+    w_dtype: str
+    spec: KVCacheSpec          # one device's share
+    whole: KVCacheSpec         # the whole model (tp = 1)
+    params: ParamCount
+    weight_bytes: int
+    tp: int
+    seq_len: int
+    batch: int
+    util: float
+    scale: str
+    budget: int | None         # --kv-cache-memory in bytes, or None
+
+
+def _check_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _budget_blocks(spec: KVCacheSpec, budget: int) -> int:
+    """Blocks the engine would allocate for ``budget`` bytes; 0 where not even one fits."""
+    try:
+        return spec.num_blocks_for(budget)
+    except ValueError:
+        return 0
+
+
+def _requests_fitting(spec: KVCacheSpec, budget: int, seq_len: int) -> int:
+    return max(0, (budget - spec.static_bytes) // spec.paged_bytes_for_tokens(seq_len))
+
+
+def _min_tp(c: _Inputs, need: int) -> int | None:
+    """Smallest TP degree where ``need`` requests (0: just the weights and one block) fit per device."""
+    for tp in TP_CANDIDATES:
+        try:
+            spec = c.m.kv_spec(c.kv_dtype, c.spec.block_size, tp, c.scale)
+        except ValueError:
+            continue  # this degree does not split the KV heads
+        budget = int(c.dev.memory_bytes * c.util) - math.ceil(c.weight_bytes / tp)
+        if (_requests_fitting(spec, budget, c.seq_len) >= need) if need else _budget_blocks(spec, budget) >= 1:
+            return tp
+    return None
+
+
+def _model_fields(c: _Inputs) -> dict:
+    m, spec, whole, dev = c.m, c.spec, c.whole, c.dev
+    exact, paged = whole.bytes_for_tokens(c.seq_len), whole.paged_bytes_for_tokens(c.seq_len)
+    windows = [w for w in m.layer_windows if w is not None]
+    return dict(
+        model=m.name, model_source=m.source, gpu=dev.name if dev else None, gpu_label=dev.label if dev else None,
+        gpu_source=dev.source if dev else None, tp=c.tp, seq_len=c.seq_len, batch=c.batch,
+        kv_cache_dtype=c.kv_dtype, weight_dtype=c.w_dtype, kv_scale_granularity=c.scale,
+        block_size=spec.block_size, gpu_memory_utilization=c.util, attention=m.attention,
+        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=1 if m.mla else m.num_kv_heads,
+        kv_heads_per_device=spec.num_kv_heads, head_dim=spec.head_dim, sliding_window_layers=len(windows),
+        sliding_window=max(windows) if windows else None, max_position_embeddings=m.max_position_embeddings,
+        bytes_per_token=whole.bytes_per_token, bytes_per_token_per_device=spec.bytes_per_token,
+        bytes_per_request=exact, paged_bytes_per_request=paged, batch_bytes=exact * c.batch,
+        paged_batch_bytes=paged * c.batch, paged_bytes_per_request_per_device=spec.paged_bytes_for_tokens(c.seq_len),
+        num_params=c.params.total, active_params=c.params.active, weight_bytes=c.weight_bytes,
+        weight_bytes_per_device=math.ceil(c.weight_bytes / c.tp))
+
+
+def _capacity(c: _Inputs) -> dict:
+    if c.dev is None and c.budget is None:
+        return {}
+    usable = int(c.dev.memory_bytes * c.util) if c.dev else None
+    weights_dev = math.ceil(c.weight_bytes / c.tp)
+    budget = c.budget if c.budget is not None else usable - weights_dev
+    max_req = _requests_fitting(c.spec, budget, c.seq_len) if budget > 0 else 0
+    blocks = _budget_blocks(c.spec, budget)
+    out = dict(cache_budget_bytes=budget, num_blocks=blocks, max_cached_tokens=blocks * c.spec.block_size,
+               max_concurrent_requests=max_req, batch_fits=max_req >= c.batch)
+    if c.dev:
+        out.update(device_memory_bytes=c.dev.memory_bytes, usable_memory_bytes=usable,
+                   weights_fit=usable - weights_dev >= c.spec.page_size_bytes + c.spec.static_bytes,
+                   min_tp_for_weights=_min_tp(c, 0), min_tp_for_batch=_min_tp(c, c.batch))
+    return out
+
+
+def _speed(c: _Inputs, max_req: int | None) -> dict:
+    rf = Roofline(c.m, c.spec, c.dev, c.w_dtype, c.tp)
+    rows = tuple(SweepRow(b, s.seconds, s.tokens_per_s, s.limited_by, None if max_req is None else b <= max_req)
+                 for b, s in rf.sweep(c.seq_len, sweep_batches(c.batch, max_req)))
+    per_dev = c.spec.paged_bytes_for_tokens(c.seq_len)
+    return dict(decode=rf.decode(c.batch, c.seq_len), prefill=rf.prefill(c.seq_len), batch_sweep=rows,
+                ridge_batch=rf.ridge_batch(c.seq_len),
+                kv_equals_weights_batch=rf.weight_bytes_read(1) / c.spec.bytes_for_tokens(c.seq_len),
+                kv_bound_tokens_per_s=rf.kv_bound_tokens_per_s(c.seq_len),
+                host_link_seconds=per_dev / c.dev.host_link if c.dev.host_link else None,
+                nvme_seconds=c.whole.paged_bytes_for_tokens(c.seq_len) / nvme_read_bandwidth())
+
+
+def _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, util, kv_heads, block_size,
+             kv_cache_memory, scale) -> _Inputs:
+    for name, v in (("seq_len", seq_len), ("batch", batch), ("tp", tp), ("block_size", block_size)):
+        _check_int(name, v)
+    if not 0 < float(util) <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+    if scale not in SCALE_GRANULARITIES:
+        raise ValueError(f"kv scale granularity must be one of {', '.join(SCALE_GRANULARITIES)}")
+    budget = parse_size(kv_cache_memory) if kv_cache_memory is not None else None
+    m = load_model(model).with_kv_heads(None if kv_heads is None else _check_int("kv_heads", kv_heads))
+    dev = get_device(gpu) if gpu else None
+    on_gpu = dev is not None and not dev.is_cpu
+    kv_dtype = dtypes.resolve_kv(kv_cache_dtype, m.torch_dtype, on_gpu)
+    w_dtype = dtypes.resolve_weights(weight_dtype, m.torch_dtype, on_gpu, m.quant_method)
+    params = count_params(m)
+    return _Inputs(m, dev, kv_dtype, w_dtype, m.kv_spec(kv_dtype, block_size, tp, scale),
+                   m.kv_spec(kv_dtype, block_size, 1, scale), params,
+                   math.ceil(params.total * dtypes.WEIGHT_DTYPE_BYTES[w_dtype]), tp, seq_len, batch,
+                   float(util), scale, budget)
+
+
+def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_dtype: str = "auto",
+         weight_dtype: str = "auto", seq_len: int = 4096, batch: int = 1, tp: int = 1,
+         gpu_memory_utilization: float = 0.9, kv_heads: int | None = None, block_size: int = 16,
+         kv_cache_memory: int | str | None = None, kv_scale_granularity: str = "per-token-head") -> PlanResult:
+    """Plan ``batch`` requests of ``seq_len`` tokens of ``model`` on ``tp`` × ``gpu``.
+
+    Args:
+        model: bundled name (``--list-models``) or path to a config.json / its folder.
+        gpu: catalog name (``--list-gpus``), ``"cpu"`` (measured), or ``None`` (memory arithmetic only).
+        kv_cache_dtype, weight_dtype: dtype names or ``"auto"`` (see :mod:`pagedkv.planner.dtypes`).
+        seq_len: tokens per request (prompt + output); batch: concurrent requests; tp: tensor-parallel degree.
+        gpu_memory_utilization: fraction of device memory for weights + cache (vLLM's meaning).
+        kv_heads: override the KV head count (the MHA/GQA/MQA variant of the model).
+        block_size: token slots per KV page.
+        kv_cache_memory: cache budget per device (bytes or text such as ``"256MiB"``), replacing
+            ``usable − weights``; ``num_blocks`` is then the engine's pool size for it.
+        kv_scale_granularity: where quantized KV dtypes keep scales (see ``KVCacheSpec``).
+
+    Raises:
+        ValueError: on an unknown model, GPU or dtype, a malformed config.json, or a bad number.
+    """
+    c = _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, gpu_memory_utilization,
+                 kv_heads, block_size, kv_cache_memory, kv_scale_granularity)
+    fields = {**_model_fields(c), **_capacity(c)}
+    if c.dev:
+        fields.update(_speed(c, fields.get("max_concurrent_requests")))
+    notes = plan_notes(PlanResult(**fields), c.m, c.dev, kv_cache_dtype, weight_dtype)
+    return PlanResult(**fields, notes=tuple(notes))

@@ -1,0 +1,143 @@
+"""Roofline lower bounds for one device of a tensor-parallel group.
+
+A step cannot finish faster than it can read its bytes from device memory, nor
+faster than it can do its FLOPs (Williams, Waterman, Patterson, "Roofline",
+CACM 2009). For a decode step over ``batch`` sequences of ``context`` tokens:
+
+    memory_s  = (weight bytes read + KV bytes read) / bandwidth
+    compute_s = batch * (2 * matmul params + attention FLOPs per token) / matmul rate
+    bound     = max(memory_s, compute_s)
+
+per device, with weights and FLOPs split ``tp`` ways and the KV bytes of that
+device's share of heads. Weight bytes read skip idle MoE experts (uniform routing,
+see :func:`pagedkv.planner.params.expected_experts_touched`). Attention FLOPs per
+token and layer are ``2 * heads * (d_qk + d_v) * tokens held`` (window-capped);
+MLA decode uses the absorbed form (``d_qk = kv_lora_rank + rope``, ``d_v =
+kv_lora_rank``). Not counted: activations, all-reduce traffic, kernel launch
+overheads; a real step is slower. Units: seconds, bytes, FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.kv.spec import KVCacheSpec
+from pagedkv.planner.dtypes import WEIGHT_DTYPE_BYTES
+from pagedkv.planner.hardware import Device
+from pagedkv.planner.models import ModelConfig
+from pagedkv.planner.params import decode_params_read, matmul_params, count_params
+
+MAX_SWEEP_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """Lower bound of one step on one device.
+
+    Attributes:
+        seconds: ``max(memory_seconds, compute_seconds)``.
+        memory_seconds: bytes read / memory bandwidth.
+        compute_seconds: FLOPs / matmul rate.
+        limited_by: ``"memory"`` or ``"compute"``, whichever bound is larger.
+        bytes_read: bytes the step reads on one device.
+        flops: FLOPs on one device.
+        tokens_per_s: tokens the step produces (decode: ``batch``; prefill: prompt tokens) per second.
+    """
+    seconds: float
+    memory_seconds: float
+    compute_seconds: float
+    limited_by: str
+    bytes_read: float
+    flops: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """What a step costs on one device: model, its per-device KV spec, the device, dtype and TP."""
+    model: ModelConfig
+    spec: KVCacheSpec
+    device: Device
+    weight_dtype: str
+    tp: int
+
+    def _bound(self, nbytes: float, flops: float, tokens: int) -> StepBound:
+        mem = nbytes / self.device.bandwidth
+        comp = flops / self.device.matmul_rate(self.weight_dtype)
+        s = max(mem, comp)
+        return StepBound(s, mem, comp, "memory" if mem >= comp else "compute", nbytes, flops, tokens / s)
+
+    def _attn_dims(self, absorbed: bool) -> tuple[int, int]:
+        m = self.model
+        if m.mla and absorbed:
+            return m.mla.latent_dim, m.mla.kv_lora_rank
+        if m.mla:
+            return m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
+        return m.head_dim, m.head_dim
+
+    def _attn_flops(self, tokens_attended: list[int], absorbed: bool) -> float:
+        dqk, dv = self._attn_dims(absorbed)
+        return 2.0 * self.model.num_heads * (dqk + dv) * sum(tokens_attended)
+
+    def weight_bytes_read(self, batch: int) -> float:
+        """Weight bytes one decode step over ``batch`` sequences reads on one device."""
+        return decode_params_read(self.model, batch) * WEIGHT_DTYPE_BYTES[self.weight_dtype] / self.tp
+
+    def decode(self, batch: int, context: int) -> StepBound:
+        """One decode step: ``batch`` sequences, each attending to ``context`` tokens."""
+        held = [self.spec.tokens_held(context, i) for i in range(self.model.num_layers)]
+        kv = batch * self.spec.bytes_for_tokens(context)
+        flops = batch * (2.0 * matmul_params(self.model) + self._attn_flops(held, True)) / self.tp
+        return self._bound(self.weight_bytes_read(batch) + kv, flops, batch)
+
+    def prefill(self, prompt: int, batch: int = 1) -> StepBound:
+        """Prefill of ``batch`` prompts of ``prompt`` tokens (causal; weights read once, KV written)."""
+        pairs = [_causal_pairs(prompt, self.spec.layer_windows[i] if self.spec.layer_windows else None)
+                 for i in range(self.model.num_layers)]
+        flops = batch * (2.0 * matmul_params(self.model) * prompt + self._attn_flops(pairs, False)) / self.tp
+        nbytes = (count_params(self.model).total * WEIGHT_DTYPE_BYTES[self.weight_dtype] / self.tp
+                  + batch * self.spec.bytes_for_tokens(prompt))
+        return self._bound(nbytes, flops, batch * prompt)
+
+    def ridge_batch(self, context: int) -> int | None:
+        """Smallest batch whose decode step is compute-bound, or ``None`` if none up to 2^20 is.
+
+        ``None`` means each sequence's KV reads take longer than its FLOPs: more batch never
+        makes the step compute-bound (tokens/s then tends to :meth:`kv_bound_tokens_per_s`).
+        """
+        if self.decode(1, context).limited_by == "compute":
+            return 1
+        lo, hi = 1, 2                      # decode(lo) is memory-bound
+        while self.decode(hi, context).limited_by == "memory":
+            if hi >= 2**20:
+                return None
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.decode(mid, context).limited_by == "memory" else (lo, mid)
+        return hi
+
+    def kv_bound_tokens_per_s(self, context: int) -> float:
+        """Decode tokens/s as batch grows without limit while memory-bound: bandwidth / KV bytes per sequence."""
+        return self.device.bandwidth / self.spec.bytes_for_tokens(context)
+
+    def sweep(self, context: int, batches: list[int]) -> list[tuple[int, StepBound]]:
+        """Decode bounds at each batch size."""
+        return [(b, self.decode(b, context)) for b in batches]
+
+
+def sweep_batches(batch: int, max_batch: int | None) -> list[int]:
+    """Powers of two up to ``max(batch, max_batch)`` (at most 4096), plus ``batch`` and ``max_batch``."""
+    top = min(max(batch, max_batch or 1), MAX_SWEEP_BATCH)
+    out, b = [batch] + ([top] if max_batch else []), 1
+    while b <= top:
+        out.append(b)
+        b *= 2
+    return sorted(set(out))
+
+
+def _causal_pairs(n: int, window: int | None) -> int:
+    """Query-key pairs of causal attention over ``n`` tokens, each seeing at most ``window`` keys."""
+    if window is None or n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
