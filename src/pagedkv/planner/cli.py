@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pagedkv.config import DEFAULT_MODEL
@@ -138,6 +139,8 @@ def run_plan(args) -> int:
             _run_sweep(args, _plan_kwargs(args))
         else:
             _run_single(args, _plan_kwargs(args))
+    except BrokenPipeError:  # `pagedkv plan ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

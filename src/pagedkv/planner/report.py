@@ -8,7 +8,7 @@ from __future__ import annotations
 from pagedkv.kv.spec import QUANTIZED_DTYPES
 from pagedkv.planner.hardware import get_device, nvme_read_bandwidth
 from pagedkv.planner.result import PlanResult
-from pagedkv.planner.units import fmt_bytes, fmt_flops, fmt_rate, fmt_seconds, fmt_short
+from pagedkv.planner.units import fmt_bytes, fmt_flop_count, fmt_flops, fmt_rate, fmt_seconds, fmt_short
 
 W = 30  # label column width
 
@@ -21,7 +21,7 @@ def _header(r: PlanResult) -> list[str]:
     where = f" on {r.tp} x {r.gpu_label}" if r.gpu and r.tp > 1 else f" on {r.gpu_label}" if r.gpu else ""
     kv = f"{r.num_kv_heads} KV heads ({r.attention})" if r.attention != "MLA" else \
         f"MLA latent of {r.head_dim} per layer and token"
-    lines = [f"pagedkv plan: {r.model}{where} (tp={r.tp})",
+    lines = [f"pagedkv plan: {r.model}{where}" + (f" (tp={r.tp})" if r.tp > 1 else ""),
              _row("model", f"{r.num_layers} layers, {r.num_heads} query heads, {kv}"
                   + ("" if r.attention == "MLA" else f", head_dim {r.head_dim}")),
              _row("", f"source: {r.model_source}")]
@@ -84,11 +84,11 @@ def _speed(r: PlanResult) -> list[str]:
     d, p = r.decode, r.prefill
     return ["", f"Decode step lower bound (batch {r.batch:,}, context {r.seq_len:,}, per device)",
             _row("memory", f"{fmt_seconds(d.memory_seconds)}  ({fmt_short(d.bytes_read)} read)"),
-            _row("compute", f"{fmt_seconds(d.compute_seconds)}  ({d.flops / 1e12:,.2f} TFLOP)"),
+            _row("compute", f"{fmt_seconds(d.compute_seconds)}  ({fmt_flop_count(d.flops)})"),
             _row("bound", f"{fmt_seconds(d.seconds)}, {d.limited_by}-bound: at most "
                  f"{d.tokens_per_s:,.0f} tokens/s"),
             "", f"Prefill lower bound (one {r.seq_len:,}-token prompt)",
-            _row("bound", f"{fmt_seconds(p.seconds)}, {p.limited_by}-bound ({p.flops / 1e12:,.1f} TFLOP "
+            _row("bound", f"{fmt_seconds(p.seconds)}, {p.limited_by}-bound ({fmt_flop_count(p.flops)} "
                  f"per device; memory {fmt_seconds(p.memory_seconds)})")]
 
 

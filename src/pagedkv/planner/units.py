@@ -54,7 +54,11 @@ def fmt_rate(bytes_per_s: float) -> str:
     return f"{x:,.0f} GB/s" if x >= 100 else f"{x:,.1f} GB/s"
 
 
+def fmt_flop_count(flops: float) -> str:
+    """A FLOP count in TFLOP (1e12) or GFLOP (1e9): ``"2.40 TFLOP"``."""
+    return f"{_sig3(flops / 1e12)} TFLOP" if flops >= 1e12 else f"{_sig3(flops / 1e9)} GFLOP"
+
+
 def fmt_flops(flops_per_s: float) -> str:
-    """A FLOP rate in TFLOP/s (1e12)."""
-    x = flops_per_s / 1e12
-    return f"{x:,.0f} TFLOP/s" if x >= 100 else f"{x:,.3g} TFLOP/s"
+    """A FLOP rate in TFLOP/s (1e12), or GFLOP/s below 1 TFLOP/s."""
+    return fmt_flop_count(flops_per_s) + "/s"
