@@ -49,8 +49,9 @@ def _kv(r: PlanResult) -> list[str]:
         lines.append(_row("  in whole blocks (paged)", fmt_bytes(r.paged_bytes_per_request)))
     lines.append(_row(f"batch of {r.batch:,}", fmt_bytes(r.batch_bytes)))
     if r.tp > 1:
-        lines.append(_row("per device, per token", f"{r.bytes_per_token_per_device:,} B "
-                          f"({r.kv_heads_per_device} KV heads of the group's)"))
+        share = "the whole latent" if r.attention == "MLA" else \
+            f"{r.kv_heads_per_device} of {r.num_kv_heads} KV heads"
+        lines.append(_row("per device, per token", f"{r.bytes_per_token_per_device:,} B ({share} on each device)"))
     return lines
 
 
