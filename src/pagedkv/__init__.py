@@ -19,6 +19,7 @@ from pagedkv.config import EngineConfig  # noqa: E402
 from pagedkv.engine.llm import LLM  # noqa: E402
 from pagedkv.engine.outputs import RequestOutput  # noqa: E402
 from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
+from pagedkv.planner import plan  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "plan"]
 __version__ = "0.1.0"

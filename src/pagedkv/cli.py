@@ -51,7 +51,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=int, nargs="+", default=[])
+    g.add_argument("--stop-token-ids", type=int, action="append", default=[], metavar="ID",
+                   help="token id that ends generation (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
 
 
@@ -63,9 +64,16 @@ def sampling_params(a: argparse.Namespace):
                           ignore_eos=a.ignore_eos)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one ``error: ...`` line (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedkv", description="A KV-cache engine for LLM inference.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="pagedkv", description="A KV-cache engine for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate text for prompts", epilog=GENERATE_EXAMPLES,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("prompts", nargs="*", help="prompt strings")

@@ -14,8 +14,9 @@ from pathlib import Path
 
 
 def read_prompts(positional: list[str], path: Path | None) -> list[str]:
-    """Prompts from the command line and/or a file: plain lines, or JSONL objects with a
-    ``prompt`` field (or a JSON string per line). Blank lines are skipped.
+    """Prompts from the command line and/or a file. A ``.jsonl``/``.json`` file holds one
+    JSON object with a ``prompt`` field (or a JSON string) per line; any other file holds
+    one plain-text prompt per line. Blank lines are skipped.
 
     Raises:
         FileNotFoundError: missing file. ValueError: no prompt at all, or a bad JSONL line.
@@ -26,15 +27,13 @@ def read_prompts(positional: list[str], path: Path | None) -> list[str]:
             raise FileNotFoundError(f"prompts file {path} does not exist")
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
-                prompts.append(_parse_line(line, n))
+                prompts.append(_parse_line(line, n) if path.suffix in (".jsonl", ".json") else line)
     if not prompts:
         raise ValueError("no prompt given: pass prompts as arguments or --prompts-file")
     return prompts
 
 
 def _parse_line(line: str, n: int) -> str:
-    if not line.lstrip().startswith(("{", '"')):
-        return line
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -70,10 +69,11 @@ def run_generate(a, engine_args: dict, params) -> int:
     prompts = read_prompts(a.prompts, a.prompts_file)
     llm = LLM(**engine_args)
     inputs = _to_engine_prompts(llm, prompts, a.chat)
+    ids = llm.add_requests(inputs, params)  # validates all before any output
     bar = tqdm(total=len(inputs), desc="requests", unit="req", file=sys.stderr,
                disable=len(inputs) < 4)
     t0 = time.perf_counter()
-    outs = llm.generate(inputs, params, on_output=lambda o: bar.update(1))
+    outs = llm.run(ids, on_output=lambda o: bar.update(1))
     elapsed = time.perf_counter() - t0
     bar.close()
     for o in outs:

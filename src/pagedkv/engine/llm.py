@@ -49,10 +49,24 @@ class LLM:
             ValueError: if any prompt is invalid or can never fit (naming its index and the
                 numbers); then no prompt of this call is run.
         """
+        return self.run(self.add_requests(prompts, sampling_params, cache_salt), on_output)
+
+    def add_requests(self, prompts: Prompt | Sequence[Prompt],
+                     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                     cache_salt: str | None = None) -> list[str]:
+        """Queue every prompt, or none: on the first invalid one, abort those already queued.
+
+        Raises:
+            ValueError: naming the prompt's index and the reason.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
-        ids = self._add_all(prompts, params, cache_salt)
+        return self._add_all(prompts, params, cache_salt)
+
+    def run(self, request_ids: list[str],
+            on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Step the engine until it is idle; the finished outputs of ``request_ids``, in order."""
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -60,7 +74,7 @@ class LLM:
                     results[out.request_id] = out
                     if on_output:
                         on_output(out)
-        return [results[i] for i in ids]
+        return [results[i] for i in request_ids]
 
     def _add_all(self, prompts, params, cache_salt) -> list[str]:
         ids: list[str] = []

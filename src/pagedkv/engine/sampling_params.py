@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: Temperatures below this are treated as greedy: dividing logits by a tinier value
+#: overflows fp32 (vLLM uses the same cut-off).
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -11,7 +15,7 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most tokens to generate; ``None`` = up to ``max_model_len``.
-        temperature: 0 = greedy; else logits are divided by it before sampling.
+        temperature: 0 (or below 1e-5) = greedy; else logits are divided by it before sampling.
         top_k: keep the k most likely tokens; 0 or -1 = all.
         top_p: keep the smallest set of tokens whose probability reaches p; 1 = all.
         seed: per-request generator seed (reproducible sampling); ``None`` = engine's generator.
@@ -58,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 def _is_int(x) -> bool:

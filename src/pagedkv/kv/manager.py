@@ -63,7 +63,7 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_published: dict[str, int] = {}
-        self.prefix_queries = 0  # tokens looked up
+        self.prefix_queries = 0  # tokens looked up, counted when a lookup is admitted
         self.prefix_hits = 0     # tokens found
 
     # ---- lookup and allocation ------------------------------------------------------
@@ -81,8 +81,6 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(blocks) * self.block_size
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
 
     def blocks_needed(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks) -> int:
@@ -102,6 +100,9 @@ class KVCacheManager:
         if need > self.pool.num_available - hit_evictable:
             return False
         table = self.block_tables.setdefault(req.request_id, [])
+        if not table and self.enable_prefix_caching:  # first allocation: count the lookup once
+            self.prefix_queries += len(req.all_token_ids)
+            self.prefix_hits += hit.num_tokens
         if hit.blocks:
             self.pool.touch(hit.blocks)
             table.extend(hit.blocks)
@@ -132,8 +133,8 @@ class KVCacheManager:
         self._num_published.pop(request_id, None)
 
     def reset_prefix_cache(self) -> int:
-        for rid in self._num_published:
-            self._num_published[rid] = len(self.block_tables.get(rid, ()))
+        for rid, table in self.block_tables.items():  # in-use blocks stay unpublished
+            self._num_published[rid] = len(table)
         return self.pool.reset_prefix_cache()
 
     # ---- helpers --------------------------------------------------------------------
