@@ -104,3 +104,17 @@ def test_abort_frees_blocks_and_reports_abort(tiny_llm_factory):
     out = eng.abort_request(r.request_id)
     assert out.finish_reason == "abort" and out.finished
     assert eng.kv.pool.num_used == 0 and not eng.has_unfinished_requests()
+
+
+def test_contiguous_allocator_reserves_prompt_plus_max_tokens(tiny_llm_factory):
+    eng = tiny_llm_factory(num_blocks=16, kv_allocator="contiguous").engine
+    eng.add_request({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert len(eng.kv.block_tables["req-0"]) == 5  # ceil((20 + 50) / 16) at admission
+    alloc, filled = eng.kv.slot_usage({"req-0": eng.requests["req-0"].num_computed_tokens})
+    assert (alloc, filled) == (80, 20)
+    paged = tiny_llm_factory(num_blocks=16).engine
+    paged.add_request({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=50, ignore_eos=True))
+    paged.step()
+    assert len(paged.kv.block_tables["req-0"]) == 2
+    assert paged.kv.slot_usage({"req-0": 20}) == (32, 20)

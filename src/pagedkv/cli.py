@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV pages of equal prompt prefixes (default: on)")
+    g.add_argument("--kv-allocator", default="paged", choices=("paged", "contiguous"),
+                   help="contiguous = reserve prompt + max_tokens slots at admission (baseline)")
     g.add_argument("--seed", type=int, default=0, help="engine sampling seed")
 
 
@@ -40,7 +42,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
                 kv_cache_memory=a.kv_cache_memory, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                enable_prefix_caching=a.enable_prefix_caching, seed=a.seed)
+                enable_prefix_caching=a.enable_prefix_caching, kv_allocator=a.kv_allocator, seed=a.seed)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

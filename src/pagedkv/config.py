@@ -51,6 +51,8 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output) in tokens; ``None`` = the model's.
         enable_prefix_caching: share full blocks across requests with equal prefixes.
+        kv_allocator: ``paged`` (default) or ``contiguous`` (reserve prompt + max_tokens
+            slots per request at admission: the pre-paging baseline for benchmarks).
         seed: seed of the sampler's default generator.
         debug_invariants: check the KV manager's invariants after every step.
     Raises:
@@ -66,6 +68,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    kv_allocator: str = "paged"
     seed: int = 0
     debug_invariants: bool = False
 
@@ -76,6 +79,8 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.kv_allocator not in ("paged", "contiguous"):
+            raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

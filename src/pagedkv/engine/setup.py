@@ -58,7 +58,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory)
     keys = (("model", str(files.folder.name)), ("weights", files.weights_version),
             ("kv_dtype", dtype), ("block_size", str(config.block_size)))
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys)
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
+                        allocator=config.kv_allocator)
     model = LlamaModel(cfg, load_state_dict(files.folder))
     tokenizer = load_tokenizer(files.folder)
     eos = set(cfg.eos_token_ids)

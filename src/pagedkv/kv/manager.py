@@ -27,6 +27,8 @@ class CacheRequest(Protocol):
     all_token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
+    num_prompt_tokens: int  # read only by the contiguous allocator
+    max_tokens: int         # read only by the contiguous allocator
 
 
 class ComputedBlocks(NamedTuple):
@@ -52,11 +54,17 @@ class KVCacheManager:
         enable_prefix_caching: look up and publish full blocks by chained hash.
         extra_keys: tagged ``(field, value)`` pairs every block hash includes
             (model identity, weights version, KV dtype).
+        allocator: ``"paged"`` takes pages as a request grows; ``"contiguous"`` is the
+            pre-paging baseline (FasterTransformer, Orca): at admission it reserves pages
+            for ``prompt + max_tokens`` tokens at once, so unused output slots are wasted.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 extra_keys: Sequence[tuple[str, str]] = ()) -> None:
+                 extra_keys: Sequence[tuple[str, str]] = (), allocator: str = "paged") -> None:
+        if allocator not in ("paged", "contiguous"):
+            raise ValueError(f"allocator must be 'paged' or 'contiguous', got {allocator!r}")
         self.pool = BlockPool(num_blocks)
+        self.allocator = allocator
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = tuple(extra_keys)
@@ -86,6 +94,8 @@ class KVCacheManager:
     def blocks_needed(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks) -> int:
         """New blocks ``allocate_slots`` would take, beyond the table and the hit."""
         total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        if self.allocator == "contiguous":
+            total = max(total, req.num_prompt_tokens + req.max_tokens)
         held = len(self.block_tables.get(req.request_id, ())) + len(hit.blocks)
         return max(0, -(-total // self.block_size) - held)
 
@@ -152,6 +162,17 @@ class KVCacheManager:
         """Flat cache slot of token ``position`` of the request."""
         table = self.block_tables[request_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slot_usage(self, num_written: dict[str, int]) -> tuple[int, int]:
+        """``(allocated, filled)`` token slots over blocks held by requests, shared blocks
+        counted once; ``num_written`` maps request id -> tokens whose KV is written.
+        KV memory waste is ``1 - filled / allocated``."""
+        filled: dict[int, int] = {}
+        for rid, table in self.block_tables.items():
+            n = num_written.get(rid, 0)
+            for i, b in enumerate(table):
+                filled[b] = max(filled.get(b, 0), min(self.block_size, max(0, n - i * self.block_size)))
+        return len(filled) * self.block_size, sum(filled.values())
 
     def usage(self) -> KVUsage:
         p = self.pool
