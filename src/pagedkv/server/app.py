@@ -1,0 +1,212 @@
+"""The FastAPI app: OpenAI-compatible routes around one :class:`EngineLoop`.
+
+    POST /v1/completions        POST /v1/chat/completions   (stream: true -> SSE, data: [DONE])
+    GET  /v1/models             GET  /health                GET /metrics (Prometheus text)
+
+Security defaults: with API keys configured, ``/v1/*`` needs ``Authorization: Bearer
+<key>`` (401 otherwise) and each key gets its own prefix cache (``cache_salt`` = a hash
+of the key), so one tenant's timings cannot reveal another's prompts. Bodies over
+``max_body_bytes`` get 413 before they are read in full. Errors never carry stack traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.model.loader import load_tokenizer
+from pagedkv.server import generate
+from pagedkv.server.engine_loop import EngineLoop
+from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.server.protocol import APIError, parse_chat, parse_completion
+from pagedkv.server.responses import TokenText
+
+log = logging.getLogger("pagedkv.server")
+DEFAULT_MAX_BODY_BYTES = 2**20
+
+
+@dataclass
+class ServerConfig:
+    """``served_model_names[0]`` is the name responses carry; any of them is accepted."""
+
+    served_model_names: list[str]
+    api_keys: list[str] = field(default_factory=list)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    isolate_prefix_cache: bool = True
+
+
+class Server:
+    """What the routes share: the engine loop, metrics, a tokenizer for the HTTP side
+    (its own instance: the engine thread uses the engine's) and the config."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = ServerMetrics(lambda: self.loop.stats)
+        self.loop = EngineLoop(engine, observer=self.metrics.observe)
+        self.tokenizer = load_tokenizer(engine.parts.files.folder)
+        self.token_text = TokenText(self.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.capacity_tokens = engine.kv.pool.num_blocks * engine.kv.block_size
+        self.created = int(time.time())
+
+    # ---- request checks ------------------------------------------------------------
+    def tenant_salt(self, request: Request) -> str | None:
+        """The prefix-cache salt of the caller. Raises APIError 401 on a missing/wrong key."""
+        if not self.config.api_keys:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        key_b = key.strip().encode()
+        ok = scheme.lower() == "bearer" and key_b and any(
+            hmac.compare_digest(key_b, k.encode()) for k in self.config.api_keys)
+        if not ok:
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        if not self.config.isolate_prefix_cache:
+            return None
+        return "key:" + hashlib.sha256(key_b).hexdigest()[:32]
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        return body
+
+    def model_name(self, requested: str | None) -> str:
+        names = self.config.served_model_names
+        if requested is not None and requested not in names:
+            raise APIError(404, f"the model '{requested}' does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
+        return names[0]
+
+    def default_max_tokens(self, num_prompt: int) -> int:
+        """Without max_tokens: up to the context or the whole cache, whichever is smaller."""
+        return max(1, min(self.max_model_len, self.capacity_tokens) - num_prompt)
+
+    # ---- prompts -------------------------------------------------------------------
+    def completion_prompt(self, p) -> dict:
+        if isinstance(p, str):
+            return {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids, "prompt": p}
+        return {"prompt_token_ids": list(p), "prompt": None}
+
+    def chat_prompt(self, messages: list[dict]) -> dict:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template may raise on e.g. role order
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return {"prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids, "prompt": text}
+
+    # ---- endpoints -----------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        salt = self.tenant_salt(request)
+        req = parse_completion(await self.read_json(request))
+        model = self.model_name(req.model)
+        prompts = [self.completion_prompt(p) for p in req.prompts]
+        return await self._generate(request, req, prompts, model, salt)
+
+    async def chat(self, request: Request) -> Response:
+        salt = self.tenant_salt(request)
+        req = parse_chat(await self.read_json(request))
+        model = self.model_name(req.model)
+        return await self._generate(request, req, [self.chat_prompt(req.messages)], model, salt)
+
+    async def _generate(self, request, req, prompts, model, salt) -> Response:
+        if req.cache_salt:
+            salt = f"{salt or ''}|user:{req.cache_salt}"
+        job = await generate.start(self.loop, req, prompts, model, self.default_max_tokens, salt,
+                                   self.token_text)
+        if req.stream:
+            return generate.AbortingStream(self.loop, job)
+        return await generate.respond(self.loop, job, request)
+
+    async def models(self, request: Request) -> dict:
+        self.tenant_salt(request)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "pagedkv",
+             "max_model_len": self.max_model_len} for name in self.config.served_model_names]}
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    """The ASGI app. Its lifespan starts the engine loop and, at shutdown, aborts what is
+    still running and stops it."""
+    server = Server(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        try:
+            yield
+        finally:
+            server.loop.stop()
+
+    app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if server.loop.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    _add_error_handlers(app, server)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, server: Server) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> Response:
+        if e.count and 400 <= e.status < 500:
+            server.metrics.reject("unauthorized" if e.status == 401 else "invalid")
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, e: ClientDisconnect) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> Response:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=e)
+        return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)

@@ -1,0 +1,233 @@
+"""EngineLoop: one thread owns the LLMEngine; HTTP handlers talk to it through queues.
+
+``LLMEngine`` is not thread-safe, so exactly one thread touches it::
+
+    HTTP handlers (asyncio) --add/abort--> command queue --> engine thread
+                                                              | drain commands
+                                                              | engine.step()  (all requests of
+                                                              |   all connections in one batch)
+    per-request asyncio.Queue <--call_soon_threadsafe-- outputs
+
+Commands are handled in arrival order, so an ``abort`` queued after an ``add`` always
+finds the request. Every request ends with exactly one ``finished`` RequestOutput in its
+sink (``stop``, ``length`` or ``abort``), or with an exception if the engine failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.stats import EngineStats
+
+log = logging.getLogger("pagedkv.server")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine loop is stopped or failed; no request can be served."""
+
+
+@dataclass
+class NewRequest:
+    request_id: str
+    prompt: dict                      # {"prompt_token_ids": [...], "prompt": str | None}
+    params: SamplingParams
+
+
+@dataclass
+class _Route:
+    sink: asyncio.Queue               # receives (tag, RequestOutput | BaseException)
+    tag: int
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Add:
+    requests: list[NewRequest]
+    cache_salt: str | None
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """Drives ``engine`` in a daemon thread. ``observer(outputs)`` (engine thread) sees every
+    batch of outputs, e.g. to update metrics."""
+
+    def __init__(self, engine: LLMEngine,
+                 observer: Callable[[list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.stats: EngineStats = engine.stats()  # latest snapshot, replaced after every step
+        self.error: BaseException | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, _Route] = {}     # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    # ---- any thread --------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort every request still in the engine, then end the thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._cmds.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored). Never blocks."""
+        if request_ids:
+            self._cmds.put(("abort", list(request_ids)))
+
+    def abort_all(self) -> None:
+        """Abort every request in the engine (each stream ends with finish_reason 'abort')."""
+        self._cmds.put(("abort_all",))
+
+    async def add(self, requests: list[NewRequest], sink: asyncio.Queue,
+                  cache_salt: str | None = None) -> None:
+        """Add ``requests`` atomically; their outputs go to ``sink`` as ``(index, output)``.
+
+        Raises:
+            ValueError: a request can never run (the message names its index when there
+                are several); then none of them was added.
+            EngineUnavailable: the loop is stopped or failed.
+        """
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not running")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._cmds.put(_Add(requests, cache_salt, sink, loop, done))
+        await done
+
+    # ---- engine thread -----------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            idle = self.error is not None or not self.engine.has_unfinished_requests()
+            for cmd in self._drain(block=idle):
+                if cmd is _STOP:
+                    stopping = True
+                else:
+                    self._handle(cmd)
+            if not stopping and self.error is None and self.engine.has_unfinished_requests():
+                self._step()
+            self.stats = self.engine.stats()
+        self._abort_all()
+        self.stats = self.engine.stats()
+        self._stopped = True
+
+    def _drain(self, block: bool) -> list:
+        cmds = [self._cmds.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            self._add(cmd)
+        elif cmd[0] == "abort_all":
+            self._abort_all()
+        elif cmd[0] == "abort":
+            self._deliver([o for rid in cmd[1] if (o := self.engine.abort_request(rid)) is not None])
+
+    def _add(self, cmd: _Add) -> None:
+        if self.error is not None:
+            return _resolve(cmd.loop, cmd.done, EngineUnavailable("the engine failed"))
+        added: list[str] = []
+        try:
+            for i, r in enumerate(cmd.requests):
+                try:
+                    self.engine.add_request(r.prompt, r.params, r.request_id, cache_salt=cmd.cache_salt)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}" if len(cmd.requests) > 1 else str(e)) from None
+                added.append(r.request_id)
+                self._routes[r.request_id] = _Route(cmd.sink, i, cmd.loop)
+        except Exception as e:  # noqa: BLE001 - reported to the one caller, the engine goes on
+            for rid in added:
+                self.engine.abort_request(rid)
+                self._routes.pop(rid, None)
+            if not isinstance(e, ValueError):
+                log.exception("add_request failed")
+            return _resolve(cmd.loop, cmd.done, e)
+        _resolve(cmd.loop, cmd.done, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the engine's state is unknown: fail everything
+            log.exception("engine step failed; the server stops serving")
+            self.error = e
+            self._fail_all(EngineUnavailable("the engine failed"))
+            return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        if self.observer is not None:
+            try:
+                self.observer(outputs)
+            except Exception:  # noqa: BLE001 - metrics must never stop serving
+                log.exception("output observer failed")
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            route = self._routes.pop(out.request_id, None) if out.finished else self._routes.get(out.request_id)
+            if route is not None:
+                by_loop.setdefault(route.loop, []).append((route.sink, route.tag, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                self.abort([o.request_id for _, _, o in items if not o.finished])
+
+    def _abort_all(self) -> None:
+        self._deliver([o for rid in list(self._routes) if (o := self.engine.abort_request(rid)) is not None])
+
+    def _fail_all(self, err: BaseException) -> None:
+        for rid, route in list(self._routes.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                route.loop.call_soon_threadsafe(route.sink.put_nowait, (route.tag, err))
+            except RuntimeError:
+                pass
+        self._routes.clear()
+
+
+def _put_all(items: list) -> None:
+    for sink, tag, out in items:
+        sink.put_nowait((tag, out))
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, err: BaseException | None) -> None:
+    def set_() -> None:
+        if fut.done():
+            return
+        if err is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(err)
+    try:
+        loop.call_soon_threadsafe(set_)
+    except RuntimeError:
+        pass

@@ -1,0 +1,127 @@
+"""Prometheus metrics for ``GET /metrics`` (prometheus-client, one registry per app).
+
+Gauges and engine counters are read from the engine loop's latest ``EngineStats``
+snapshot at scrape time; latency histograms and token counters are fed by the engine
+thread as outputs arrive. Units: seconds, tokens, blocks (``block_size`` tokens each).
+
+    pagedkv_kv_blocks{state="used|cached|free"}     blocks in each state (cached = evictable)
+    pagedkv_kv_blocks_total / _kv_cache_usage_ratio  pool size; used / total
+    pagedkv_prefix_cache_{queries,hits}_tokens_total prompt tokens looked up / found
+    pagedkv_num_requests_{running,waiting}           scheduler queues
+    pagedkv_num_preemptions_total                    preemptions by recompute
+    pagedkv_requests_rejected_total{reason}          never_fits (engine) | invalid | unauthorized
+    pagedkv_requests_finished_total{finish_reason}   stop | length | abort
+    pagedkv_{prompt,prompt_cached,generation}_tokens_total
+    pagedkv_time_to_first_token_seconds, _time_per_output_token_seconds,
+    pagedkv_e2e_request_latency_seconds              histograms (engine arrival -> token)
+    pagedkv_step_num_requests                        requests that got a token, per engine step
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.stats import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+               480.0, 960.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class _StatsCollector:
+    """Gauges and engine counters from the latest EngineStats snapshot."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats], rejected: Callable[[], dict[str, int]]) -> None:
+        self.get_stats, self.rejected = get_stats, rejected
+
+    def collect(self):
+        s = self.get_stats()
+        blocks = GaugeMetricFamily("pagedkv_kv_blocks", "KV cache blocks by state", labels=["state"])
+        for state, v in (("used", s.blocks_used), ("cached", s.blocks_cached), ("free", s.blocks_free)):
+            blocks.add_metric([state], v)
+        yield blocks
+        yield GaugeMetricFamily("pagedkv_kv_blocks_total", "KV cache blocks in the pool", value=s.num_blocks)
+        yield GaugeMetricFamily("pagedkv_kv_block_size_tokens", "tokens per KV block", value=s.block_size)
+        yield GaugeMetricFamily("pagedkv_kv_cache_usage_ratio", "used / total KV blocks (cached count as free)",
+                                value=s.kv_usage)
+        yield GaugeMetricFamily("pagedkv_num_requests_running", "requests running", value=s.num_running)
+        yield GaugeMetricFamily("pagedkv_num_requests_waiting", "requests waiting", value=s.num_waiting)
+        yield CounterMetricFamily("pagedkv_prefix_cache_queries_tokens", "prompt tokens looked up in the "
+                                  "prefix cache", value=s.prefix_cache_queries)
+        yield CounterMetricFamily("pagedkv_prefix_cache_hits_tokens", "prompt tokens found in the prefix cache",
+                                  value=s.prefix_cache_hits)
+        yield CounterMetricFamily("pagedkv_num_preemptions", "preemptions by recompute", value=s.num_preemptions)
+        yield CounterMetricFamily("pagedkv_generation_tokens", "tokens generated", value=s.num_generated_tokens)
+        rej = CounterMetricFamily("pagedkv_requests_rejected", "requests rejected", labels=["reason"])
+        rej.add_metric(["never_fits"], s.num_rejected)
+        for reason, v in self.rejected().items():
+            rej.add_metric([reason], v)
+        yield rej
+
+
+class ServerMetrics:
+    """The app's registry. ``observe`` runs on the engine thread; ``render`` on the HTTP side."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self._rejected: dict[str, int] = {"invalid": 0, "unauthorized": 0}
+        self._lock = threading.Lock()
+        self._started: set[str] = set()   # requests whose prompt tokens are counted
+        r.register(_StatsCollector(get_stats, self._rejected_snapshot))
+        self.prompt_tokens = Counter("pagedkv_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.cached_tokens = Counter("pagedkv_prompt_cached_tokens", "prompt tokens served from the prefix "
+                                     "cache", registry=r)
+        self.finished = Counter("pagedkv_requests_finished", "requests finished", ["finish_reason"], registry=r)
+        self.ttft = Histogram("pagedkv_time_to_first_token_seconds", "arrival -> first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("pagedkv_time_per_output_token_seconds", "mean time per output token after the "
+                              "first", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedkv_e2e_request_latency_seconds", "arrival -> last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.batch = Histogram("pagedkv_step_num_requests", "requests that got a token in one engine step",
+                               buckets=BATCH_BUCKETS, registry=r)
+
+    def reject(self, reason: str) -> None:
+        with self._lock:
+            self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
+    def _rejected_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._rejected)
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """One batch of outputs from the engine thread (a step's, or aborts')."""
+        produced = 0
+        for o in outputs:
+            if o.token_ids and o.request_id not in self._started:
+                self._started.add(o.request_id)
+                self.prompt_tokens.inc(o.num_prompt_tokens)
+                self.cached_tokens.inc(o.num_cached_tokens)
+            if o.finish_reason != "abort":
+                produced += 1
+            if o.finished:
+                self._finish(o)
+        if produced:
+            self.batch.observe(produced)
+
+    def _finish(self, o: RequestOutput) -> None:
+        self._started.discard(o.request_id)
+        self.finished.labels(o.finish_reason or "unknown").inc()
+        if o.ttft is not None:
+            self.ttft.observe(o.ttft)
+            self.e2e.observe(o.e2e)
+            if len(o.token_ids) > 1:
+                self.tpot.observe(o.tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

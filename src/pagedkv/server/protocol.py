@@ -1,0 +1,262 @@
+"""Request bodies of the OpenAI API, checked field by field into plain dataclasses.
+
+Every problem raises :class:`APIError` with the HTTP status and an OpenAI-style body::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+
+Unknown fields are ignored, as OpenAI does. Known fields whose non-default values this
+server cannot honour (``echo``, penalties, ``logit_bias``, ``tools``, ...) are rejected
+rather than silently ignored. ``null`` means "the default" for every optional field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+MAX_N = 8                  # choices per request
+MAX_PROMPTS = 64           # prompts in one /v1/completions request
+MAX_STOP = 16              # stop strings
+MAX_LOGPROBS = 20
+SEED_RANGE = (-2**63, 2**64 - 1)   # what torch.Generator.manual_seed accepts
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and an OpenAI-style JSON body. ``count=False``
+    keeps it out of the server's rejected-requests metric (the engine counted it)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, count: bool = True) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.count = count
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenerateRequest:
+    """What both endpoints share once the body is checked."""
+
+    model: str | None
+    params: SamplingParams
+    max_tokens_given: bool
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class CompletionRequest(GenerateRequest):
+    prompts: list = field(default_factory=list)   # each a str or a list of token ids
+
+
+@dataclass
+class ChatRequest(GenerateRequest):
+    messages: list[dict] = field(default_factory=list)
+    top_logprobs: int | None = None                # None = no logprobs
+
+
+# ---- field readers ---------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(body: dict, name: str, default, lo=None, hi=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise bad(name, f"'{name}' must be an integer, got {type(v).__name__}", "invalid_type")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(name, f"'{name}' must be {rng}, got {v}")
+    return v
+
+
+def _float(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(name, f"'{name}' must be a number, got {type(v).__name__}", "invalid_type")
+    if not math.isfinite(v):
+        raise bad(name, f"'{name}' must be finite")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"'{name}' must be a boolean, got {type(v).__name__}", "invalid_type")
+    return v
+
+
+def _str(body: dict, name: str, default: str | None = None) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise bad(name, f"'{name}' must be a string, got {type(v).__name__}", "invalid_type")
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
+    if len(v) > MAX_STOP:
+        raise bad("stop", f"'stop' takes at most {MAX_STOP} strings, got {len(v)}")
+    return v
+
+
+def _token_ids(body: dict, name: str) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        raise bad(name, f"'{name}' must be a list of non-negative integers", "invalid_type")
+    return v
+
+
+_UNSUPPORTED = {  # field -> values that mean "off"
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
+    "tools": ([],), "functions": ([],), "audio": (), "prediction": (),
+}
+
+
+def _reject_unsupported(body: dict) -> None:
+    for name, off in _UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and not any(v == o and type(v) is type(o) for o in off):
+            raise bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("response_format", "only response_format {'type': 'text'} is supported",
+                  "unsupported_parameter")
+
+
+# ---- the shared part ---------------------------------------------------------------
+def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: int | None,
+            logprobs: int | None) -> dict:
+    _reject_unsupported(body)
+    model = _str(body, "model")
+    max_tokens, given = default_max_tokens, False
+    for name in max_tokens_names:
+        if body.get(name) is not None:
+            max_tokens, given = _int(body, name, None, lo=1), True
+            break
+    temperature = _float(body, "temperature", 1.0)
+    if temperature < 0:
+        raise bad("temperature", f"'temperature' must be >= 0, got {temperature}")
+    top_p = _float(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad("top_p", f"'top_p' must be in (0, 1], got {top_p}")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise bad("stream_options", "'stream_options' must be an object", "invalid_type")
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        top_k=_int(body, "top_k", 0, lo=-1), seed=_int(body, "seed", None, *SEED_RANGE),
+        stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"),
+        ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
+        skip_special_tokens=_bool(body, "skip_special_tokens", True))
+    return dict(model=model, params=params, max_tokens_given=given, n=_int(body, "n", 1, 1, MAX_N),
+                stream=_bool(body, "stream", False),
+                include_usage=_bool(stream_options or {}, "include_usage", False),
+                user=_str(body, "user"), cache_salt=_str(body, "cache_salt"))
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    """Check a ``/v1/completions`` body. Raises :class:`APIError` (400)."""
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    common = _common(body, ("max_tokens",), 16, logprobs)
+    return CompletionRequest(**common, prompts=_prompts(body.get("prompt")))
+
+
+def _prompts(v) -> list:
+    if v is None:
+        raise bad("prompt", "'prompt' is required", "missing_required_parameter")
+    if isinstance(v, str) or (isinstance(v, list) and v and all(_is_int(t) for t in v)):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise bad("prompt", "'prompt' must be a non-empty string, a list of strings, a list of "
+                  "token ids or a list of token-id lists", "invalid_type")
+    if len(v) > MAX_PROMPTS:
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
+    for p in v:
+        if isinstance(p, str):
+            if not p:
+                raise bad("prompt", "the prompt is empty")
+        elif isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+            pass
+        elif isinstance(p, list) and not p:
+            raise bad("prompt", "the prompt is empty")
+        else:
+            raise bad("prompt", "each prompt must be a string or a list of non-negative integer "
+                      "token ids", "invalid_type")
+    return v
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    """Check a ``/v1/chat/completions`` body. Raises :class:`APIError` (400)."""
+    want = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    top = (top or 0) if want else None
+    common = _common(body, ("max_completion_tokens", "max_tokens"), None, top)
+    return ChatRequest(**common, messages=_messages(body.get("messages")), top_logprobs=top)
+
+
+def _messages(v) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "'messages' must be a non-empty list of messages",
+                  "missing_required_parameter" if v is None else "invalid_type")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, f"{where} must be an object", "invalid_type")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{where}.role", f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(m.get("content"), f"{where}.content")})
+    if not any(m["content"] for m in out):
+        raise bad("messages", "the messages are empty")
+    return out
+
+
+def _content(c, where: str) -> str:
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise bad(where, f"{where}: only text content parts are supported", "unsupported_parameter")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad(where, f"{where} must be a string or a list of text parts", "invalid_type")

@@ -1,0 +1,136 @@
+"""Response and stream-chunk bodies for ``/v1/completions`` and ``/v1/chat/completions``.
+
+``RequestOutput.text`` is cumulative (it already holds back a partial stop string);
+:class:`ChoiceState` turns successive outputs of one choice into text deltas and the
+logprobs of the tokens not yet sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedkv.engine.outputs import RequestOutput
+
+REPLACEMENT = "\ufffd"  # what a token ending inside a UTF-8 character decodes to, for now
+
+
+@dataclass
+class ChoiceState:
+    """What has been sent of one choice so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    offset: int = 0                    # completions text_offset of the next token
+    role_sent: bool = False
+    last: RequestOutput | None = field(default=None, repr=False)
+
+    def delta(self, out: RequestOutput) -> str:
+        """New text since the last call. A trailing U+FFFD (an unfinished multi-byte
+        character) is held back until the output finishes."""
+        self.last = out
+        text = out.text
+        if not out.finished:
+            text = text.rstrip(REPLACEMENT)
+        if text.startswith(self.text):
+            new = text[len(self.text):]
+        else:  # the decoded prefix changed (rare): send only what extends the common part
+            common = _common_prefix_len(text, self.text)
+            new = text[common:] if len(text) > len(self.text) else ""
+        self.text = self.text + new
+        return new
+
+    def new_tokens(self, out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
+        ids = out.token_ids[self.num_tokens:]
+        lps = (out.logprobs or [])[self.num_tokens:]
+        self.num_tokens = len(out.token_ids)
+        return ids, lps
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+def usage(outs: list[RequestOutput]) -> dict:
+    """OpenAI ``usage``, summed over choices (a prompt counted once per distinct request)."""
+    prompt = sum(o.num_prompt_tokens for o in outs)
+    completion = sum(len(o.token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ---- logprobs ----------------------------------------------------------------------
+class TokenText:
+    """Token id -> its text, for logprobs (decoded one token at a time, cached)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+
+def completion_logprobs(ids: list[int], lps: list[dict[int, float]], tt: TokenText,
+                        state: ChoiceState) -> dict:
+    """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, offsets = [], []
+    for t in ids:
+        tokens.append(tt(t))
+        offsets.append(state.offset)
+        state.offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(ids, lps)],
+            "top_logprobs": [{tt(k): v for k, v in _ranked(lp)} for lp in lps], "text_offset": offsets}
+
+
+def chat_logprobs(ids: list[int], lps: list[dict[int, float]], top: int, tt: TokenText) -> dict:
+    """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def entry(t: int, v: float | None) -> dict:
+        s = tt(t)
+        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+    content = []
+    for t, lp in zip(ids, lps):
+        content.append(entry(t, lp.get(t)) | {"top_logprobs": [entry(k, v) for k, v in _ranked(lp)[:top]]})
+    return {"content": content}
+
+
+def _ranked(lp: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(lp.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+# ---- bodies --------------------------------------------------------------------------
+def completion_body(rid: str, created: int, model: str, choices: list[dict], outs) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(outs)}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
+                     logprobs: dict | None, reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+
+
+def chat_body(rid: str, created: int, model: str, choices: list[dict], outs) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(outs)}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
+               logprobs: dict | None, reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, outs) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outs)}

@@ -1,0 +1,417 @@
+"""The OpenAI-compatible server, live on a loopback port, driven by the official openai
+client and raw HTTP: completions, chat, streaming, stop strings, logprobs, bad input,
+auth, prefix-cache isolation, continuous batching under load, aborts that free blocks.
+
+The model is the tiny random Llama with the real SmolLM2 tokenizer (and chat template);
+the cache is small on purpose (24 blocks = 384 tokens < max_model_len 512), so one
+server can reject both a prompt over the context and one over the whole cache, and the
+load test runs under block pressure (queueing and preemption).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.server import ServerConfig, build_app
+from pagedkv.server.live import LiveServer
+from pagedkv.server.loadtest import run_load
+
+MODEL = "tiny"
+NUM_BLOCKS, MAX_MODEL_LEN = 24, 512
+KEYS = ["sk-alpha", "sk-beta"]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny per-sequence attention ops run far faster on one intra-op thread here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def no_server_errors():
+    """Whatever a test does, the server logs no error (no unhandled exception)."""
+    handler = _Errors()
+    loggers = [logging.getLogger(n) for n in ("pagedkv.server", "uvicorn.error")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    yield
+    for lg in loggers:
+        lg.removeHandler(handler)
+    assert not handler.records, [r.getMessage() for r in handler.records]
+
+
+def _serve(model_dir, **cfg):
+    engine = LLMEngine(model=str(model_dir), num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
+                       debug_invariants=True)
+    return LiveServer(build_app(engine, ServerConfig([MODEL, "tiny-alias"], **cfg))).start()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, one_thread):
+    srv = _serve(tiny_model_dir, max_body_bytes=64 * 1024)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model_dir, one_thread):
+    srv = _serve(tiny_model_dir, api_keys=KEYS)
+    yield srv
+    srv.stop()
+
+
+def client(srv, key="none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def metrics(srv) -> dict[str, float]:
+    """``name{label="v",...}`` -> value, from /metrics."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(srv, timeout=10.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and no block is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(srv)
+        if (m['pagedkv_kv_blocks{state="used"}'] == 0 and m["pagedkv_num_requests_running"] == 0
+                and m["pagedkv_num_requests_waiting"] == 0):
+            return m
+        assert time.monotonic() < deadline, f"server not idle: {m}"
+        time.sleep(0.05)
+
+
+def post(srv, path, body=None, content=None, headers=None) -> httpx.Response:
+    return httpx.post(srv.url + path, json=body, content=content, headers=headers, timeout=30)
+
+
+GREEDY = dict(model=MODEL, temperature=0.0)
+
+
+# ---- completions and chat ------------------------------------------------------------
+def test_completion_shape_and_usage(server):
+    r = client(server).completions.create(prompt="Once upon a time", max_tokens=8, **GREEDY)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    (c,) = r.choices
+    assert c.index == 0 and c.finish_reason == "length" and isinstance(c.text, str) and c.text
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == 4
+    assert r.usage.total_tokens == 12 and r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_greedy_is_deterministic_and_stream_matches(server):
+    c = client(server)
+    a = c.completions.create(prompt="The quick brown fox", max_tokens=12, **GREEDY).choices[0].text
+    b = c.completions.create(prompt="The quick brown fox", max_tokens=12, **GREEDY).choices[0].text
+    chunks = list(c.completions.create(prompt="The quick brown fox", max_tokens=12, stream=True, **GREEDY))
+    assert a == b == "".join(ch.choices[0].text for ch in chunks)
+    assert len(chunks) > 1 and chunks[-1].choices[0].finish_reason == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+
+
+def test_chat_uses_the_chat_template(server):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    r = client(server).chat.completions.create(messages=msgs, max_tokens=6, **GREEDY)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    tok = server.server.config.app.state.server.tokenizer
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert r.usage.prompt_tokens == len(ids)
+    raw = client(server).completions.create(prompt=list(ids), max_tokens=6, **GREEDY)
+    assert r.choices[0].message.content == raw.choices[0].text
+
+
+def test_chat_stream_deltas(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    full = c.chat.completions.create(messages=msgs, max_tokens=10, **GREEDY).choices[0].message.content
+    chunks = list(c.chat.completions.create(messages=msgs, max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_strings_plain_and_streamed(server):
+    c = client(server)
+    text = c.completions.create(prompt="Hello world", max_tokens=24, **GREEDY).choices[0].text
+    # a stop string starting mid-text, at its first occurrence
+    stop = next(text[i:i + 3] for i in range(3, len(text) - 3) if text.find(text[i:i + 3]) == i)
+    want = text[:text.index(stop)]
+    r = c.completions.create(prompt="Hello world", max_tokens=24, stop=[stop], **GREEDY)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(c.completions.create(prompt="Hello world", max_tokens=24, stop=stop, stream=True, **GREEDY))
+    assert "".join(ch.choices[0].text for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs(server):
+    r = client(server).completions.create(prompt="Hello", max_tokens=5, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and len(top) == 3 and max(top.values()) == pytest.approx(v)  # greedy: the top one
+
+
+def test_chat_logprobs_and_top_logprobs(server):
+    r = client(server).chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                               logprobs=True, top_logprobs=2, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob and t.bytes == list(t.token.encode())
+
+
+def test_seeded_sampling_and_n_and_prompt_lists(server):
+    c = client(server)
+    kw = dict(model=MODEL, prompt="Seeds", max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    a, b = (c.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+    r = c.completions.create(**(kw | {"n": 3}))
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and r.choices[0].text == a
+    assert len({ch.text for ch in r.choices}) > 1  # seeds 7, 8, 9
+    topk = [c.completions.create(**kw, extra_body={"top_k": 1}).choices[0].text for _ in range(2)]
+    assert topk[0] == topk[1] == c.completions.create(**(kw | {"temperature": 0})).choices[0].text
+    r = c.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=3, n=2, temperature=0)
+    assert len(r.choices) == 4 and r.usage.completion_tokens == 12
+    assert r.choices[0].text == r.choices[1].text  # greedy: both samples of prompt 0 agree
+
+
+def test_models_health_and_served_aliases(server):
+    ids = [m.id for m in client(server).models.list().data]
+    assert ids == [MODEL, "tiny-alias"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    r = client(server).completions.create(model="tiny-alias", prompt="x", max_tokens=1)
+    assert r.model == MODEL
+
+
+def test_prefix_cache_hit_is_reported(server):
+    prompt = "A long shared prefix that spans more than two blocks of sixteen tokens each, " * 4
+    c = client(server)
+    c.completions.create(prompt=prompt, max_tokens=1, **GREEDY)
+    r = c.completions.create(prompt=prompt, max_tokens=1, **GREEDY)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+def test_metrics_exposition(server):
+    client(server).completions.create(prompt="metrics", max_tokens=3, **GREEDY)
+    m = wait_idle(server)
+    assert m["pagedkv_kv_blocks_total"] == NUM_BLOCKS
+    assert m['pagedkv_kv_blocks{state="free"}'] + m['pagedkv_kv_blocks{state="cached"}'] == NUM_BLOCKS
+    assert m["pagedkv_kv_cache_usage_ratio"] == 0
+    for name in ("pagedkv_prompt_tokens_total", "pagedkv_generation_tokens_total",
+                 "pagedkv_prefix_cache_queries_tokens_total", "pagedkv_time_to_first_token_seconds_count",
+                 "pagedkv_time_per_output_token_seconds_count", "pagedkv_e2e_request_latency_seconds_count",
+                 'pagedkv_requests_finished_total{finish_reason="length"}'):
+        assert m[name] > 0, name
+    for name in ("pagedkv_num_preemptions_total", 'pagedkv_requests_rejected_total{reason="never_fits"}',
+                 "pagedkv_prefix_cache_hits_tokens_total"):
+        assert name in m
+
+
+# ---- bad input -------------------------------------------------------------------------
+LONG_PROMPT = [17] * 600   # over max_model_len (512)
+CACHE_PROMPT = [17] * 450  # under max_model_len, over the whole cache (24 * 16 = 384 tokens)
+BAD = [  # (path, body, status, param or None, code or None)
+    ("/v1/completions", b"{not json", 400, None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None, "invalid_json"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "model": 3}, 400, "model", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400, None, "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.01}, 400, "top_p", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "invalid_type"),
+    ("/v1/completions", {"prompt": ["ok", ""]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {}, 400, "prompt", "missing_required_parameter"),
+    ("/v1/completions", {"prompt": [[1, 2], [10**9]]}, 400, None, None),  # outside the vocabulary
+    ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4}, 400, None, "context_length_exceeded"),
+    ("/v1/completions", {"prompt": CACHE_PROMPT, "max_tokens": 4}, 400, None, "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "invalid_type"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "invalid_type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content",
+     "invalid_type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD,
+                         ids=[f"{i}-{str(b)[:40]}" for i, (_, b, *_r) in enumerate(BAD)])
+def test_bad_input_gets_4xx_with_openai_error(server, path, body, status, param, code):
+    r = post(server, path, **({"content": body} if isinstance(body, bytes) else {"body": body}))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in r.text
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
+
+
+def test_never_fits_counts_as_rejected(server):
+    before = metrics(server)['pagedkv_requests_rejected_total{reason="never_fits"}']
+    r = post(server, "/v1/completions", {"prompt": CACHE_PROMPT, "max_tokens": 4})
+    assert r.status_code == 400 and "whole cache has 24" in r.json()["error"]["message"]
+    assert metrics(server)['pagedkv_requests_rejected_total{reason="never_fits"}'] == before + 1
+
+
+def test_body_over_limit_is_413(server):
+    r = post(server, "/v1/completions", content=json.dumps({"prompt": "x" * 100_000}).encode())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        for _ in range(100):
+            yield b" " * 1024
+    r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30)
+    assert r.status_code == 413
+
+
+def test_unknown_fields_are_ignored_and_unknown_routes_are_openai_errors(server):
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1, "frobnicate": {"a": 1},
+                                         "user": "u1", "presence_penalty": 0, "logit_bias": {}})
+    assert r.status_code == 200, r.text
+    r = httpx.get(server.url + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert httpx.get(server.url + "/v1/completions").status_code == 405
+
+
+def test_openai_client_raises_typed_errors(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4, stream=True)
+
+
+def test_bad_input_never_disturbs_a_running_request(server):
+    result = {}
+
+    def long_stream():
+        chunks = list(client(server).completions.create(prompt="steady", max_tokens=60, stream=True,
+                                                        extra_body={"ignore_eos": True}, **GREEDY))
+        result["text"] = "".join(ch.choices[0].text for ch in chunks)
+        result["finish"] = chunks[-1].choices[0].finish_reason
+    ref = client(server).completions.create(prompt="steady", max_tokens=60, extra_body={"ignore_eos": True},
+                                            **GREEDY).choices[0].text
+    t = threading.Thread(target=long_stream)
+    t.start()
+    for path, body, status, *_ in BAD:
+        r = post(server, path, **({"content": body} if isinstance(body, bytes) else {"body": body}))
+        assert r.status_code == status
+    t.join(30)
+    assert result == {"text": ref, "finish": "length"}
+    wait_idle(server)
+
+
+# ---- auth and prefix-cache isolation ---------------------------------------------------
+def test_api_key_required(keyed_server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(keyed_server, "sk-wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    r = post(keyed_server, "/v1/completions", {"prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(keyed_server.url + "/v1/models").status_code == 401
+    assert httpx.get(keyed_server.url + "/health").status_code == 200
+    r = client(keyed_server, KEYS[1]).completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert r.usage.completion_tokens == 1
+    assert metrics(keyed_server)['pagedkv_requests_rejected_total{reason="unauthorized"}'] >= 3
+
+
+def test_prefix_cache_is_isolated_per_api_key(keyed_server):
+    prompt = "Tenant secret: the launch code is 0000, and the meeting is on Tuesday at noon. " * 4
+    a, b = client(keyed_server, KEYS[0]), client(keyed_server, KEYS[1])
+    cached = lambda c: c.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage \
+        .prompt_tokens_details.cached_tokens  # noqa: E731
+    assert cached(a) == 0
+    assert cached(a) >= 32          # the same tenant hits its own cache
+    assert cached(b) == 0           # another tenant does not see it
+    assert cached(b) >= 32
+
+
+# ---- load, batching, aborts -----------------------------------------------------------
+def test_load_32_clients_all_complete_and_blocks_return(server):
+    before = metrics(server)
+    r = asyncio.run(run_load(server.url, MODEL, clients=32, requests=64, max_tokens=12, timeout=30))
+    assert r.failed == 0 and r.completed == 64, r.errors
+    assert r.output_tokens == 64 * 12 and r.ttft_p50_s is not None
+    after = wait_idle(server)
+    assert after['pagedkv_kv_blocks{state="used"}'] == 0
+    # continuous batching across connections: some steps served many requests at once
+    big = (after["pagedkv_step_num_requests_count"] - after['pagedkv_step_num_requests_bucket{le="4.0"}']) \
+        - (before["pagedkv_step_num_requests_count"] - before['pagedkv_step_num_requests_bucket{le="4.0"}'])
+    assert big > 0
+    assert after["pagedkv_generation_tokens_total"] - before["pagedkv_generation_tokens_total"] >= 64 * 12
+
+
+def _aborts(srv) -> float:
+    return metrics(srv).get('pagedkv_requests_finished_total{finish_reason="abort"}', 0.0)
+
+
+def test_client_closing_a_stream_aborts_and_frees_blocks(server):
+    before = _aborts(server)
+    stream = client(server).completions.create(prompt="never ending", max_tokens=300, stream=True,
+                                               extra_body={"ignore_eos": True}, **GREEDY)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    assert metrics(server)['pagedkv_kv_blocks{state="used"}'] > 0
+    stream.close()
+    wait_idle(server)
+    assert _aborts(server) == before + 1
+
+
+def test_client_leaving_a_non_streaming_request_aborts_it(server):
+    before = _aborts(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "wait", "max_tokens": 300, "ignore_eos": True},
+                   timeout=httpx.Timeout(30, read=0.05))
+    wait_idle(server)
+    assert _aborts(server) == before + 1
