@@ -1,0 +1,31 @@
+"""One source of truth: ``pagedkv plan`` reports the num_blocks the engine allocates."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv import LLM, plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget,block_size,dtype", [("256MiB", 16, "auto"), ("100MB", 32, "float16")])
+def test_plan_num_blocks_equals_engine_pool(budget, block_size, dtype):
+    llm = LLM(kv_cache_memory=budget, block_size=block_size, kv_cache_dtype=dtype)
+    engine_blocks = llm.engine.kv.pool.num_blocks
+    assert llm.engine.parts.storage.nbytes == engine_blocks * llm.engine.parts.spec.page_size_bytes
+    result = plan(model="smollm2-135m-instruct", kv_cache_memory=budget, block_size=block_size,
+                  kv_cache_dtype=dtype)
+    assert result.num_blocks == engine_blocks
+    assert result.bytes_per_token == llm.engine.parts.spec.bytes_per_token
+
+
+def test_plan_cli_json_num_blocks_256mib():
+    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "plan", "--model", "smollm2-135m-instruct",
+                          "--kv-cache-memory", "256MiB", "--block-size", "16", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    # 46,080 B/token x 16 = 737,280 B per block; 268,435,456 // 737,280 = 364
+    assert json.loads(out)["num_blocks"] == 364
