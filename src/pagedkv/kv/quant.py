@@ -1,0 +1,73 @@
+"""Quantized KV pages: int8 and fp8 (e4m3, e5m2) values with fp32 scales.
+
+A value ``x`` is stored as ``q = clamp(x / scale, -qmax, qmax)`` (rounded to the nearest
+int8, or cast to fp8) and read back as ``q * scale``. ``scale = amax / qmax`` over a group:
+
+    per-token-head  one scale per token and KV head, written with the token (default);
+    per-head        one static scale per layer and KV head;
+    per-tensor      one static scale per layer.
+
+Static scales are calibrated from the first tokens a layer writes (its first prefill) and
+then fixed; later values beyond them saturate at ``qmax`` (clamped). That is where a
+per-tensor scale loses: one outlier head sets the scale for all, the others keep few levels.
+
+Robustness: NaN inputs are stored as 0 and values beyond +-1e38 (inf included) are clamped there, and
+every scale is at least ``MIN_SCALE``, so no scale is ever zero, NaN or inf (an all-zero
+group gets ``MIN_SCALE`` and reads back as exact zeros). Format maxima: int8 127,
+fp8 e4m3 448, fp8 e5m2 57344 (OCP 8-bit floating point spec, "OFP8", 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+STORAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+MIN_SCALE = 1e-12
+_LIMIT = 1e38  # inputs are clamped here so that qmax * scale stays finite in fp32
+
+
+def sanitize(x: torch.Tensor) -> torch.Tensor:
+    """fp32 copy with NaN -> 0 and values (inf included) clamped to +-1e38."""
+    return torch.nan_to_num(x.float(), nan=0.0, posinf=_LIMIT, neginf=-_LIMIT).clamp(-_LIMIT, _LIMIT)
+
+
+def compute_scales(x: torch.Tensor, dtype: str, granularity: str) -> torch.Tensor:
+    """Scales for ``x`` ``[T, kv_heads, head_dim]``: ``[T, kv_heads]`` per-token-head,
+    ``[kv_heads]`` per-head, ``[1]`` per-tensor. Raises ValueError for an unknown dtype
+    or granularity."""
+    if dtype not in QMAX:
+        raise ValueError(f"{dtype!r} is not a quantized KV dtype ({', '.join(QMAX)})")
+    a = sanitize(x).abs()
+    if granularity == "per-token-head":
+        amax = a.amax(dim=-1)
+    elif granularity == "per-head":
+        amax = a.amax(dim=(0, 2))
+    elif granularity == "per-tensor":
+        amax = a.amax().reshape(1)
+    else:
+        raise ValueError(f"unknown scale granularity {granularity!r}")
+    return (amax / QMAX[dtype]).clamp(min=MIN_SCALE)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Store ``x`` ``[T, H, D]`` with ``scale`` broadcastable to ``[T, H, 1]``; saturates at ``qmax``."""
+    qmax = QMAX[dtype]
+    y = (sanitize(x) / scale).clamp(-qmax, qmax)
+    if dtype == "int8":
+        return torch.round(y).to(torch.int8)
+    return y.to(STORAGE_DTYPES[dtype])
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values ``q * scale``; ``scale`` broadcastable to ``q``'s shape."""
+    return q.float() * scale
+
+
+def scale_view(scale: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Reshape a stored scale so it broadcasts against ``[T, kv_heads, head_dim]``."""
+    if granularity == "per-token-head":
+        return scale.unsqueeze(-1)        # [T, H] -> [T, H, 1]
+    if granularity == "per-head":
+        return scale.view(1, -1, 1)       # [H] -> [1, H, 1]
+    return scale.view(1, 1, 1)
