@@ -56,7 +56,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="share prefix-cache blocks across API keys (default: one cache per key, so one "
                    "tenant's timings cannot reveal another's prompts)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: %(default)s)")
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
+                   "aborted (default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). On a small, shared CPU, 1 "
                    "makes batched decoding much faster: the per-sequence attention ops are tiny")
