@@ -57,7 +57,7 @@ def no_server_errors():
     loggers = [logging.getLogger(n) for n in ("pagedkv.server", "uvicorn.error")]
     for lg in loggers:
         lg.addHandler(handler)
-    yield
+    yield handler
     for lg in loggers:
         lg.removeHandler(handler)
     assert not handler.records, [r.getMessage() for r in handler.records]
@@ -415,3 +415,25 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server):
                    timeout=httpx.Timeout(30, read=0.05))
     wait_idle(server)
     assert _aborts(server) == before + 1
+
+
+# ---- engine failure -------------------------------------------------------------------
+def test_engine_failure_is_503_not_a_hang(tiny_model_dir, one_thread, no_server_errors):
+    srv = _serve(tiny_model_dir)
+    engine = srv.server.config.app.state.server.loop.engine
+
+    def boom():
+        raise RuntimeError("secret internal detail")
+    engine.step = boom
+    try:
+        r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert "secret" not in r.text and "Traceback" not in r.text
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True})
+        assert r.status_code == 503
+    finally:
+        srv.stop()
+    messages = [rec.getMessage() for rec in no_server_errors.records]
+    assert messages == ["engine step failed; the server stops serving"]
+    no_server_errors.records.clear()  # the one expected error
