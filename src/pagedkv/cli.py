@@ -86,12 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=_run_generate)
-    try:
-        from pagedkv.planner.cli import add_parser as add_plan
-    except ImportError:
-        pass
-    else:
-        add_plan(sub)
+    from pagedkv.planner.cli import add_parser as add_plan
+    from pagedkv.server.cli import add_parser as add_serve
+
+    add_plan(sub)
+    add_serve(sub)
     return parser
 
 
