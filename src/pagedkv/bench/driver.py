@@ -1,0 +1,151 @@
+"""Drive an :class:`LLMEngine` through a workload, one ``step()`` at a time, and record it.
+
+Composed around the engine, not inside it: arrivals are injected by time between steps
+(``add_request``, then the request's ``arrival_time`` is set to its scheduled arrival so
+TTFT counts the wait for the step in flight); ``Scheduler.schedule`` is wrapped on the
+instance to see each step's ``SchedulerOutput`` (tokens, contexts: the roofline work);
+after every step the driver samples ``kv.slot_usage`` (KV waste), blocks in use and the
+number of running requests. A request whose ``output_len`` is below its ``max_tokens``
+is ended by the driver when it reaches ``output_len`` (an EOS at the data's reply length);
+its pages are freed at once, as a stop would, and its finish reason is ``length``.
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory="128MiB"))
+    run = drive(engine, workload)
+    run.metrics()   # throughput, latency percentiles, waste, peak blocks, max running
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pagedkv.bench.metrics import RequestRecord, WasteSamples, summarize_requests
+from pagedkv.bench.roofline import StepWork, causal_pairs
+from pagedkv.bench.workloads import BenchRequest
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRun:
+    """Everything one driven run recorded. Times are seconds."""
+    records: list[RequestRecord]
+    steps: list[StepWork]
+    step_seconds: list[float]
+    running: list[int]            # requests scheduled in each step
+    blocks_used: list[int]        # after each step
+    waste: WasteSamples
+    duration_s: float
+    bookkeeping_s: float          # the driver's own sampling time, inside duration_s
+    preemptions: int
+    num_blocks: int
+    prefix_hit_tokens: int
+    extra: dict = field(default_factory=dict)
+
+    def metrics(self) -> dict:
+        m = summarize_requests(self.records, self.duration_s)
+        prefill = sum(s.tokens for s in self.steps) - sum(max(0, r.num_output_tokens - 1) for r in self.records)
+        return m | self.waste.summary() | {
+            "preemptions": self.preemptions, "num_blocks": self.num_blocks,
+            "peak_kv_blocks": max(self.blocks_used, default=0),
+            "max_running": max(self.running, default=0),
+            "mean_running": sum(self.running) / len(self.running) if self.running else 0,
+            "steps": len(self.steps), "prefill_tokens_computed": prefill,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "step_s_median": sorted(self.step_seconds)[len(self.step_seconds) // 2] if self.step_seconds else None,
+            "bookkeeping_s": self.bookkeeping_s} | self.extra
+
+
+def sampling_params(r: BenchRequest, ignore_eos: bool) -> SamplingParams:
+    """Greedy, ``max_tokens`` as reserved; EOS ignored so every system does the same work."""
+    return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+
+
+def warm_up(engine) -> None:
+    """One short request through the engine (thread pools, first-call costs), then forget it."""
+    engine.add_request({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_prefix_cache()
+
+
+def drive(engine, workload: list[BenchRequest], ignore_eos: bool = True, sample_waste: bool = True,
+          on_step: Callable[[int, int], None] | None = None) -> EngineRun:
+    """Run ``workload`` (arrivals by ``arrival_s``) to completion on ``engine``.
+
+    ``on_step(finished, total)`` is called after each step (a progress bar).
+    Raises:
+        ValueError: if the engine rejects a request (too long for it).
+    """
+    sched, seen = engine.scheduler, []
+    schedule = sched.schedule
+
+    def recording_schedule():
+        seen.append(schedule())
+        return seen[-1]
+
+    sched.schedule = recording_schedule   # an instance attribute, removed below
+    try:
+        order = sorted(enumerate(workload), key=lambda x: x[1].arrival_s)
+        return _loop(engine, order, ignore_eos, sample_waste, on_step, seen)
+    finally:
+        del sched.schedule
+
+
+def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_waste, on_step, seen) -> EngineRun:
+    kv, sched = engine.kv, engine.scheduler
+    preempt0, hits0 = sched.num_preemptions, kv.prefix_hits
+    run = EngineRun([], [], [], [], [], WasteSamples(), 0.0, 0.0, 0, kv.pool.num_blocks, 0)
+    targets: dict[str, tuple[int, object, int]] = {}
+    total, i = len(pending), 0
+    t0 = time.perf_counter()
+    while i < total or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while i < total and pending[i][1].arrival_s <= now:
+            index, r = pending[i]
+            req = engine.add_request({"prompt_token_ids": list(r.prompt_token_ids)}, sampling_params(r, ignore_eos))
+            req.arrival_time = t0 + r.arrival_s
+            targets[req.request_id] = (r.output_len, req, index)
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[i][1].arrival_s - (time.perf_counter() - t0)))
+            continue
+        seen.clear()
+        ts = time.perf_counter()
+        outs = engine.step()
+        run.step_seconds.append(time.perf_counter() - ts)
+        tb = time.perf_counter()
+        _record_step(run, seen, kv, sched, sample_waste)
+        for out in outs:
+            target, req, index = targets[out.request_id]
+            if not out.finished and len(out.token_ids) >= target:
+                engine.abort_request(out.request_id)
+                req.finish_reason = "length"
+            if out.finished or len(out.token_ids) >= target:
+                run.records.append(_record(req, index))
+        run.bookkeeping_s += time.perf_counter() - tb
+        if on_step:
+            on_step(len(run.records), total)
+    run.duration_s = time.perf_counter() - t0
+    run.preemptions = sched.num_preemptions - preempt0
+    run.prefix_hit_tokens = kv.prefix_hits - hits0
+    return run
+
+
+def _record_step(run: EngineRun, seen: list, kv, sched, sample_waste: bool) -> None:
+    out = seen[-1] if seen else None
+    if out is not None and out.scheduled:
+        s = out.scheduled
+        run.steps.append(StepWork(sum(x.num_new_tokens for x in s), sum(x.samples for x in s),
+                                  sum(x.start + x.num_new_tokens for x in s),
+                                  sum(causal_pairs(x.start, x.num_new_tokens) for x in s)))
+        run.running.append(len(s))
+    run.blocks_used.append(kv.pool.num_used)
+    if sample_waste:
+        run.waste.add(*kv.slot_usage({r.request_id: r.num_computed_tokens for r in sched.running}))
+
+
+def _record(req, index: int) -> RequestRecord:
+    return RequestRecord(req.arrival_time, req.num_prompt_tokens, list(req.token_times),
+                         max(req.num_cached_tokens, 0), req.num_preemptions, req.finish_reason,
+                         index, list(req.output_token_ids))

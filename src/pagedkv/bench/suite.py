@@ -1,0 +1,284 @@
+"""The benchmark commands: ``throughput``, ``online``, ``capacity``, ``latency``.
+
+Each builds one workload, measures the machine once (read bandwidth, fp32 matmul rate),
+then runs every system once per repeat, systems back to back inside a repeat so a ratio
+compares runs that shared the machine's weather. Systems:
+
+- ``pagedkv``: the engine as configured (paged allocator);
+- ``contiguous``: the same engine with ``kv_allocator="contiguous"`` (reserves prompt +
+  max_tokens slots per request at admission);
+- ``hf``, ``hf-cb``, ``llama-cpp``: see :mod:`pagedkv.bench.baselines`.
+
+A fresh engine is built for every run (pages and prefix cache start empty) and warmed up
+with one tiny request before the clock starts.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from dataclasses import dataclass, field
+
+from pagedkv.bench import baselines, report
+from pagedkv.bench.driver import drive, warm_up
+from pagedkv.bench.roofline import Machine, ModelCost, bound, ideal_offline_steps
+from pagedkv.bench.workloads import BenchRequest, build_workload, with_poisson_arrivals, workload_summary
+
+ENGINE_SYSTEMS = {"pagedkv": "paged", "contiguous": "contiguous"}
+SYSTEMS = ("pagedkv", "contiguous", "hf", "hf-cb", "llama-cpp")
+
+
+@dataclass
+class Settings:
+    """What to run. ``engine`` holds :class:`EngineConfig` keyword arguments."""
+    engine: dict
+    systems: tuple[str, ...] = ("pagedkv", "contiguous", "hf")
+    dataset: str = "arena-hard"
+    num_prompts: int = 64
+    max_prompt_tokens: int = 512
+    max_tokens: int = 128
+    ignore_eos: bool = True
+    request_rate: float = float("inf")
+    repeats: int = 1
+    hf_batch_size: int = 16
+    seed: int = 0
+    progress: bool = True
+    quick_machine: bool = False
+
+    def to_dict(self) -> dict:
+        return {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Context:
+    """Things measured or loaded once per command."""
+    settings: Settings
+    machine: Machine
+    files: object
+    tokenizer: object
+    cost: ModelCost | None = None
+    hf_model: object = None
+    series: dict = field(default_factory=dict)
+    loadavg_start: tuple = field(default_factory=os.getloadavg)
+
+    def machine_info(self) -> dict:
+        """Measured ceilings, threads, and the 1-minute load average before and after (other
+        processes on a shared machine show up there)."""
+        return self.machine.to_dict() | {"cpus": os.cpu_count(), "torch_threads": _threads(),
+                                         "MKL_CBWR": os.environ.get("MKL_CBWR"),
+                                         "loadavg_1min_start": self.loadavg_start[0],
+                                         "loadavg_1min_end": os.getloadavg()[0]}
+
+
+def make_context(settings: Settings) -> Context:
+    from pagedkv.model.loader import load_tokenizer, resolve_model
+
+    files = resolve_model(settings.engine.get("model") or "smollm2-135m-instruct")
+    return Context(settings, Machine.measure(quick=settings.quick_machine), files, load_tokenizer(files.folder))
+
+
+def _bar(ctx: Context, desc: str, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False,
+                disable=not ctx.settings.progress)
+
+
+def _progress(bar):
+    def update(done: int, total: int) -> None:
+        bar.n = done
+        bar.refresh()
+    return update
+
+
+def make_engine(ctx: Context, **overrides):
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(**(ctx.settings.engine | overrides)))
+    if ctx.cost is None:
+        ctx.cost = ModelCost.from_engine(engine)
+    warm_up(engine)
+    return engine
+
+
+def run_engine_system(ctx: Context, system: str, workload: list[BenchRequest], **overrides) -> tuple[dict, object]:
+    """One run of the engine (``pagedkv`` or ``contiguous``); returns ``(metrics, run)``."""
+    engine = make_engine(ctx, kv_allocator=ENGINE_SYSTEMS[system], **overrides)
+    with _bar(ctx, system, len(workload)) as bar:
+        run = drive(engine, workload, ctx.settings.ignore_eos, on_step=_progress(bar))
+    del engine
+    gc.collect()
+    return run.metrics(), run
+
+
+def run_baseline(ctx: Context, system: str, workload: list[BenchRequest]) -> tuple[dict, list | None]:
+    """One run of a baseline; returns ``(metrics, steps or None)``."""
+    from pagedkv.bench.metrics import summarize_requests
+
+    with _bar(ctx, system, len(workload)) as bar:
+        if system == "llama-cpp":
+            gguf = ctx.files.name if str(ctx.files.name).endswith(".gguf") else _bundled_gguf(ctx)
+            recs, steps, dur, extra = baselines.run_llama_cpp(gguf, workload, _threads(), _progress(bar))
+        else:
+            if ctx.hf_model is None:
+                ctx.hf_model = baselines.load_hf_model(ctx.files.folder)
+            if system == "hf":
+                pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
+                recs, steps, dur, extra = baselines.run_hf_static(ctx.hf_model, workload, ctx.settings.hf_batch_size,
+                                                                  pad, _progress(bar))
+            else:
+                recs, steps, dur, extra = baselines.run_hf_continuous(
+                    ctx.hf_model, workload, ctx.settings.engine.get("max_num_batched_tokens", 2048), _progress(bar))
+    return summarize_requests(recs, dur) | extra, steps
+
+
+def _bundled_gguf(ctx: Context):
+    from pagedkv.model.loader import KNOWN_MODELS, _packaged_gguf
+
+    name = str(ctx.files.name).lower()
+    if name not in KNOWN_MODELS:
+        raise baselines.BaselineUnavailable(f"no GGUF file known for model {ctx.files.name!r}")
+    return _packaged_gguf(name)
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def roofline_entry(ctx: Context, metrics: dict, steps, workload: list[BenchRequest], ideal: bool) -> dict:
+    """Bound of the run's own schedule (when known) and of the ideal offline batch."""
+    out: dict = {}
+    dur, toks = metrics["duration_s"], metrics["output_tokens"]
+    if steps:
+        b = bound(steps, ctx.cost, ctx.machine)
+        out |= {"bound_s": b["bound_s"], "fraction": b["bound_s"] / dur, "limited_by": b["limited_by"],
+                "seconds_by_limit": b["seconds_by_limit"], "bound_output_tokens_per_s": toks / b["bound_s"]}
+    if ideal:
+        b = bound(ideal_offline_steps([r.num_prompt_tokens for r in workload], [r.output_len for r in workload]),
+                  ctx.cost, ctx.machine)
+        out |= {"ideal_bound_s": b["bound_s"], "fraction_of_ideal": b["bound_s"] / dur,
+                "ideal_limited_by": b["limited_by"], "ideal_output_tokens_per_s": toks / b["bound_s"]}
+        out.setdefault("bound_output_tokens_per_s", out["ideal_output_tokens_per_s"])
+    return out
+
+
+def run_systems(ctx: Context, command: str, workload: list[BenchRequest], ideal: bool) -> dict:
+    """Every system, every repeat; the result document with runs, skips and medians."""
+    s = ctx.settings
+    result = report.new_result(command, s.to_dict())
+    result["workload"] = {"dataset": s.dataset} | workload_summary(workload)
+    for rep in range(s.repeats):
+        for system in s.systems:
+            if system in result["skipped"]:
+                continue
+            try:
+                metrics, steps = _one(ctx, system, workload)
+            except baselines.BaselineUnavailable as e:
+                result["skipped"][system] = str(e)
+                continue
+            result["runs"].append({"system": system, "repeat": rep, "metrics": metrics,
+                                   "roofline": roofline_entry(ctx, metrics, steps, workload, ideal)})
+    result["machine"] = ctx.machine_info()
+    result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict() if ctx.cost else None}
+    result["series"] = ctx.series
+    report.summarize(result)
+    return result
+
+
+def _one(ctx: Context, system: str, workload: list[BenchRequest]) -> tuple[dict, list | None]:
+    if system in ENGINE_SYSTEMS:
+        metrics, run = run_engine_system(ctx, system, workload)
+        ctx.series[system] = {"waste": [1 - f / a if a else 0.0 for a, f in zip(run.waste.allocated, run.waste.filled)],
+                              "running": run.running, "blocks_used": run.blocks_used}
+        return metrics, run.steps
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    if ctx.cost is None:  # the roofline needs the model's cost; one engine build gives it
+        make_engine(ctx, num_blocks=16)
+    return run_baseline(ctx, system, workload)
+
+
+# ---- commands ---------------------------------------------------------------------------
+def workload_for(ctx: Context) -> list[BenchRequest]:
+    s = ctx.settings
+    w = build_workload(s.dataset, ctx.tokenizer, s.num_prompts, s.max_prompt_tokens, s.max_tokens, s.seed)
+    return with_poisson_arrivals(w, s.request_rate, s.seed) if s.request_rate != float("inf") else w
+
+
+def throughput(settings: Settings) -> dict:
+    """Offline (all at once) unless a request rate is set; goals of issue 6 for the engine vs HF."""
+    ctx = make_context(settings)
+    result = run_systems(ctx, "throughput", workload_for(ctx), ideal=settings.request_rate == float("inf"))
+    key = "metrics.output_tokens_per_s"
+    for base in ("contiguous", "hf", "hf-cb", "llama-cpp"):
+        if any(r["system"] == base for r in result["runs"]):
+            report.add_ratio(result, f"pagedkv/{base} output tok/s", "pagedkv", base, key)
+    if "pagedkv/hf output tok/s" in result["ratios"]:
+        report.add_goal(result, "output tok/s vs HF static batching", result["ratios"]["pagedkv/hf output tok/s"]["median"], 4.0)
+    pk = result["summary"].get("pagedkv", {})
+    if "roofline.fraction_of_ideal" in pk:
+        report.add_goal(result, "fraction of the roofline (ideal offline batch)", pk["roofline.fraction_of_ideal"], 0.5)
+    return result
+
+
+def online(settings: Settings) -> dict:
+    """Poisson arrivals at ``request_rate``, engines only (a static batch cannot take arrivals)."""
+    if settings.request_rate == float("inf"):
+        raise ValueError("online needs a finite --request-rate (requests per second)")
+    settings.systems = tuple(s for s in settings.systems if s in ENGINE_SYSTEMS) or ("pagedkv",)
+    ctx = make_context(settings)
+    return run_systems(ctx, "online", workload_for(ctx), ideal=False)
+
+
+def capacity(settings: Settings) -> dict:
+    """Paged vs contiguous at a fixed KV budget: waste and requests running at once."""
+    settings.systems = ("pagedkv", "contiguous")
+    ctx = make_context(settings)
+    result = run_systems(ctx, "capacity", workload_for(ctx), ideal=False)
+    pk, ct = result["summary"].get("pagedkv", {}), result["summary"].get("contiguous", {})
+    report.add_goal(result, "paged KV memory waste", pk.get("metrics.waste"), 0.05, higher_is_better=False,
+                    note=f"contiguous allocator: {100 * (ct.get('metrics.waste') or 0):.1f}%")
+    ratio = report.add_ratio(result, "pagedkv/contiguous max running", "pagedkv", "contiguous", "metrics.max_running")
+    report.add_goal(result, "requests running at once vs contiguous", ratio, 2.0)
+    report.add_ratio(result, "pagedkv/contiguous output tok/s", "pagedkv", "contiguous", "metrics.output_tokens_per_s")
+    return result
+
+
+def latency(settings: Settings) -> dict:
+    """Single-stream decode, one request at a time: TPOT against the weight-read bound
+    (weight bytes / measured read bandwidth per token)."""
+    from pagedkv.bench.metrics import summarize_requests
+    from pagedkv.bench.roofline import weight_read_tokens_per_s
+
+    settings.systems = tuple(s for s in settings.systems if s in ("pagedkv", "hf")) or ("pagedkv",)
+    settings.hf_batch_size = 1
+    ctx = make_context(settings)
+    workload = workload_for(ctx)
+    result = report.new_result("latency", settings.to_dict())
+    result["workload"] = {"dataset": settings.dataset} | workload_summary(workload)
+    for rep in range(settings.repeats):
+        for system in settings.systems:
+            if system == "pagedkv":
+                engine = make_engine(ctx)
+                records = [rec for r in workload for rec in drive(engine, [r], settings.ignore_eos).records]
+                metrics = summarize_requests(records, sum(r.e2e for r in records))
+                del engine
+            else:
+                metrics, _ = _one(ctx, system, workload)
+            bound_tps = weight_read_tokens_per_s(ctx.cost, ctx.machine)
+            tps = 1 / metrics["tpot_s"]["p50"]
+            metrics["decode_tokens_per_s"] = tps
+            result["runs"].append({"system": system, "repeat": rep, "metrics": metrics,
+                                   "roofline": {"weight_read_tokens_per_s": bound_tps,
+                                                "fraction_of_weight_read": tps / bound_tps}})
+    result["machine"] = ctx.machine_info()
+    result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict()}
+    report.summarize(result)
+    report.add_goal(result, "single-stream decode vs weight-read bound",
+                    result["summary"]["pagedkv"].get("roofline.fraction_of_weight_read"), 0.8)
+    if "hf" in result["summary"]:
+        report.add_ratio(result, "pagedkv/hf decode tok/s", "pagedkv", "hf", "metrics.decode_tokens_per_s")
+    return result
