@@ -139,14 +139,18 @@ def test_prompt_longer_than_max_model_len_fails_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_too_long_prompt_among_many_fails_with_one_line(tmp_path):
-    """BUG (fails until fixed in src/pagedkv/generate_cmd.py, run_generate): with >= 4
-    prompts the tqdm bar is drawn on stderr before the requests are validated, so the
-    error shares a line with the bar and the bar is redrawn after it (two lines, and the
-    error line does not start with ``error:``)."""
+def test_too_long_prompt_among_many_is_rejected_and_the_others_run(tmp_path):
+    """One prompt that can never fit gets one ``error:`` line (exit 2); the others still
+    run and print, in order, and --json marks the rejected one with an error object."""
     f = _write(tmp_path, "p.txt", "\n".join(["hi", "hello", long_prompt(), "bye"]) + "\n")
-    r = run_cli(BASE + ["--max-model-len", "64", "--max-tokens", "8", "--prompts-file", f], tmp_path)
-    assert_one_line_error(r, "prompt 2")
+    r = run_cli(BASE + ["--max-model-len", "64", "--max-tokens", "8", "--json", "--prompts-file", f], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and errors[0].startswith("error: prompt 2: ") and "max_model_len" in errors[0]
+    outs, stats = json_lines(r.stdout)
+    assert [o.get("error") is not None for o in outs] == [False, False, True, False]
+    assert [o["prompt"] for o in outs] == ["hi", "hello", long_prompt(), "bye"]
+    assert stats["num_requests"] == 3
 
 
 @pytest.mark.slow

@@ -69,15 +69,16 @@ def test_random_schedules_keep_invariants(engines, schedule):
 
 
 def test_rejects_what_can_never_fit_while_others_complete(tiny_llm_factory):
-    llm = tiny_llm_factory(num_blocks=4, max_model_len=128)   # 4 blocks = 64 slots
+    llm = tiny_llm_factory(num_blocks=4)   # 4 blocks = 64 slots: max_model_len is capped at 64
     eng = llm.engine
+    assert eng.max_model_len == 64
     ok = eng.add_request({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=8, temperature=0))
-    with pytest.raises(ValueError, match=r"needs 5 KV blocks .* whole cache has 4"):
-        eng.add_request({"prompt_token_ids": list(range(70))}, SamplingParams(max_tokens=8))
-    with pytest.raises(ValueError, match=r"exceeds max_model_len \(128\)"):
-        eng.add_request({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=100))
-    with pytest.raises(ValueError, match="max_model_len is 128"):
+    with pytest.raises(ValueError, match=r"= 68 exceeds max_model_len \(64, the whole KV cache: 4 blocks of 16\)"):
+        eng.add_request({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match=r"prompt of 200 tokens leaves no room"):
         eng.add_request({"prompt_token_ids": list(range(200))}, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"must be SamplingParams"):
+        eng.add_request({"prompt_token_ids": [1]}, "greedy")
     with pytest.raises(ValueError, match="empty"):
         eng.add_request({"prompt_token_ids": []})
     with pytest.raises(ValueError, match=r"\[0, 49152\)"):
@@ -89,8 +90,13 @@ def test_rejects_what_can_never_fit_while_others_complete(tiny_llm_factory):
     assert eng.stats().num_rejected == 5 and eng.kv.pool.num_used == 0
 
 
+def test_max_model_len_larger_than_cache_is_rejected_at_construction(tiny_llm_factory):
+    with pytest.raises(ValueError, match=r"max_model_len 128 is larger than the KV cache holds \(64"):
+        tiny_llm_factory(num_blocks=4, max_model_len=128)
+
+
 def test_generate_rejects_bad_prompt_before_running_any(tiny_llm_factory):
-    llm = tiny_llm_factory(num_blocks=4, max_model_len=128)
+    llm = tiny_llm_factory(num_blocks=4)
     with pytest.raises(ValueError, match="prompt 1:"):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": list(range(300))}])
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0

@@ -6,7 +6,7 @@ Every command exits 0 on success and 2 with a one-line ``error: ...`` on bad inp
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 
@@ -99,9 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, TypeError, OverflowError, MemoryError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `pagedkv generate ... | head -1`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

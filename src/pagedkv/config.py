@@ -79,6 +79,10 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.model, str):
+            self.model = str(self.model)  # a pathlib.Path names a model too
         if self.kv_allocator not in ("paged", "contiguous"):
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

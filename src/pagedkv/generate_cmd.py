@@ -23,9 +23,11 @@ def read_prompts(positional: list[str], path: Path | None) -> list[str]:
     """
     prompts = list(positional)
     if path is not None:
-        if not path.is_file():
-            raise FileNotFoundError(f"prompts file {path} does not exist")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        if path.is_dir() or not path.exists():
+            raise FileNotFoundError(f"prompts file {path} does not exist or is a folder")
+        with open(path, encoding="utf-8", newline="") as f:  # only \n ends a line
+            lines = f.read().split("\n")
+        for n, line in enumerate((ln.removesuffix("\r") for ln in lines), 1):
             if line.strip():
                 prompts.append(_parse_line(line, n) if path.suffix in (".jsonl", ".json") else line)
     if not prompts:
@@ -53,34 +55,49 @@ def _to_engine_prompts(llm, prompts: list[str], chat: bool | None) -> list:
         return prompts
     if not getattr(tok, "chat_template", None):
         raise ValueError("--chat: this model has no chat template")
-    out = []
-    for p in prompts:
-        msgs = [{"role": "user", "content": p}]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        out.append({"prompt_token_ids": list(ids), "prompt": p})
-    return out
+    return [llm.chat_prompt([{"role": "user", "content": p}]) | {"prompt": p} for p in prompts]
+
+
+def _add_each(llm, inputs: list, params) -> tuple[list[str | None], dict[int, str]]:
+    """Queue each prompt on its own: one that can never run is reported, the others go on."""
+    ids, errors = [], {}
+    for i, p in enumerate(inputs):
+        try:
+            ids.append(llm.add_requests([p], params)[0])
+        except ValueError as e:
+            ids.append(None)
+            errors[i] = str(e).removeprefix("prompt 0: ")
+            print(f"error: prompt {i}: {errors[i]}", file=sys.stderr)
+    return ids, errors
 
 
 def run_generate(a, engine_args: dict, params) -> int:
+    """Exit 0 when every prompt ran; 2 when some were rejected (the others still ran)."""
     from tqdm import tqdm
 
     from pagedkv import LLM
 
     prompts = read_prompts(a.prompts, a.prompts_file)
     llm = LLM(**engine_args)
-    inputs = _to_engine_prompts(llm, prompts, a.chat)
-    ids = llm.add_requests(inputs, params)  # validates all before any output
-    bar = tqdm(total=len(inputs), desc="requests", unit="req", file=sys.stderr,
-               disable=len(inputs) < 4)
+    ids, errors = _add_each(llm, _to_engine_prompts(llm, prompts, a.chat), params)
+    live = [i for i in ids if i is not None]
+    bar = tqdm(total=len(live), desc="requests", unit="req", file=sys.stderr, disable=len(live) < 4)
     t0 = time.perf_counter()
-    outs = llm.run(ids, on_output=lambda o: bar.update(1))
+    outs = iter(llm.run(live, on_output=lambda o: bar.update(1)))
     elapsed = time.perf_counter() - t0
     bar.close()
-    for o in outs:
+    done = []
+    for i, rid in enumerate(ids):
+        if rid is None:
+            if a.json:
+                print(json.dumps({"index": i, "prompt": prompts[i], "error": errors[i]}))
+            continue
+        o = next(outs)
+        done.append(o)
         print(json.dumps(_output_json(o)) if a.json else o.text)
     if a.json:
-        print(json.dumps(_stats_json(llm, outs, elapsed)))
-    return 0
+        print(json.dumps(_stats_json(llm, done, elapsed)))
+    return 2 if errors else 0
 
 
 def _output_json(o) -> dict:

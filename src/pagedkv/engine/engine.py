@@ -9,6 +9,7 @@ requests' pages. One bad request raises in ``add_request`` and leaves the others
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 
 import torch
@@ -40,6 +41,7 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.runner = ModelRunner(self.model, parts.storage, self.kv, self.generator)
         self.requests: dict[str, Request] = {}
+        self._ended: dict[str, Request] = {}   # recently aborted, for final_output
         self._ids = itertools.count()
         self.peak_blocks_used = 0
         self.num_generated_tokens = 0
@@ -47,11 +49,19 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
-        """Token ids of a prompt: a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``."""
+        """Token ids of a prompt: a string (tokenized with the tokenizer's special tokens,
+        e.g. a BOS, as HF and vLLM do), ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``.
+
+        Raises:
+            ValueError: any other shape, non-integer ids, or text the tokenizer rejects.
+        """
         if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=False).input_ids, prompt
+            try:
+                return self.tokenizer(prompt, add_special_tokens=True).input_ids, prompt
+            except (TypeError, UnicodeError) as e:
+                raise ValueError(f"the prompt is not valid text ({type(e).__name__})") from None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            return _int_list(prompt["prompt_token_ids"]), prompt.get("prompt")
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return self.tokenize(prompt["prompt"])
         raise ValueError("a prompt is a string or a dict with 'prompt_token_ids' or 'prompt'")
@@ -64,15 +74,19 @@ class LLMEngine:
             ValueError: empty prompt, token ids outside the vocabulary, a duplicate id,
                 or a request that can never fit (the message names the numbers).
         """
-        params = params or SamplingParams()
-        ids, text = self.tokenize(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         try:
+            if not isinstance(params or SamplingParams(), SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            params = params or SamplingParams()
+            ids, text = self.tokenize(prompt)
             self._validate(rid, ids)
             max_tokens = self._resolve_max_tokens(len(ids), params)
         except ValueError:
             self.num_rejected += 1
             raise
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = str(prompt["cache_salt"])  # vLLM's per-prompt salt
         req = Request(rid, ids, params, prompt=text, cache_salt=cache_salt)
         req.max_tokens = max_tokens
         self.requests[rid] = req
@@ -84,20 +98,23 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
-        vocab = self.model.cfg.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+        vocab = self.model.embed.shape[0]
+        if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         """Output tokens this request may make; rejects what could never fit."""
+        cache_tokens = self.kv.pool.num_blocks * self.kv.block_size
+        limit = f"max_model_len ({self.max_model_len}" + (
+            f", the whole KV cache: {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
+            if self.max_model_len == cache_tokens else ")")
         if num_prompt >= self.max_model_len:
-            raise ValueError(f"prompt of {num_prompt} tokens leaves no room for output: "
-                             f"max_model_len is {self.max_model_len}")
+            raise ValueError(f"prompt of {num_prompt} tokens leaves no room for output: limit is {limit}")
         max_tokens = params.max_tokens or self.max_model_len - num_prompt
         total = num_prompt + max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} "
-                             f"exceeds max_model_len ({self.max_model_len})")
+                             f"exceeds {limit}")
         blocks, pool = -(-total // self.kv.block_size), self.kv.pool.num_blocks
         if blocks > pool:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {blocks} "
@@ -110,7 +127,15 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
+        self._ended[request_id] = req
+        while len(self._ended) > 1024:  # keep only recent ones
+            self._ended.pop(next(iter(self._ended)))
         return make_output(req, self._text(req))
+
+    def final_output(self, request_id: str) -> RequestOutput | None:
+        """Output of a request that ended outside ``step`` (aborted), if known."""
+        req = self._ended.get(request_id)
+        return make_output(req, self._text(req)) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -121,7 +146,15 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        sampled = self.runner.execute(sched)
+        try:
+            sampled = self.runner.execute(sched)
+        except Exception:
+            # the step's KV writes are incomplete: end its requests rather than leave the
+            # engine stuck on them, then let the caller see the error
+            for s in sched.scheduled:
+                self.requests.pop(s.request.request_id, None)
+                self.scheduler.finish(s.request, "abort")
+            raise
         self.scheduler.update(sched)
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
         now = time.perf_counter()
@@ -130,6 +163,12 @@ class LLMEngine:
             req = s.request
             tok = sampled.get(req.request_id)
             if tok is None:
+                continue
+            if tok.error is not None:  # this request alone failed to sample
+                req.error = tok.error
+                self.scheduler.finish(req, "abort")
+                self.requests.pop(req.request_id, None)
+                outputs.append(make_output(req, self._text(req)))
                 continue
             req.append_token(tok.token_id, now)
             if tok.logprobs is not None:
@@ -145,8 +184,9 @@ class LLMEngine:
         p, tok = req.sampling_params, req.output_token_ids[-1]
         text = self._text(req)
         reason = None
-        if tok in p.stop_token_ids:
+        if tok in p.stop_token_ids:  # the stop token is in token_ids, not in the text
             reason, req.stop_reason = "stop", tok
+            text = self._text(req, exclude_last=True)
         elif tok in self.eos_token_ids and not p.ignore_eos:
             reason = "stop"
         elif p.stop and (hit := find_stop(text, p.stop)):
@@ -160,9 +200,9 @@ class LLMEngine:
             text = hold_back(text, p.stop)
         return make_output(req, text)
 
-    def _text(self, req: Request) -> str:
-        return self.tokenizer.decode(req.output_token_ids,
-                                     skip_special_tokens=req.sampling_params.skip_special_tokens)
+    def _text(self, req: Request, exclude_last: bool = False) -> str:
+        ids = req.output_token_ids[:-1] if exclude_last else req.output_token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
 
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -171,3 +211,17 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block (in-use blocks stay, unpublished). Returns the count."""
         return self.kv.reset_prefix_cache()
+
+
+def _int_list(ids) -> list[int]:
+    """Token ids as plain ints (numpy and torch integers are accepted).
+
+    Raises:
+        ValueError: if ``ids`` is not a sequence of integers.
+    """
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt_token_ids must be a list of integers") from None

@@ -74,7 +74,8 @@ class LLM:
                     results[out.request_id] = out
                     if on_output:
                         on_output(out)
-        return [results[i] for i in request_ids]
+        # a request aborted while we ran (e.g. from on_output) reports as aborted
+        return [results.get(i) or self.engine.final_output(i) for i in request_ids]
 
     def _add_all(self, prompts, params, cache_salt) -> list[str]:
         ids: list[str] = []
@@ -82,9 +83,9 @@ class LLM:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 try:
                     ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt).request_id)
-                except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from None
-        except ValueError:
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"prompt {i}: {e}") from None
+        except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
@@ -102,13 +103,31 @@ class LLM:
              sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) and generate.
         ``messages`` is one conversation or a list of them."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages (or of conversations)")
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        return self.generate([self.chat_prompt(c) for c in convs], sampling_params, **kwargs)
+
+    def chat_prompt(self, messages: list[dict]) -> dict:
+        """``{"prompt_token_ids", "prompt"}`` of one conversation under the chat template.
+
+        Raises:
+            ValueError: a message that is not ``{"role": str, "content": str}``, or a
+                model without a chat template.
+        """
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError('messages must be a non-empty list of {"role": str, "content": str}')
         tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(c, add_generation_prompt=True,
-                                                                     tokenize=True, return_dict=False)),
-                    "prompt": tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)}
-                   for c in convs]
-        return self.generate(prompts, sampling_params, **kwargs)
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - jinja2 template errors
+            raise ValueError(f"the chat template failed: {e}") from None
+        ids = tok(text, add_special_tokens=False).input_ids
+        return {"prompt_token_ids": list(ids), "prompt": text}
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()

@@ -13,7 +13,8 @@ class RequestOutput:
 
     Timings are seconds: ``ttft`` arrival -> first token; ``tpot`` mean time per output
     token after the first; ``e2e`` arrival -> last token. ``num_cached_tokens`` is the
-    prompt prefix served from the prefix cache.
+    prompt prefix served from the prefix cache. ``error`` says why a request that ended
+    with ``finish_reason == "abort"`` failed (e.g. non-finite logits), else None.
     """
 
     request_id: str
@@ -27,6 +28,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    error: str | None = None
     ttft: float | None = None
     tpot: float | None = None
     e2e: float | None = None
@@ -68,6 +70,6 @@ def make_output(req: Request, text: str) -> RequestOutput:
         text=text, token_ids=list(req.output_token_ids), finished=req.is_finished,
         finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
         num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
-        stop_reason=req.stop_reason, ttft=ttft, tpot=tpot, e2e=e2e,
+        stop_reason=req.stop_reason, error=req.error, ttft=ttft, tpot=tpot, e2e=e2e,
         logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
         token_times=list(req.token_times))

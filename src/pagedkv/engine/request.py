@@ -44,6 +44,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None   # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    error: str | None = None           # why an aborted request failed, if it did
     max_tokens: int = 0                # resolved against max_model_len by the engine
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -19,6 +19,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 class SampledToken:
     token_id: int
     logprobs: dict[int, float] | None = None  # sampled token and the top-n, natural log
+    error: str | None = None                  # set when this row could not be sampled
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -41,15 +42,22 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         return int(torch.argmax(logits))
     filtered = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(filtered, -1)
+    if not torch.isfinite(probs).all():
+        raise ValueError("the model produced non-finite logits")
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[SampledToken]:
-    """Sample one token per row of ``logits`` ``[n, V]`` (fp32)."""
+    """Sample one token per row of ``logits`` ``[n, V]`` (fp32). A row that cannot be
+    sampled (non-finite logits) gets ``error`` set instead of failing the batch."""
     out = []
     for row, p, g in zip(logits, params, generators):
-        token = sample_row(row, p, g)
+        try:
+            token = sample_row(row, p, g)
+        except (ValueError, RuntimeError) as e:
+            out.append(SampledToken(-1, None, str(e)))
+            continue
         lp = None
         if p.logprobs is not None:
             logp = torch.log_softmax(row, -1)

@@ -41,20 +41,31 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop = [s for s in self.stop if s]
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+        if not _is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -67,3 +78,7 @@ class SamplingParams:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

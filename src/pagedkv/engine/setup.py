@@ -6,6 +6,7 @@ The pool is sized by :meth:`KVCacheSpec.num_blocks_for` on ``kv_cache_memory`` (
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pagedkv.config import EngineConfig
@@ -15,6 +16,7 @@ from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig, kv_spec_for
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
+from pagedkv.model.validate import check_weights
 
 COMPUTE_DTYPE = "float32"  # bf16 matmuls are ~200x slower on these CPUs
 
@@ -45,6 +47,29 @@ def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     return requested or limit
 
 
+def cap_to_cache(max_len: int, cache_tokens: int, explicit: bool) -> int:
+    """``max_model_len`` no longer than the whole cache holds: capped when it came from the
+    model, an error (as vLLM gives) when the user asked for it."""
+    if max_len <= cache_tokens:
+        return max_len
+    if explicit:
+        raise ValueError(f"max_model_len {max_len} is larger than the KV cache holds ({cache_tokens} "
+                         f"tokens): raise --kv-cache-memory / --num-blocks or lower --max-model-len")
+    return cache_tokens
+
+
+def check_fits_in_ram(kv_bytes: int) -> None:
+    """Refuse a KV cache larger than this machine's physical memory (it would be OOM-killed
+    as it fills). Raises ValueError with both sizes in GiB (2^30 bytes)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if kv_bytes > ram:
+        raise ValueError(f"a KV cache of {kv_bytes / 2**30:.1f} GiB does not fit in this machine's "
+                         f"{ram / 2**30:.1f} GiB of memory")
+
+
 def kv_dtype(config: EngineConfig) -> str:
     return COMPUTE_DTYPE if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
 
@@ -56,11 +81,15 @@ def build_parts(config: EngineConfig) -> EngineParts:
     dtype = kv_dtype(config)
     spec = kv_spec_for(cfg, dtype, config.block_size)
     num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory)
+    check_fits_in_ram(num_blocks * spec.page_size_bytes)
+    max_len = cap_to_cache(max_len, num_blocks * config.block_size, config.max_model_len is not None)
     keys = (("model", str(files.folder.name)), ("weights", files.weights_version),
             ("kv_dtype", dtype), ("block_size", str(config.block_size)))
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
                         allocator=config.kv_allocator)
-    model = LlamaModel(cfg, load_state_dict(files.folder))
+    state = load_state_dict(files.folder)
+    check_weights(cfg, state)
+    model = LlamaModel(cfg, state)
     tokenizer = load_tokenizer(files.folder)
     eos = set(cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:

@@ -57,6 +57,13 @@ class ModelConfig:
         Raises:
             ValueError: for an architecture outside the Llama family or a missing field.
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "vocab_size", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = d.get(name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"config.json: {name} must be a positive integer, got {v!r}")
         arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; pagedkv runs {SUPPORTED_ARCHITECTURES}")
@@ -82,7 +89,12 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Raises ValueError for unreadable JSON or a bad field (see :meth:`from_dict`)."""
+        try:
+            d = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        return cls.from_dict(d)
 
 
 def _scaling(rope_params: dict) -> dict | None:

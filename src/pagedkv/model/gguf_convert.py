@@ -80,7 +80,10 @@ def _convert(gguf_path: Path, out: Path, digest: str) -> None:
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
 
-    reader = GGUFReader(str(gguf_path))
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError, IndexError, ...
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({e})") from None
     meta = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.t")}
     config = gguf_config(meta)
     tensors = {}
@@ -113,6 +116,10 @@ def gguf_config(meta: dict) -> dict:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported; pagedkv loads 'llama' GGUF files")
+    for key in ("llama.attention.head_count", "llama.embedding_length", "llama.feed_forward_length",
+                "llama.block_count"):
+        if meta.get(key) is None:
+            raise ValueError(f"GGUF metadata lacks {key!r}")
     heads = meta["llama.attention.head_count"]
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
@@ -142,6 +149,10 @@ def _save_tokenizer(gguf_path: Path, out: Path) -> None:
 
 
 def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError("this GGUF carries per-dimension RoPE factors (rope_freqs, Llama 3.1+ "
+                         "'llama3' scaling), which pagedkv does not read from GGUF yet; "
+                         "load the Hugging Face folder instead")
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)

@@ -94,7 +94,11 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     state = {}
     for f in files:
-        state.update({k: v.float() for k, v in load_file(str(f)).items()})
+        try:
+            tensors = load_file(str(f))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"cannot read weights {f}: {e}") from None
+        state.update({k: v.float() for k, v in tensors.items()})
     return state
 
 
@@ -103,4 +107,9 @@ def load_tokenizer(folder: Path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    if not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise FileNotFoundError(f"model folder {folder} has no tokenizer (tokenizer.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types
+        raise ValueError(f"cannot load the tokenizer in {folder}: {str(e).splitlines()[0]}") from None
