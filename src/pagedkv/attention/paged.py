@@ -19,6 +19,7 @@ from the pages, so the storage dtype rounds a token's KV the same way in prefill
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -37,6 +38,20 @@ class AttentionMetadata:
     """Where a step's tokens write (``slot_mapping`` ``[T]`` int64) and what each sequence reads."""
     slot_mapping: torch.Tensor
     seqs: list[SeqAttention]
+
+    @cached_property
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequences as two flat tensors for kernels, built once per step: ``seq_info``
+        ``[S, 5]`` int64 (query_start, query_len, context_len, table_offset, table_len) and
+        every block table concatenated, ``[sum table_len]`` int64."""
+        rows, offset = [], 0
+        for s in self.seqs:
+            n = s.block_table.numel()
+            rows.append((s.query_start, s.query_len, s.context_len, offset, n))
+            offset += n
+        tables = [s.block_table.to(torch.int64) for s in self.seqs]
+        return (torch.tensor(rows, dtype=torch.int64).view(-1, 5),
+                torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int64))
 
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

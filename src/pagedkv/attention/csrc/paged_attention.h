@@ -1,0 +1,39 @@
+// Fused CPU paged attention: shared declarations of the kernel (pure C++/OpenMP) and its
+// torch binding. Shape contract (same as pagedkv/attention/paged.py):
+//
+//   q            [T, num_heads, head_dim]                           fp32, contiguous
+//   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]   fp32 | fp16 | bf16, contiguous
+//   seq_info     [S, 5] int64: query_start, query_len, context_len, table_offset, table_len
+//   block_tables [sum table_len] int64: every sequence's block table, concatenated
+//   out          [T, num_heads, head_dim]                           fp32
+//
+// Query row r of sequence i sits at position context_len - query_len + r and sees keys
+// 0..position (causal); query head h reads KV head h / (num_heads / num_kv_heads).
+#pragma once
+
+#include <cstdint>
+
+namespace pagedkv {
+
+enum class KVType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+struct PagedAttentionArgs {
+  const float* q;             // [T, H, D]
+  const void* k_cache;        // [NB, BS, Hkv, D], element type kv_type
+  const void* v_cache;
+  KVType kv_type;
+  const int64_t* seq_info;    // [S, 5]
+  const int64_t* block_tables;
+  float* out;                 // [T, H, D]
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  int split;                  // context partitions on separate threads: -1 auto, 0 never, 1 always
+};
+
+// Head sizes the kernel is instantiated for (multiples of 16 floats).
+bool paged_attention_supports_head_dim(int64_t head_dim);
+
+// Runs the kernel; arguments must already be validated by the caller.
+void paged_attention_cpu(const PagedAttentionArgs& args);
+
+}  // namespace pagedkv

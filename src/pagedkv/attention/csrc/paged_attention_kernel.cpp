@@ -1,0 +1,377 @@
+// Fused CPU paged attention: reads K/V straight from the pages through each sequence's
+// block table (no gathered copy), online softmax page by page, flash-decoding partitions.
+// Shapes: see paged_attention.h. Plain C++ with GCC/Clang vector types (AVX-512 / AVX2 /
+// NEON under -march=native) and OpenMP; no torch headers, so it compiles in seconds.
+//
+// Work: a *tile* is up to kPrefillTile query rows of one sequence (1 for a decode); its
+// keys are cut into *partitions* of part_pages pages. A (row, head) keeps an online
+// softmax state (m, l, acc) over the pages of a partition; partition states are then
+// folded in partition order, and out = acc / l. A tile's partitions run in one work item,
+// or, when there are too few tiles to fill the threads, one item per partition with the
+// states stored in a scratch buffer and folded afterwards by the same fold function.
+//
+// Determinism (the engine's bit-identical greedy outputs rely on it): a (row, head)'s
+// arithmetic depends only on its position and the keys it sees; partitions are a function
+// of block_size alone. Neither the batch, the other rows of its chunk or tile, the thread
+// count nor the split choice changes any operation applied to it.
+
+#include "paged_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagedkv {
+namespace {
+
+constexpr int kLanes = 16;                 // floats per vf
+constexpr int64_t kPartitionTokens = 256;  // keys per partition (rounded down to whole pages)
+constexpr int64_t kPrefillTile = 4;        // query rows per tile of a multi-token chunk
+constexpr int64_t kMinParallelWork = 1 << 19;  // multiply-adds below which one thread is quicker
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// Sum of the 16 lanes as a fixed pairwise tree.
+inline float hsum(vf v) {
+  vf8 lo, hi; std::memcpy(&lo, &v, 32); std::memcpy(&hi, reinterpret_cast<char*>(&v) + 32, 32);
+  vf8 a = lo + hi;
+  vf4 b, c; std::memcpy(&b, &a, 16); std::memcpy(&c, reinterpret_cast<char*>(&a) + 16, 16);
+  vf4 d = b + c;
+  return (d[0] + d[2]) + (d[1] + d[3]);
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// e^x for x <= 0; lanes below ln(FLT_MIN) (and -inf) give 0. Cephes expf: x = n ln2 + r,
+// |r| <= ln2/2, degree-5 polynomial for e^r, 2^n built in the exponent bits (~1 ulp).
+inline vf exp_nonpos(vf x) {
+  const float lo = -87.33654f, magic = 12582912.0f;  // 1.5 * 2^23: round to integer
+  const vi under = x < splat(lo);
+  x = under ? splat(lo) : x;
+  const vf t = x * 1.44269504088896341f + magic;
+  const vf n = t - magic;
+  const vi ni = (vi)t - (vi)splat(magic);
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const vi bits = (ni + 127) << 23;
+  const vf res = y * (vf)bits;
+  return under ? splat(0.0f) : res;
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(man), -24);  // zero or subnormal
+    uint32_t b; std::memcpy(&b, &f, 4); b |= sign; std::memcpy(&f, &b, 4);
+    return f;
+  }
+  const uint32_t b = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &b, 4);
+  return f;
+#endif
+}
+
+void convert(const uint16_t* src, float* dst, int64_t n, KVType type) {
+  int64_t i = 0;
+  if (type == KVType::bf16) {
+    for (; i < n; ++i) {
+      const uint32_t b = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(dst + i, &b, 4);
+    }
+    return;
+  }
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+struct Tile {
+  int64_t seq, q0, nq, nparts;
+  int64_t scratch;  // float offset of its partition states, or -1 when folded in place
+};
+
+struct Item {
+  int64_t tile, p_begin, p_end;
+};
+
+// A softmax state is (m, l) in `ml` and acc[D]. noinline: the in-item fold and the
+// split-mode combine must run the very same instructions.
+template <int NV>
+__attribute__((noinline)) void fold(float* ml, float* acc, const float* ml2, const float* acc2) {
+  const float m = std::max(ml[0], ml2[0]);
+  const float w1 = std::exp(ml[0] - m), w2 = std::exp(ml2[0] - m);
+  ml[0] = m;
+  ml[1] = ml[1] * w1 + ml2[1] * w2;
+  for (int v = 0; v < NV; ++v)
+    storev(acc + v * kLanes, loadv(acc + v * kLanes) * w1 + loadv(acc2 + v * kLanes) * w2);
+}
+
+template <int NV>
+__attribute__((noinline)) void finalize(const float* ml, const float* acc, float* out) {
+  const float inv = 1.0f / ml[1];
+  for (int v = 0; v < NV; ++v) storev(out + v * kLanes, loadv(acc + v * kLanes) * inv);
+}
+
+template <int NV>
+class Kernel {
+ public:
+  static constexpr int64_t D = NV * kLanes;
+
+  explicit Kernel(const PagedAttentionArgs& a)
+      : a_(a), H_(a.num_heads), Hkv_(a.num_kv_heads), G_(a.num_heads / a.num_kv_heads),
+        BS_(a.block_size), bspad_((a.block_size + kLanes - 1) / kLanes * kLanes),
+        part_pages_(std::max<int64_t>(1, kPartitionTokens / a.block_size)) {}
+
+  void run() {
+    plan();
+    if (items_.empty()) return;
+    std::vector<float> scratch(scratch_size_);
+    const int64_t n_items = static_cast<int64_t>(items_.size()), n_split = static_cast<int64_t>(split_tiles_.size());
+    // One barrier per pass: on a shared machine every barrier waits for a descheduled thread.
+#pragma omp parallel if (n_items > 1 && work_ >= kMinParallelWork)
+    {
+      Workspace ws(*this);
+      if (n_split == 0) {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t i = 0; i < n_items; ++i) run_item(items_[i], ws, scratch.data());
+      } else {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; ++i) run_item(items_[i], ws, scratch.data());
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t i = 0; i < n_split; ++i) combine(tiles_[split_tiles_[i]], scratch.data());
+      }
+    }
+  }
+
+ private:
+  struct Workspace {
+    std::vector<float> kbuf, vbuf;      // a converted page [BS, Hkv, D] (fp16/bf16 caches)
+    std::vector<float> scores;          // [G, bspad]
+    std::vector<float> cur_ml, cur_acc; // partition state per (row, head): [R, 2], [R, D]
+    std::vector<float> run_ml, run_acc; // folded state
+    explicit Workspace(const Kernel& k) {
+      const int64_t R = kPrefillTile * k.H_;
+      if (k.a_.kv_type != KVType::f32) kbuf.resize(k.BS_ * k.Hkv_ * D), vbuf.resize(k.BS_ * k.Hkv_ * D);
+      scores.resize(k.G_ * k.bspad_);
+      cur_ml.resize(R * 2), cur_acc.resize(R * D), run_ml.resize(R * 2), run_acc.resize(R * D);
+    }
+  };
+
+  const int64_t* seq(int64_t s) const { return a_.seq_info + 5 * s; }
+  int64_t first_pos(const Tile& t) const { return seq(t.seq)[2] - seq(t.seq)[1] + t.q0; }
+  int64_t part_tokens() const { return part_pages_ * BS_; }
+  int64_t state_stride() const { return D + 2; }
+
+  void plan() {
+    for (int64_t s = 0; s < a_.num_seqs; ++s) {
+      const int64_t ql = seq(s)[1], ctx = seq(s)[2];
+      const int64_t tile = ql == 1 ? 1 : kPrefillTile;
+      for (int64_t q0 = 0; q0 < ql; q0 += tile) {
+        const int64_t nq = std::min(tile, ql - q0), last = ctx - ql + q0 + nq - 1;
+        tiles_.push_back({s, q0, nq, last / part_tokens() + 1, -1});
+        work_ += (last + 1) * nq * H_ * D;
+      }
+    }
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    const bool split = a_.split == 1 || (a_.split < 0 && static_cast<int64_t>(tiles_.size()) < 4 * threads);
+    for (int64_t t = 0; t < static_cast<int64_t>(tiles_.size()); ++t) {
+      Tile& tl = tiles_[t];
+      if (!split || tl.nparts == 1) {
+        items_.push_back({t, 0, tl.nparts});
+        continue;
+      }
+      tl.scratch = scratch_size_;
+      scratch_size_ += tl.nparts * tl.nq * H_ * state_stride();
+      split_tiles_.push_back(t);
+      for (int64_t p = 0; p < tl.nparts; ++p) items_.push_back({t, p, p + 1});
+    }
+  }
+
+  // Online-softmax update of the G query heads of one row (q: [G, D]) with keys 0..n-1 of one
+  // KV head of a page (k, v: key j at k + j * stride). ml: [G, 2], acc: [G, D].
+  void update_group(const float* q, const float* k, const float* v, int64_t n, float* sc,
+                    float* ml, float* acc) const {
+    const int64_t stride = Hkv_ * D;
+    for (int64_t j = 0; j < n; ++j) {
+      vf kj[NV];
+      for (int c = 0; c < NV; ++c) kj[c] = loadv(k + j * stride + c * kLanes);
+      for (int64_t h = 0; h < G_; ++h) {
+        const float* qh = q + h * D;
+        vf s = loadv(qh) * kj[0];
+        for (int c = 1; c < NV; ++c) s += loadv(qh + c * kLanes) * kj[c];
+        sc[h * bspad_ + j] = hsum(s) * a_.scale;
+      }
+    }
+    for (int64_t h = 0; h < G_; ++h) {
+      float* s = sc + h * bspad_;
+      for (int64_t j = n; j < bspad_; ++j) s[j] = kNegInf;
+      vf mx = loadv(s);
+      for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));
+      const float m_old = ml[2 * h], m_new = std::max(m_old, hmax(mx));
+      const float alpha = std::exp(m_old - m_new);
+      for (int64_t c = 0; c < bspad_; c += kLanes) storev(s + c, exp_nonpos(loadv(s + c) - m_new));
+      float lsum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) lsum += s[j];
+      ml[2 * h] = m_new;
+      ml[2 * h + 1] = ml[2 * h + 1] * alpha + lsum;
+      vf o[NV];
+      float* acc_h = acc + h * D;
+      for (int c = 0; c < NV; ++c) o[c] = loadv(acc_h + c * kLanes) * alpha;
+      for (int64_t j = 0; j < n; ++j) {
+        const float pj = s[j];
+        for (int c = 0; c < NV; ++c) o[c] += pj * loadv(v + j * stride + c * kLanes);
+      }
+      for (int c = 0; c < NV; ++c) storev(acc_h + c * kLanes, o[c]);
+    }
+  }
+
+  // K and V of page `block`'s first n slots as fp32 [BS, Hkv, D] (converted into ws if needed).
+  std::pair<const float*, const float*> page(int64_t block, int64_t n, Workspace& ws) const {
+    const int64_t off = block * BS_ * Hkv_ * D;
+    if (a_.kv_type == KVType::f32)
+      return {static_cast<const float*>(a_.k_cache) + off, static_cast<const float*>(a_.v_cache) + off};
+    convert(static_cast<const uint16_t*>(a_.k_cache) + off, ws.kbuf.data(), n * Hkv_ * D, a_.kv_type);
+    convert(static_cast<const uint16_t*>(a_.v_cache) + off, ws.vbuf.data(), n * Hkv_ * D, a_.kv_type);
+    return {ws.kbuf.data(), ws.vbuf.data()};
+  }
+
+  void run_item(const Item& it, Workspace& ws, float* scratch) const {
+    const Tile& tl = tiles_[it.tile];
+    const int64_t* sq = seq(tl.seq);
+    const int64_t pos0 = first_pos(tl), last = pos0 + tl.nq - 1;
+    const int64_t* table = a_.block_tables + sq[3];
+    for (int64_t p = it.p_begin; p < it.p_end; ++p) {
+      const int64_t b0 = p * part_pages_, b1 = std::min((p + 1) * part_pages_, last / BS_ + 1);
+      const int64_t i0 = std::max<int64_t>(0, b0 * BS_ - pos0);  // first row that sees partition p
+      for (int64_t r = i0 * H_; r < tl.nq * H_; ++r) ws.cur_ml[2 * r] = kNegInf, ws.cur_ml[2 * r + 1] = 0.0f;
+      std::fill(ws.cur_acc.begin() + i0 * H_ * D, ws.cur_acc.begin() + tl.nq * H_ * D, 0.0f);
+      for (int64_t b = b0; b < b1; ++b) {
+        const auto [kp, vp] = page(table[b], std::min(BS_, last - b * BS_ + 1), ws);
+        for (int64_t i = i0; i < tl.nq; ++i) {
+          const int64_t n = std::min(BS_, pos0 + i - b * BS_ + 1);
+          if (n <= 0) continue;
+          const float* q = a_.q + (sq[0] + tl.q0 + i) * H_ * D;
+          for (int64_t g = 0; g < Hkv_; ++g) {
+            const int64_t r = i * H_ + g * G_;
+            update_group(q + g * G_ * D, kp + g * D, vp + g * D, n, ws.scores.data(),
+                         ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D);
+          }
+        }
+      }
+      for (int64_t r = i0 * H_; r < tl.nq * H_; ++r) {
+        const float* ml = ws.cur_ml.data() + 2 * r;
+        const float* acc = ws.cur_acc.data() + r * D;
+        if (tl.scratch >= 0) {
+          float* st = scratch + tl.scratch + (p * tl.nq * H_ + r) * state_stride();
+          st[0] = ml[0], st[1] = ml[1];
+          std::memcpy(st + 2, acc, D * sizeof(float));
+        } else if (p == 0) {
+          ws.run_ml[2 * r] = ml[0], ws.run_ml[2 * r + 1] = ml[1];
+          std::memcpy(ws.run_acc.data() + r * D, acc, D * sizeof(float));
+        } else {
+          fold<NV>(ws.run_ml.data() + 2 * r, ws.run_acc.data() + r * D, ml, acc);
+        }
+      }
+    }
+    if (tl.scratch >= 0) return;
+    for (int64_t r = 0; r < tl.nq * H_; ++r)
+      finalize<NV>(ws.run_ml.data() + 2 * r, ws.run_acc.data() + r * D,
+                   a_.out + (sq[0] + tl.q0) * H_ * D + r * D);
+  }
+
+  // Split mode: fold each (row, head)'s partition states in partition order.
+  void combine(const Tile& tl, const float* scratch) const {
+    const int64_t pos0 = first_pos(tl), row0 = seq(tl.seq)[0] + tl.q0;
+    float ml[2];
+    std::vector<float> acc(D);
+    for (int64_t r = 0; r < tl.nq * H_; ++r) {
+      const int64_t nparts = (pos0 + r / H_) / part_tokens() + 1;
+      const float* st = scratch + tl.scratch + r * state_stride();
+      ml[0] = st[0], ml[1] = st[1];
+      std::memcpy(acc.data(), st + 2, D * sizeof(float));
+      for (int64_t p = 1; p < nparts; ++p) {
+        const float* sp = st + p * tl.nq * H_ * state_stride();
+        fold<NV>(ml, acc.data(), sp, sp + 2);
+      }
+      finalize<NV>(ml, acc.data(), a_.out + row0 * H_ * D + r * D);
+    }
+  }
+
+  const PagedAttentionArgs& a_;
+  const int64_t H_, Hkv_, G_, BS_, bspad_, part_pages_;
+  std::vector<Tile> tiles_;
+  std::vector<Item> items_;
+  std::vector<int64_t> split_tiles_;
+  int64_t scratch_size_ = 0;
+  int64_t work_ = 0;  // about the multiply-adds of QK^T (keys x rows x heads x head_dim)
+};
+
+template <int NV>
+void run_kernel(const PagedAttentionArgs& a) { Kernel<NV>(a).run(); }
+
+}  // namespace
+
+bool paged_attention_supports_head_dim(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: case 32: case 48: case 64: case 80: case 96: case 128: case 256: return true;
+    default: return false;
+  }
+}
+
+void paged_attention_cpu(const PagedAttentionArgs& a) {
+  switch (a.head_dim) {
+    case 16: return run_kernel<1>(a);
+    case 32: return run_kernel<2>(a);
+    case 48: return run_kernel<3>(a);
+    case 64: return run_kernel<4>(a);
+    case 80: return run_kernel<5>(a);
+    case 96: return run_kernel<6>(a);
+    case 128: return run_kernel<8>(a);
+    case 256: return run_kernel<16>(a);
+    default: return;  // unreachable: the binding checks paged_attention_supports_head_dim
+  }
+}
+
+}  // namespace pagedkv

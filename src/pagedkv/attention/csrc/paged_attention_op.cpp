@@ -1,0 +1,78 @@
+// torch binding of the fused CPU paged attention kernel: validates the tensors and registers
+//   torch.ops.pagedkv.paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, split=-1)
+// Shapes: see paged_attention.h. Only light ATen headers, to keep the JIT build short.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "paged_attention.h"
+
+namespace pagedkv {
+namespace {
+
+KVType kv_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return KVType::f32;
+    case at::kHalf: return KVType::f16;
+    case at::kBFloat16: return KVType::bf16;
+    default: TORCH_CHECK(false, "paged_attention: KV cache dtype must be float32, float16 or bfloat16, got ",
+                         t.scalar_type());
+  }
+}
+
+void check_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& info,
+                   const at::Tensor& tables) {
+  for (const at::Tensor* t : {&q, &k, &v, &info, &tables})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "paged_attention: tensors must be contiguous CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_attention: q must be float32 [T, H, D]");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+              "paged_attention: k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim] of one dtype");
+  TORCH_CHECK(q.size(2) == k.size(3), "paged_attention: q head_dim ", q.size(2), " != cache head_dim ", k.size(3));
+  TORCH_CHECK(k.size(2) > 0 && q.size(1) % k.size(2) == 0, "paged_attention: num_heads ", q.size(1),
+              " is not a multiple of num_kv_heads ", k.size(2));
+  TORCH_CHECK(paged_attention_supports_head_dim(q.size(2)), "paged_attention: head_dim ", q.size(2),
+              " is not supported by the kernel");
+  TORCH_CHECK(info.scalar_type() == at::kLong && info.dim() == 2 && info.size(1) == 5,
+              "paged_attention: seq_info must be int64 [S, 5]");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 1, "paged_attention: block_tables must be int64 [N]");
+}
+
+// Each sequence's rows, table slice and block ids must lie inside their tensors.
+void check_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor& info, const at::Tensor& tables) {
+  const int64_t* s = info.data_ptr<int64_t>();
+  const int64_t* bt = tables.data_ptr<int64_t>();
+  const int64_t T = q.size(0), nb = k.size(0), bs = k.size(1), n_tables = tables.numel();
+  for (int64_t i = 0; i < info.size(0); ++i, s += 5) {
+    const int64_t qs = s[0], ql = s[1], ctx = s[2], off = s[3], len = s[4];
+    TORCH_CHECK(qs >= 0 && ql >= 0 && qs + ql <= T && ql <= ctx, "paged_attention: sequence ", i,
+                " has query rows [", qs, ", ", qs + ql, ") and context_len ", ctx, " for ", T, " rows");
+    TORCH_CHECK(off >= 0 && len >= 0 && off + len <= n_tables && len * bs >= ctx, "paged_attention: sequence ", i,
+                " block table (", len, " blocks at ", off, ") does not cover context_len ", ctx);
+    for (int64_t b = 0; b < (ctx + bs - 1) / bs; ++b)
+      TORCH_CHECK_INDEX(bt[off + b] >= 0 && bt[off + b] < nb, "paged_attention: block id ", bt[off + b],
+                        " out of range [0, ", nb, ")");
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& seq_info, const at::Tensor& block_tables, double scale, int64_t split) {
+  check_tensors(q, k_cache, v_cache, seq_info, block_tables);
+  check_sequences(q, k_cache, seq_info, block_tables);
+  at::Tensor out = at::empty_like(q);  // [T, H, D]
+  PagedAttentionArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type(k_cache),
+                       seq_info.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), out.data_ptr<float>(),
+                       seq_info.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+                       static_cast<float>(scale), static_cast<int>(split)};
+  paged_attention_cpu(a);
+  return out;
+}
+
+}  // namespace
+}  // namespace pagedkv
+
+TORCH_LIBRARY(pagedkv, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_info, Tensor block_tables, "
+        "float scale, int split=-1) -> Tensor",
+        &pagedkv::paged_attention);
+}

@@ -1,0 +1,79 @@
+"""paged_attention: the fused CPU kernel where it is available, else the pure-torch reference.
+
+``PAGEDKV_ATTENTION`` (read at each call) picks the implementation:
+
+- unset or ``auto``: the kernel; if it cannot be built here (no C++ compiler, no ninja) one
+  warning is issued and the reference is used for the rest of the process. Inputs the kernel
+  does not cover (see ``kernel_supports``, e.g. CUDA tensors) go to the reference silently.
+- ``kernel``: the kernel or an error (``KernelBuildError``, ``ValueError``).
+- ``reference``: always the reference; nothing is compiled.
+
+Both give the same results within float rounding (tests/test_attention_kernel.py), and each
+is deterministic per query row (see ``csrc/paged_attention_kernel.cpp``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from pagedkv.attention.kernel import KernelBuildError, kernel_supports, load_kernel
+from pagedkv.attention.paged import AttentionMetadata, paged_attention_reference
+
+MODES = ("auto", "kernel", "reference")
+_warned: list[str] = []
+
+
+def attention_mode() -> str:
+    """The ``PAGEDKV_ATTENTION`` setting, validated.
+
+    Raises:
+        ValueError: for a value other than auto, kernel or reference.
+    """
+    mode = os.environ.get("PAGEDKV_ATTENTION", "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"PAGEDKV_ATTENTION={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _kernel_or_none(mode: str):
+    try:
+        return load_kernel()
+    except KernelBuildError as e:
+        if mode == "kernel":
+            raise
+        if not _warned:
+            _warned.append(str(e))
+            warnings.warn(f"pagedkv: the fused CPU paged-attention kernel is unavailable ({e}); "
+                          "using the pure-torch reference (set PAGEDKV_ATTENTION=reference to "
+                          "skip the build)", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal GQA attention of a step's queries over paged KV.
+
+    ``q`` ``[T, num_heads, head_dim]`` fp32; ``k_cache``/``v_cache``
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16); returns
+    ``[T, num_heads, head_dim]`` fp32. Full contract: :mod:`pagedkv.attention.paged`.
+
+    Raises:
+        ValueError: bad ``PAGEDKV_ATTENTION``, or ``kernel`` forced on inputs it does not cover.
+        KernelBuildError: ``kernel`` forced where it cannot be built.
+    """
+    mode = attention_mode()
+    if mode == "reference":
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    if not kernel_supports(q, k_cache, v_cache):
+        if mode == "kernel":
+            raise ValueError(f"the attention kernel does not cover q {tuple(q.shape)} {q.dtype} {q.device}"
+                             f" with a cache {tuple(k_cache.shape)} {k_cache.dtype}")
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    op = _kernel_or_none(mode)
+    if op is None:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    seq_info, tables = meta.packed
+    return op(q.contiguous(), k_cache, v_cache, seq_info, tables, scale)

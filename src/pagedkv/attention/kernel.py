@@ -1,0 +1,107 @@
+"""Build (JIT, at first use) and load the fused CPU paged-attention kernel.
+
+The C++ sources in ``csrc/`` are compiled once by ``torch.utils.cpp_extension.load``
+(ninja; ``-O3 -march=native -fopenmp``; about 10 s) into
+``$XDG_CACHE_HOME/pagedkv/torch_extensions/<tag>`` (``~/.cache`` when unset), and the
+library registers ``torch.ops.pagedkv.paged_attention``. The tag names the torch and Python
+versions and a hash of the CPU's model and flags, since ``-march=native`` code need not run
+on another CPU. A later load, in this process or another, finds the library up to date and
+skips the compile; concurrent builds wait on torch's lock file in the build directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("paged_attention_kernel.cpp", "paged_attention_op.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})  # instantiated in the kernel
+KV_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel could not be compiled or loaded here (no compiler, no ninja, a build error)."""
+
+
+def cpu_fingerprint() -> str:
+    """Short hash of this CPU's model name and feature flags (``/proc/cpuinfo`` where present)."""
+    text = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text += "".join(line for line in f if line.startswith(("model name", "flags", "Features")))
+    except OSError:
+        pass
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def build_directory() -> Path:
+    """Where the compiled library lives; created on demand."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-cpu{cpu_fingerprint()}"
+    return cache / "pagedkv" / "torch_extensions" / tag.replace("+", "_")
+
+
+def _build() -> Callable[..., torch.Tensor]:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"no C++ compiler: {compiler!r} is not on PATH")
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="pagedkv_attention", sources=[str(CSRC / s) for s in SOURCES],
+                       extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(directory),
+                       is_python_module=False, verbose=False)
+    return torch.ops.pagedkv.paged_attention
+
+
+def _summary(e: Exception) -> str:
+    """One line of a build failure: its first compiler error, else its last line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("Error building")]
+    return f"{type(e).__name__}: {(errors or lines or ['?'])[0 if errors else -1]}"
+
+
+_state: dict[str, object] = {}
+
+
+def load_kernel() -> Callable[..., torch.Tensor]:
+    """``torch.ops.pagedkv.paged_attention``, compiling it on the first call of the process.
+
+    The op: ``(q, k_cache, v_cache, seq_info, block_tables, scale, split=-1) -> out``, shapes
+    as in :mod:`pagedkv.attention.paged` (``seq_info``/``block_tables`` from
+    ``AttentionMetadata.packed``); ``split`` 0/1 forbids/forces running a sequence's context
+    partitions on separate threads (results are bit-identical either way; -1 decides).
+
+    Raises:
+        KernelBuildError: if it cannot be built or loaded; remembered, so later calls raise
+            at once instead of compiling again.
+    """
+    if "op" not in _state:
+        if "error" in _state:
+            raise _state["error"]  # type: ignore[misc]
+        try:
+            _state["op"] = _build()
+        except Exception as e:  # noqa: BLE001 - any build failure means "no kernel here"
+            _state["error"] = e if isinstance(e, KernelBuildError) else KernelBuildError(_summary(e))
+            raise _state["error"] from e  # type: ignore[misc]
+    return _state["op"]  # type: ignore[return-value]
+
+
+def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel covers these inputs (CPU, fp32 queries, contiguous caches of one
+    supported dtype, a head_dim it is instantiated for, whole GQA groups)."""
+    return (q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
+            and q.shape[-1] in HEAD_DIMS and q.shape[1] % k_cache.shape[2] == 0
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
