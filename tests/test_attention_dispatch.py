@@ -1,0 +1,126 @@
+"""The paged_attention dispatcher: PAGEDKV_ATTENTION=auto|kernel|reference, one warning and
+the reference when the kernel cannot be built (simulated, and for real with no compiler in
+a fresh cache), a build attempted at most once per process, and silent fallback for inputs
+the kernel does not cover."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from pagedkv.attention import dispatch, kernel
+from pagedkv.attention.dispatch import paged_attention
+from pagedkv.attention.kernel import KernelBuildError
+from pagedkv.attention.paged import paged_attention_reference
+
+from test_attention_kernel import make_batch
+
+
+@pytest.fixture
+def unbuildable(monkeypatch):
+    """A process where the kernel build fails; counts build attempts."""
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise RuntimeError("Error building extension 'pagedkv_attention'\nc++: not found")
+
+    monkeypatch.setattr(kernel, "_state", {})
+    monkeypatch.setattr(dispatch, "_warned", [])
+    monkeypatch.setattr(kernel, "_build", fail)
+    return calls
+
+
+def inputs(head_dim=64):
+    q, k, v, meta = make_batch([(1, 40), (9, 30)], head_dim=head_dim)
+    return q, k, v, meta, head_dim ** -0.5
+
+
+def test_reference_mode_never_builds(monkeypatch, unbuildable):
+    monkeypatch.setenv("PAGEDKV_ATTENTION", "reference")
+    args = inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(paged_attention(*args), paged_attention_reference(*args))
+    assert unbuildable == []
+
+
+def test_kernel_mode_uses_the_kernel(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_ATTENTION", "kernel")
+    q, k, v, meta, scale = inputs()
+    expected = kernel.load_kernel()(q, k, v, *meta.packed, scale)
+    assert torch.equal(paged_attention(q, k, v, meta, scale), expected)
+
+
+def test_auto_is_the_default_and_matches_reference(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_ATTENTION", raising=False)
+    assert dispatch.attention_mode() == "auto"
+    args = inputs()
+    torch.testing.assert_close(paged_attention(*args), paged_attention_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_mode_is_an_error(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="PAGEDKV_ATTENTION"):
+        paged_attention(*inputs())
+
+
+def test_build_failure_warns_once_and_uses_reference(monkeypatch, unbuildable):
+    monkeypatch.delenv("PAGEDKV_ATTENTION", raising=False)
+    args = inputs()
+    with pytest.warns(RuntimeWarning, match="unavailable .*c\\+\\+: not found.*reference"):
+        first = paged_attention(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = paged_attention(*args)
+    assert torch.equal(first, paged_attention_reference(*args)) and torch.equal(second, first)
+    assert len(unbuildable) == 1  # the failure is remembered, not retried per call
+
+
+def test_forced_kernel_raises_when_unbuildable(monkeypatch, unbuildable):
+    monkeypatch.setenv("PAGEDKV_ATTENTION", "kernel")
+    with pytest.raises(KernelBuildError, match="not found"):
+        paged_attention(*inputs())
+
+
+def test_uncovered_inputs_use_the_reference(monkeypatch, unbuildable):
+    args = inputs(head_dim=24)  # not a head_dim the kernel is instantiated for
+    monkeypatch.delenv("PAGEDKV_ATTENTION", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(paged_attention(*args), paged_attention_reference(*args))
+    monkeypatch.setenv("PAGEDKV_ATTENTION", "kernel")
+    with pytest.raises(ValueError, match="does not cover"):
+        paged_attention(*args)
+    assert unbuildable == []
+
+
+def test_loaded_once_per_process():
+    assert kernel.load_kernel() is kernel.load_kernel()
+
+
+def test_no_compiler_in_a_fresh_cache_falls_back(tmp_path):
+    script = textwrap.dedent("""
+        import warnings
+        import torch
+        from pagedkv.attention import paged_attention, paged_attention_reference
+        from test_attention_kernel import make_batch
+        q, k, v, meta = make_batch([(1, 40), (9, 30)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [paged_attention(q, k, v, meta, 0.125) for _ in range(3)]
+        assert all(torch.equal(o, paged_attention_reference(q, k, v, meta, 0.125)) for o in outs)
+        print(len(caught), caught[0].message if caught else "")
+    """)
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               PYTHONPATH=os.path.dirname(__file__), PAGEDKV_ATTENTION="auto")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    count, message = done.stdout.strip().split(" ", 1)
+    assert count == "1" and "kernel is unavailable" in message

@@ -1,0 +1,150 @@
+"""The fused CPU paged-attention kernel against the pure-torch reference: random inputs
+(never zeros), shuffled block tables, block-boundary and ragged lengths, GQA/MQA/MHA,
+fp16/bf16 pages, mixed prefill + decode batches; and its determinism: a query row's result
+is bit-identical alone, inside a big mixed batch, inside a prefill chunk, with 1 or 2
+threads and with context partitions split across threads or not."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from pagedkv.attention.kernel import KernelBuildError, load_kernel
+from pagedkv.attention.paged import AttentionMetadata, SeqAttention, paged_attention_reference
+
+BOUNDARY = [1, 15, 16, 17, 31, 32, 33, 64]
+
+
+@pytest.fixture(scope="module")
+def op():
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    try:
+        return load_kernel()
+    except KernelBuildError as e:
+        pytest.fail(f"the kernel did not build: {e}")
+
+
+def make_batch(specs, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32, seed=0,
+               spare_blocks=7):
+    """Random q and pages for sequences ``specs`` = [(query_len, context_len)], each with a
+    block table drawn from a shuffled pool; returns (q, k_cache, v_cache, meta)."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-ctx // block_size) for _, ctx in specs)
+    num_blocks = need + spare_blocks
+    shape = (num_blocks, block_size, kv_heads, head_dim)           # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    pool = torch.randperm(num_blocks, generator=g)
+    seqs, row, used = [], 0, 0
+    for query_len, ctx in specs:
+        n = -(-ctx // block_size)
+        seqs.append(SeqAttention(row, query_len, ctx, pool[used:used + n].clone()))
+        used, row = used + n, row + query_len
+    q = torch.randn(row, heads, head_dim, generator=g)             # [T, heads, head_dim]
+    return q, k_cache, v_cache, AttentionMetadata(torch.zeros(row, dtype=torch.int64), seqs)
+
+
+def run(op, q, k, v, meta, split=-1):
+    return op(q, k, v, *meta.packed, q.shape[-1] ** -0.5, split)
+
+
+def check(op, q, k, v, meta, rtol=1e-5, atol=1e-5):
+    ref = paged_attention_reference(q, k, v, meta, q.shape[-1] ** -0.5)
+    out = run(op, q, k, v, meta)
+    assert out.abs().max() > 0.1  # the inputs are not degenerate
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    return out
+
+
+@pytest.mark.parametrize("ctx", BOUNDARY)
+def test_decode_at_block_boundaries(op, ctx):
+    check(op, *make_batch([(1, ctx)], seed=ctx))
+
+
+@pytest.mark.parametrize("ctx", BOUNDARY)
+def test_prefill_at_block_boundaries(op, ctx):
+    check(op, *make_batch([(ctx, ctx)], seed=ctx))                 # a whole prompt
+    check(op, *make_batch([(max(1, ctx // 2), ctx)], seed=ctx))    # a later chunk of it
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4), (12, 2)])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_gqa_mqa_mha(op, heads, kv_heads, head_dim):
+    check(op, *make_batch([(1, 40), (7, 23), (1, 1), (20, 100)], heads, kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_half_precision_pages(op, dtype, head_dim):
+    # the reference widens the same stored values, so fp32 tolerances still hold
+    check(op, *make_batch([(1, 33), (13, 70), (1, 300), (5, 5)], head_dim=head_dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32, 48])
+def test_other_block_sizes(op, block_size):
+    check(op, *make_batch([(1, 97), (9, 50), (1, 300)], block_size=block_size))
+
+
+def test_mixed_ragged_batch(op):
+    g = torch.Generator().manual_seed(1)
+    specs = []
+    for _ in range(24):
+        ctx = int(torch.randint(1, 700, (1,), generator=g))
+        query_len = 1 if torch.rand(1, generator=g) < 0.6 else int(torch.randint(1, ctx + 1, (1,), generator=g))
+        specs.append((query_len, ctx))
+    check(op, *make_batch(specs, seed=1))
+
+
+def test_long_contexts_across_partitions(op):
+    # 256-token partitions: 255..257, 511..513 and a 3,000-token context, split or not
+    specs = [(1, 255), (1, 256), (1, 257), (3, 513), (1, 3000), (40, 600)]
+    q, k, v, meta = make_batch(specs, seed=2)
+    out = check(op, q, k, v, meta)
+    for split in (0, 1):
+        assert torch.equal(run(op, q, k, v, meta, split), out)
+
+
+def test_row_alone_equals_row_in_big_batch_and_chunk(op):
+    """Each row, computed as a lone decode over its own visible keys, is bit-identical to the
+    same row computed inside a 600-token mixed batch (its chunk, other sequences around it)."""
+    specs = [(1, 900), (37, 300), (1, 17), (200, 530), (1, 64), (16, 16), (1, 2049)]
+    q, k, v, meta = make_batch(specs, seed=3)
+    full = run(op, q, k, v, meta)
+    for s in meta.seqs:
+        for r in sorted({0, 1, s.query_len // 2, s.query_len - 1} & set(range(s.query_len))):
+            row = s.query_start + r
+            ctx = s.context_len - s.query_len + r + 1                 # the row's visible keys
+            alone = AttentionMetadata(torch.zeros(1, dtype=torch.int64),
+                                      [SeqAttention(0, 1, ctx, s.block_table[:-(-ctx // 16)])])
+            for split in (0, 1):
+                assert torch.equal(run(op, q[row:row + 1], k, v, alone, split), full[row:row + 1]), (s, r)
+
+
+def test_thread_count_does_not_change_bits(op):
+    q, k, v, meta = make_batch([(1, 700), (30, 400), (1, 5)], seed=4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(op, q, k, v, meta)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(run(op, q, k, v, meta), one)
+
+
+def test_rejects_bad_metadata(op):
+    q, k, v, meta = make_batch([(1, 40)])
+    info, tables = meta.packed
+    bad = tables.clone()
+    bad[1] = k.shape[0]
+    with pytest.raises(IndexError, match="out of range"):
+        op(q, k, v, info, bad, 0.125)
+    short = info.clone()
+    short[0, 4] = 2                                                # 2 blocks cannot hold 40 tokens
+    with pytest.raises(RuntimeError, match="does not cover"):
+        op(q, k, v, short, tables, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(q.double(), k, v, info, tables, 0.125)
