@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedkv.attention.paged import AttentionMetadata, paged_attention_reference
+from pagedkv.attention.dispatch import paged_attention
+from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.rope import RotaryEmbedding
@@ -49,7 +50,7 @@ class LlamaLayer:
         q = rope.apply(q.view(T, cfg.num_attention_heads, cfg.head_dim), positions)
         k = rope.apply(k.view(T, cfg.num_key_value_heads, cfg.head_dim), positions)
         kv.write(idx, meta.slot_mapping, k, v.view(T, cfg.num_key_value_heads, cfg.head_dim))
-        attn = paged_attention_reference(q, kv.k[idx], kv.v[idx], meta, cfg.head_dim ** -0.5)
+        attn = paged_attention(q, kv.k[idx], kv.v[idx], meta, cfg.head_dim ** -0.5)
         x = x + F.linear(attn.reshape(T, self.q_size), self.o)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
