@@ -87,12 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.set_defaults(func=_run_generate)
     from pagedkv.bench.cli import add_parser as add_bench
+    from pagedkv.eval.cli import add_parser as add_eval
     from pagedkv.planner.cli import add_parser as add_plan
     from pagedkv.server.cli import add_parser as add_serve
 
     add_plan(sub)
     add_serve(sub)
     add_bench(sub)
+    add_eval(sub)
     return parser
 
 

@@ -33,6 +33,7 @@ class RequestOutput:
     tpot: float | None = None
     e2e: float | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None  # per prompt position; None at 0
     token_times: list[float] = field(default_factory=list, repr=False)
 
 
@@ -72,4 +73,6 @@ def make_output(req: Request, text: str) -> RequestOutput:
         num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
         stop_reason=req.stop_reason, error=req.error, ttft=ttft, tpot=tpot, e2e=e2e,
         logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+        prompt_logprobs=([req.prompt_logprobs.get(i) for i in range(req.num_prompt_tokens)]
+                         if req.sampling_params.prompt_logprobs is not None else None),
         token_times=list(req.token_times))

@@ -48,6 +48,7 @@ class Request:
     max_tokens: int = 0                # resolved against max_model_len by the engine
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)  # position -> log p
     first_token_time: float | None = None
     last_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

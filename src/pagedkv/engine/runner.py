@@ -46,9 +46,11 @@ class ModelRunner:
                 meta, sample_rows)
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Forward the step; returns the sampled token of each request that samples."""
+        """Forward the step; returns the sampled token of each request that samples.
+        Requests asking for prompt logprobs get them filled in (``Request.prompt_logprobs``)."""
         ids, positions, meta, rows = self.prepare(out)
         hidden = self.model.forward(ids, positions, self.storage, meta)
+        self._prompt_logprobs(out, hidden)
         samplers = [s.request for s in out.scheduled if s.samples]
         if not samplers:
             return {}
@@ -56,3 +58,18 @@ class ModelRunner:
         tokens = sample(logits, [r.sampling_params for r in samplers],
                         [r.generator or self.generator for r in samplers])
         return {r.request_id: t for r, t in zip(samplers, tokens)}
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """log p(prompt token t+1 | tokens <= t) for the prompt positions of this step's
+        chunks, for requests with ``sampling_params.prompt_logprobs`` set (natural log)."""
+        row = 0
+        for s in out.scheduled:
+            req, start, n = s.request, s.start, s.num_new_tokens
+            last = min(start + n, req.num_prompt_tokens - 1)  # positions with a next prompt token
+            if req.sampling_params.prompt_logprobs is not None and start < last:
+                logp = torch.log_softmax(self.model.logits(hidden[row:row + last - start]), dim=-1)
+                targets = torch.tensor(req.all_token_ids[start + 1:last + 1])
+                values = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                for pos, v in zip(range(start + 1, last + 1), values):
+                    req.prompt_logprobs[pos] = v
+            row += n

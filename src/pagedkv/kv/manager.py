@@ -79,7 +79,7 @@ class KVCacheManager:
         """Longest cached prefix of ``req`` in whole blocks, leaving >= 1 token to compute
         (the last token's logits are needed). Does not pin: pass the result to
         ``allocate_slots`` in the same scheduling step."""
-        if not self.enable_prefix_caching or req.num_computed_tokens:
+        if not self.enable_prefix_caching or req.num_computed_tokens or _wants_prompt_logits(req):
             return ComputedBlocks([], 0)
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
@@ -185,3 +185,9 @@ class KVCacheManager:
         for b in range(self.pool.num_blocks):
             assert self.pool.ref_cnt[b] == held[b], (
                 f"block {b}: ref count {self.pool.ref_cnt[b]} but held by {held[b]} tables")
+
+
+def _wants_prompt_logits(req) -> bool:
+    """A request asking for prompt logprobs must compute its whole prompt."""
+    params = getattr(req, "sampling_params", None)
+    return getattr(params, "prompt_logprobs", None) is not None

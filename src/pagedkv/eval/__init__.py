@@ -1,0 +1,1 @@
+"""Quality evaluation of KV-cache settings (``pagedkv eval``)."""
