@@ -20,109 +20,34 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "vec.h"
 
 namespace pagedkv {
 namespace {
 
-constexpr int kLanes = 16;                 // floats per vf
+using namespace vec;  // NOLINT: the kernel is written in these helpers
+
 constexpr int64_t kPartitionTokens = 256;  // keys per partition (rounded down to whole pages)
 constexpr int64_t kPrefillTile = 4;        // query rows per tile of a multi-token chunk
 constexpr int64_t kMinParallelWork = 1 << 19;  // multiply-adds below which one thread is quicker
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-typedef float vf __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-
-inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-
-// Sum of the 16 lanes as a fixed pairwise tree.
-inline float hsum(vf v) {
-  vf8 lo, hi; std::memcpy(&lo, &v, 32); std::memcpy(&hi, reinterpret_cast<char*>(&v) + 32, 32);
-  vf8 a = lo + hi;
-  vf4 b, c; std::memcpy(&b, &a, 16); std::memcpy(&c, reinterpret_cast<char*>(&a) + 16, 16);
-  vf4 d = b + c;
-  return (d[0] + d[2]) + (d[1] + d[3]);
-}
-
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-// e^x for x <= 0; lanes below ln(FLT_MIN) (and -inf) give 0. Cephes expf: x = n ln2 + r,
-// |r| <= ln2/2, degree-5 polynomial for e^r, 2^n built in the exponent bits (~1 ulp).
-inline vf exp_nonpos(vf x) {
-  const float lo = -87.33654f, magic = 12582912.0f;  // 1.5 * 2^23: round to integer
-  const vi under = x < splat(lo);
-  x = under ? splat(lo) : x;
-  const vf t = x * 1.44269504088896341f + magic;
-  const vf n = t - magic;
-  const vi ni = (vi)t - (vi)splat(magic);
-  vf r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  const vi bits = (ni + 127) << 23;
-  const vf res = y * (vf)bits;
-  return under ? splat(0.0f) : res;
-}
-
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  float f;
-  if (exp == 0) {
-    f = std::ldexp(static_cast<float>(man), -24);  // zero or subnormal
-    uint32_t b; std::memcpy(&b, &f, 4); b |= sign; std::memcpy(&f, &b, 4);
-    return f;
+// The next page's K/V bytes, prefetched a key at a time while the current page is computed
+// (block tables are shuffled, so hardware prefetchers cannot guess the next page).
+struct Prefetch {
+  const char *k = nullptr, *v = nullptr;
+  int64_t slot_bytes = 0, head_bytes = 0;  // one slot (all KV heads), one KV head
+  void key(int64_t j, int64_t g) const {
+    if (k == nullptr) return;
+    const int64_t off = j * slot_bytes + g * head_bytes;
+    for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(k + off + b), __builtin_prefetch(v + off + b);
   }
-  const uint32_t b = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-  std::memcpy(&f, &b, 4);
-  return f;
-#endif
-}
-
-void convert(const uint16_t* src, float* dst, int64_t n, KVType type) {
-  int64_t i = 0;
-  if (type == KVType::bf16) {
-    for (; i < n; ++i) {
-      const uint32_t b = static_cast<uint32_t>(src[i]) << 16;
-      std::memcpy(dst + i, &b, 4);
-    }
-    return;
-  }
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
-}
+};
 
 struct Tile {
   int64_t seq, q0, nq, nparts;
@@ -231,10 +156,14 @@ class Kernel {
 
   // Online-softmax update of the G query heads of one row (q: [G, D]) with keys 0..n-1 of one
   // KV head of a page (k, v: key j at k + j * stride). ml: [G, 2], acc: [G, D].
+  // pf: the next page, for KV head g (keys n..BS-1 are prefetched with the last key).
   void update_group(const float* q, const float* k, const float* v, int64_t n, float* sc,
-                    float* ml, float* acc) const {
+                    float* ml, float* acc, const Prefetch& pf, int64_t g) const {
     const int64_t stride = Hkv_ * D;
     for (int64_t j = 0; j < n; ++j) {
+      pf.key(j, g);
+      if (j == n - 1)
+        for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
       vf kj[NV];
       for (int c = 0; c < NV; ++c) kj[c] = loadv(k + j * stride + c * kLanes);
       for (int64_t h = 0; h < G_; ++h) {
@@ -252,8 +181,9 @@ class Kernel {
       const float m_old = ml[2 * h], m_new = std::max(m_old, hmax(mx));
       const float alpha = std::exp(m_old - m_new);
       for (int64_t c = 0; c < bspad_; c += kLanes) storev(s + c, exp_nonpos(loadv(s + c) - m_new));
-      float lsum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) lsum += s[j];
+      vf psum = loadv(s);  // masked lanes are exactly 0: a fixed lane-wise tree, whatever n is
+      for (int64_t c = kLanes; c < bspad_; c += kLanes) psum += loadv(s + c);
+      const float lsum = hsum(psum);
       ml[2 * h] = m_new;
       ml[2 * h + 1] = ml[2 * h + 1] * alpha + lsum;
       vf o[NV];
@@ -277,6 +207,12 @@ class Kernel {
     return {ws.kbuf.data(), ws.vbuf.data()};
   }
 
+  Prefetch prefetch(int64_t block) const {
+    const int64_t elem = a_.kv_type == KVType::f32 ? 4 : 2, off = block * BS_ * Hkv_ * D * elem;
+    return {static_cast<const char*>(a_.k_cache) + off, static_cast<const char*>(a_.v_cache) + off,
+            Hkv_ * D * elem, D * elem};
+  }
+
   void run_item(const Item& it, Workspace& ws, float* scratch) const {
     const Tile& tl = tiles_[it.tile];
     const int64_t* sq = seq(tl.seq);
@@ -287,8 +223,10 @@ class Kernel {
       const int64_t i0 = std::max<int64_t>(0, b0 * BS_ - pos0);  // first row that sees partition p
       for (int64_t r = i0 * H_; r < tl.nq * H_; ++r) ws.cur_ml[2 * r] = kNegInf, ws.cur_ml[2 * r + 1] = 0.0f;
       std::fill(ws.cur_acc.begin() + i0 * H_ * D, ws.cur_acc.begin() + tl.nq * H_ * D, 0.0f);
+      const int64_t b_end = std::min(it.p_end * part_pages_, last / BS_ + 1);  // the item's last page + 1
       for (int64_t b = b0; b < b1; ++b) {
         const auto [kp, vp] = page(table[b], std::min(BS_, last - b * BS_ + 1), ws);
+        const Prefetch next = b + 1 < b_end ? prefetch(table[b + 1]) : Prefetch{};
         for (int64_t i = i0; i < tl.nq; ++i) {
           const int64_t n = std::min(BS_, pos0 + i - b * BS_ + 1);
           if (n <= 0) continue;
@@ -296,7 +234,7 @@ class Kernel {
           for (int64_t g = 0; g < Hkv_; ++g) {
             const int64_t r = i * H_ + g * G_;
             update_group(q + g * G_ * D, kp + g * D, vp + g * D, n, ws.scores.data(),
-                         ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D);
+                         ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D, i == i0 ? next : Prefetch{}, g);
           }
         }
       }

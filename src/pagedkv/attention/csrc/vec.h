@@ -1,0 +1,112 @@
+// Vector helpers of the CPU paged-attention kernel: 16-float GCC/Clang vector types (one
+// AVX-512 register, two AVX2 or four NEON ones under -march=native), a fixed-order lane sum,
+// exp for non-positive inputs, and fp16/bf16 -> fp32 page conversion. Header-only; included
+// by paged_attention_kernel.cpp alone.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "paged_attention.h"
+
+namespace pagedkv {
+namespace vec {
+
+constexpr int kLanes = 16;  // floats per vf
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// Sum of the 16 lanes as a fixed pairwise tree.
+inline float hsum(vf v) {
+  vf8 lo, hi; std::memcpy(&lo, &v, 32); std::memcpy(&hi, reinterpret_cast<char*>(&v) + 32, 32);
+  vf8 a = lo + hi;
+  vf4 b, c; std::memcpy(&b, &a, 16); std::memcpy(&c, reinterpret_cast<char*>(&a) + 16, 16);
+  vf4 d = b + c;
+  return (d[0] + d[2]) + (d[1] + d[3]);
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// e^x for x <= 0; lanes below ln(FLT_MIN) (and -inf) give 0. Cephes expf: x = n ln2 + r,
+// |r| <= ln2/2, degree-5 polynomial for e^r, 2^n built in the exponent bits (~1 ulp).
+inline vf exp_nonpos(vf x) {
+  const float lo = -87.33654f, magic = 12582912.0f;  // 1.5 * 2^23: round to integer
+  const vi under = x < splat(lo);
+  x = under ? splat(lo) : x;
+  const vf t = x * 1.44269504088896341f + magic;
+  const vf n = t - magic;
+  const vi ni = (vi)t - (vi)splat(magic);
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const vi bits = (ni + 127) << 23;
+  const vf res = y * (vf)bits;
+  return under ? splat(0.0f) : res;
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(man), -24);  // zero or subnormal
+    uint32_t b; std::memcpy(&b, &f, 4); b |= sign; std::memcpy(&f, &b, 4);
+    return f;
+  }
+  const uint32_t b = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &b, 4);
+  return f;
+#endif
+}
+
+// fp16 or bf16 values to fp32 (exact).
+inline void convert(const uint16_t* src, float* dst, int64_t n, KVType type) {
+  int64_t i = 0;
+  if (type == KVType::bf16) {
+    for (; i < n; ++i) {
+      const uint32_t b = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(dst + i, &b, 4);
+    }
+    return;
+  }
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+}  // namespace vec
+}  // namespace pagedkv
