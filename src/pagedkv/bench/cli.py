@@ -90,7 +90,8 @@ def _add_common(c: argparse.ArgumentParser, name: str) -> None:
     r.add_argument("--systems", default=systems, help="comma-separated systems (default: %(default)s)")
     r.add_argument("--repeats", type=int, default=1, help="runs per system; medians are reported")
     r.add_argument("--hf-batch-size", type=int, default=16, help="HF static batch size (default: %(default)s)")
-    r.add_argument("--output", type=Path, help="write the JSON result here")
+    r.add_argument("--output", type=Path,
+                   help="write the JSON result here (also after every run, marked incomplete, until the end)")
     r.add_argument("--plot", type=Path, help="write a PNG plot here")
     r.add_argument("--json", action="store_true", help="print the JSON result to stdout instead of tables")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
@@ -127,7 +128,7 @@ def settings_from_args(a: argparse.Namespace):
     return Settings(engine=kw, systems=systems, dataset=a.dataset, num_prompts=a.num_prompts,
                     max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos,
                     request_rate=a.request_rate, repeats=a.repeats, hf_batch_size=a.hf_batch_size,
-                    seed=a.workload_seed, progress=a.progress, quick_machine=a.quick_measure)
+                    seed=a.workload_seed, progress=a.progress, quick_machine=a.quick_measure, checkpoint=a.output)
 
 
 def run_bench(a: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pagedkv.bench import report
 from pagedkv.bench.driver import drive
 from pagedkv.bench.metrics import distribution
-from pagedkv.bench.suite import Context, Settings, make_context, make_engine, roofline_entry
+from pagedkv.bench.suite import Context, Settings, checkpoint, finish, make_context, make_engine, roofline_entry
 from pagedkv.bench.workloads import BenchRequest, chat_ids, hh_rlhf_conversations, shared_prefix_workload
 
 
@@ -107,7 +107,8 @@ def prefix(settings: Settings, replay_conversations: int = 16, replay_turns: int
             m, rest = shared_prefix_run(ctx, caching, workload)
             result["runs"].append({"system": system, "repeat": rep, "metrics": m,
                                    "roofline": roofline_entry(ctx, rest.metrics(), rest.steps, workload[1:], False)})
-    report.summarize(result)
+            checkpoint(ctx, result)
+    finish(ctx, result)
     ratio = report.add_ratio(result, "off/on mean TTFT after the first", "prefix-caching-off", "prefix-caching-on",
                              "metrics.rest_ttft_s.mean")
     report.add_ratio(result, "off/on prefill tokens", "prefix-caching-off", "prefix-caching-on",
@@ -116,9 +117,7 @@ def prefix(settings: Settings, replay_conversations: int = 16, replay_turns: int
     if replay_conversations:
         result["replay"] = replay(ctx, replay_conversations, replay_turns, replay_max_tokens,
                                   settings.max_prompt_tokens)
-    result["machine"] = ctx.machine_info()
-    result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict()}
-    return result
+    return finish(ctx, result)
 
 
 def _common_prefix(workload: list[BenchRequest]) -> int:

@@ -19,6 +19,7 @@ import gc
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagedkv.bench import baselines, report
 from pagedkv.bench.driver import drive, warm_up
@@ -45,9 +46,14 @@ class Settings:
     seed: int = 0
     progress: bool = True
     quick_machine: bool = False
+    checkpoint: Path | None = None
 
     def to_dict(self) -> dict:
-        return {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in self.__dict__.items()}
+        def plain(v):
+            if isinstance(v, float) and v == float("inf"):
+                return "inf"
+            return str(v) if isinstance(v, Path) else v
+        return {k: plain(v) for k, v in self.__dict__.items()}
 
 
 @dataclass
@@ -179,13 +185,31 @@ def run_systems(ctx: Context, command: str, workload: list[BenchRequest], ideal:
             except baselines.BaselineUnavailable as e:
                 result["skipped"][system] = str(e)
                 continue
+            except Exception as e:  # noqa: BLE001 - a failing baseline must not lose the other runs
+                if system in ENGINE_SYSTEMS:
+                    raise
+                result["skipped"][system] = f"failed: {type(e).__name__}: {e}"
+                continue
             result["runs"].append({"system": system, "repeat": rep, "metrics": metrics,
                                    "roofline": roofline_entry(ctx, metrics, steps, workload, ideal)})
+            checkpoint(ctx, result)
+    return finish(ctx, result)
+
+
+def finish(ctx: Context, result: dict) -> dict:
+    """Machine, model and series sections, and the medians over repeats."""
     result["machine"] = ctx.machine_info()
     result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict() if ctx.cost else None}
     result["series"] = ctx.series
     report.summarize(result)
     return result
+
+
+def checkpoint(ctx: Context, result: dict) -> None:
+    """Write the runs so far to ``settings.checkpoint`` (marked ``"complete": false``), so a
+    long run that is stopped keeps what it measured; the final write replaces it."""
+    if ctx.settings.checkpoint is not None:
+        report.write_json(finish(ctx, dict(result, summary={})) | {"complete": False}, ctx.settings.checkpoint)
 
 
 def _one(ctx: Context, system: str, workload: list[BenchRequest]) -> tuple[dict, list | None]:
@@ -274,9 +298,8 @@ def latency(settings: Settings) -> dict:
             result["runs"].append({"system": system, "repeat": rep, "metrics": metrics,
                                    "roofline": {"weight_read_tokens_per_s": bound_tps,
                                                 "fraction_of_weight_read": tps / bound_tps}})
-    result["machine"] = ctx.machine_info()
-    result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict()}
-    report.summarize(result)
+            checkpoint(ctx, result)
+    finish(ctx, result)
     report.add_goal(result, "single-stream decode vs weight-read bound",
                     result["summary"]["pagedkv"].get("roofline.fraction_of_weight_read"), 0.8)
     if "hf" in result["summary"]:
