@@ -2,6 +2,7 @@
 //   torch.ops.pagedkv.paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, split=-1)
 // Shapes: see paged_attention.h. Only light ATen headers, to keep the JIT build short.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -64,6 +65,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                        seq_info.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), out.data_ptr<float>(),
                        seq_info.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
                        static_cast<float>(scale), static_cast<int>(split)};
+  at::internal::lazy_init_num_threads();  // this thread's OpenMP team size = torch.get_num_threads()
   paged_attention_cpu(a);
   return out;
 }
