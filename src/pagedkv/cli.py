@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf path or HF folder (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV storage dtype")
+    g.add_argument("--kv-cache-scale", default="per-token-head", choices=("per-token-head", "per-head", "per-tensor"),
+                   help="scale granularity of int8/fp8 pages (default: %(default)s)")
     g.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget, e.g. 512MiB (default: %(default)s)")
     g.add_argument("--num-blocks", type=int, default=None, help="exact number of KV pages (overrides --kv-cache-memory)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per step")
@@ -40,6 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
+                kv_cache_scale=a.kv_cache_scale,
                 kv_cache_memory=a.kv_cache_memory, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 enable_prefix_caching=a.enable_prefix_caching, kv_allocator=a.kv_allocator, seed=a.seed)

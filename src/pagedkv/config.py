@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -43,7 +44,10 @@ class EngineConfig:
     Attributes:
         model: model name, ``.gguf`` path or Hugging Face folder.
         block_size: token slots per KV page.
-        kv_cache_dtype: KV storage dtype; ``auto`` = the compute dtype (float32 on CPU).
+        kv_cache_dtype: KV storage dtype; ``auto`` = the compute dtype (float32 on CPU);
+            int8 / fp8_e4m3 / fp8_e5m2 store quantized pages with fp32 scales.
+        kv_cache_scale: scale granularity of quantized pages: per-token-head (default),
+            per-head or per-tensor (static, calibrated on a layer's first write).
         kv_cache_memory: KV budget in bytes (default 4 GiB, like vLLM's CPU backend);
             ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
@@ -62,6 +66,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    kv_cache_scale: str = "per-token-head"
     kv_cache_memory: int | str = 4 * 2**30
     num_blocks: int | None = None
     max_num_seqs: int = 256
@@ -85,6 +90,8 @@ class EngineConfig:
             self.model = str(self.model)  # a pathlib.Path names a model too
         if self.kv_allocator not in ("paged", "contiguous"):
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
+        if self.kv_cache_scale not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

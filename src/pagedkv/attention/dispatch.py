@@ -53,18 +53,25 @@ def _kernel_or_none(mode: str):
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of a step's queries over paged KV.
 
     ``q`` ``[T, num_heads, head_dim]`` fp32; ``k_cache``/``v_cache``
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16); returns
     ``[T, num_heads, head_dim]`` fp32. Full contract: :mod:`pagedkv.attention.paged`.
+    Quantized pages (int8/fp8 with ``k_scale``/``v_scale``) are read by the reference,
+    which dequantizes a gathered copy (the kernel does not read them yet).
 
     Raises:
         ValueError: bad ``PAGEDKV_ATTENTION``, or ``kernel`` forced on inputs it does not cover.
         KernelBuildError: ``kernel`` forced where it cannot be built.
     """
     mode = attention_mode()
+    if k_scale is not None:
+        if mode == "kernel":
+            raise ValueError("the attention kernel does not read quantized (int8/fp8) pages yet")
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     if mode == "reference":
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
     if not kernel_supports(q, k_cache, v_cache):

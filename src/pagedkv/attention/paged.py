@@ -54,10 +54,21 @@ class AttentionMetadata:
                 torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int64))
 
 
-def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Contiguous ``[length, num_kv_heads, head_dim]`` fp32 copy of a sequence's first ``length`` tokens."""
-    pages = cache.index_select(0, block_table)           # [nb, block_size, kv_heads, head_dim]
-    return pages.flatten(0, 1)[:length].float()           # [length, kv_heads, head_dim]
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Contiguous ``[length, num_kv_heads, head_dim]`` fp32 copy of a sequence's first ``length``
+    tokens; quantized pages are multiplied by their ``scale`` (``[num_blocks, block_size,
+    kv_heads]`` per token and head, ``[kv_heads]`` per head, or ``[1]``)."""
+    if cache.element_size() == 1:  # int8/fp8: index_select has no fp8 kernel on CPU; move bytes
+        pages = cache.view(torch.uint8).index_select(0, block_table).view(cache.dtype)
+    else:
+        pages = cache.index_select(0, block_table)       # [nb, block_size, kv_heads, head_dim]
+    out = pages.flatten(0, 1)[:length].float()            # [length, kv_heads, head_dim]
+    if scale is None:
+        return out
+    if scale.dim() == 3:
+        return out * scale.index_select(0, block_table).flatten(0, 1)[:length].unsqueeze(-1)
+    return out * scale.view(1, -1, 1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -81,12 +92,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention over paged KV, one sequence at a time (see the module's shape contract)."""
+                              meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over paged KV, one sequence at a time (see the module's shape contract);
+    quantized pages are dequantized with ``k_scale``/``v_scale`` as they are read."""
     out = torch.empty_like(q)
     for s in meta.seqs:
         rows = slice(s.query_start, s.query_start + s.query_len)
-        k = gather_pages(k_cache, s.block_table, s.context_len)
-        v = gather_pages(v_cache, s.block_table, s.context_len)
+        k = gather_pages(k_cache, s.block_table, s.context_len, k_scale)
+        v = gather_pages(v_cache, s.block_table, s.context_len, v_scale)
         out[rows] = attend(q[rows], k, v, scale)
     return out

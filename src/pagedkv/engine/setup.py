@@ -79,12 +79,13 @@ def build_parts(config: EngineConfig) -> EngineParts:
     cfg = files.config
     max_len = resolve_max_model_len(cfg, config.max_model_len)
     dtype = kv_dtype(config)
-    spec = kv_spec_for(cfg, dtype, config.block_size)
+    spec = kv_spec_for(cfg, dtype, config.block_size, config.kv_cache_scale)
     num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory)
-    check_fits_in_ram(num_blocks * spec.page_size_bytes)
+    check_fits_in_ram(num_blocks * spec.page_size_bytes + spec.static_bytes)
     max_len = cap_to_cache(max_len, num_blocks * config.block_size, config.max_model_len is not None)
     keys = (("model", str(files.folder.name)), ("weights", files.weights_version),
-            ("kv_dtype", dtype), ("block_size", str(config.block_size)))
+            ("kv_dtype", dtype), ("block_size", str(config.block_size)),
+            ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"))
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
                         allocator=config.kv_allocator)
     state = load_state_dict(files.folder)

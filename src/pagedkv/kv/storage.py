@@ -3,15 +3,36 @@
 Each layer holds two tensors of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``
 in the KV storage dtype. Slot ``s`` is ``(s // block_size, s % block_size)``; viewing a
 tensor as ``[num_blocks * block_size, num_kv_heads, head_dim]`` makes slots a flat index.
+
+Quantized dtypes (int8, fp8_e4m3, fp8_e5m2; see :mod:`pagedkv.kv.quant`) also hold fp32
+scales per layer for K and for V, shaped by the granularity:
+
+    per-token-head  [num_blocks, block_size, num_kv_heads]   written with each token
+    per-head        [num_kv_heads]                          calibrated at the first write
+    per-tensor      [1]                                     calibrated at the first write
+
+so ``num_blocks * spec.page_size_bytes + spec.static_bytes`` is exactly what is allocated.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from pagedkv.kv import quant
 from pagedkv.kv.spec import KVCacheSpec
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                **quant.STORAGE_DTYPES}
+
+
+class LayerKV(NamedTuple):
+    """One layer's pages and, for quantized dtypes, their scales (else None)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
 
 
 class KVCacheStorage:
@@ -21,7 +42,7 @@ class KVCacheStorage:
     touches every page); attention reads only slots that a step has written.
 
     Raises:
-        ValueError: for a spec dtype with no torch storage here (quantized dtypes need scales).
+        ValueError: for a spec dtype with no storage here.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str = "cpu") -> None:
@@ -30,16 +51,49 @@ class KVCacheStorage:
         self.spec, self.num_blocks = spec, num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = TORCH_DTYPES[spec.dtype]
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        n = spec.num_layers
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.k_scale: list[torch.Tensor] = []
+        self.v_scale: list[torch.Tensor] = []
+        self._calibrated = [False] * n
+        if spec.is_quantized:
+            sshape = {"per-token-head": shape[:3], "per-head": (spec.num_kv_heads,),
+                      "per-tensor": (1,)}[spec.scale_granularity]
+            self.k_scale = [torch.ones(sshape, device=device) for _ in range(n)]
+            self.v_scale = [torch.ones(sshape, device=device) for _ in range(n)]
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all page tensors (equals ``num_blocks * spec.page_size_bytes``)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes held by all page and scale tensors
+        (``num_blocks * spec.page_size_bytes + spec.static_bytes``)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
+
+    def layer(self, layer: int) -> LayerKV:
+        if not self.spec.is_quantized:
+            return LayerKV(self.k[layer], self.v[layer], None, None)
+        return LayerKV(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. ``slot_mapping`` ``[T]`` int64; ``k``, ``v`` ``[T, kv_heads, head_dim]``."""
+        if self.spec.is_quantized:
+            self._write_quantized(layer, slot_mapping, k, v)
+            return
         flat = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.k[layer].dtype))
         self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.v[layer].dtype))
+
+    def _write_quantized(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        spec, gran = self.spec, self.spec.scale_granularity
+        flat = (-1, spec.num_kv_heads, spec.head_dim)
+        for pages, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if gran == "per-token-head":
+                s = quant.compute_scales(x, spec.dtype, gran)                 # [T, Hkv]
+                scales[layer].view(-1, spec.num_kv_heads).index_copy_(0, slots, s)
+            elif not self._calibrated[layer]:
+                scales[layer].copy_(quant.compute_scales(x, spec.dtype, gran))
+            view = quant.scale_view(s if gran == "per-token-head" else scales[layer], gran)
+            q = quant.quantize(x, view, spec.dtype)
+            # index_copy_ has no fp8 kernel on CPU: move the bytes as uint8
+            pages[layer].view(torch.uint8).view(flat).index_copy_(0, slots, q.view(torch.uint8))
+        self._calibrated[layer] = True

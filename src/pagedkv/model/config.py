@@ -103,9 +103,11 @@ def _scaling(rope_params: dict) -> dict | None:
     return None if kind == "default" else dict(rope_params)
 
 
-def kv_spec_for(cfg: ModelConfig, dtype: str, block_size: int) -> "KVCacheSpec":
+def kv_spec_for(cfg: ModelConfig, dtype: str, block_size: int,
+                scale_granularity: str = "per-token-head") -> "KVCacheSpec":
     """The KVCacheSpec the engine allocates for this model (one K and V per layer and KV head)."""
     from pagedkv.kv.spec import KVCacheSpec
 
     return KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                       head_dim=cfg.head_dim, dtype=dtype, block_size=block_size)
+                       head_dim=cfg.head_dim, dtype=dtype, block_size=block_size,
+                       scale_granularity=scale_granularity)
