@@ -110,13 +110,13 @@ class Kernel {
  private:
   struct Workspace {
     std::vector<float> kbuf, vbuf;      // a converted page [BS, Hkv, D] (fp16/bf16 caches)
-    std::vector<float> scores;          // [G, bspad]
+    std::vector<float> scores;          // [G, bspad] scores, then probabilities; [G] rescale factors
     std::vector<float> cur_ml, cur_acc; // partition state per (row, head): [R, 2], [R, D]
     std::vector<float> run_ml, run_acc; // folded state
     explicit Workspace(const Kernel& k) {
       const int64_t R = kPrefillTile * k.H_;
       if (k.a_.kv_type != KVType::f32) kbuf.resize(k.BS_ * k.Hkv_ * D), vbuf.resize(k.BS_ * k.Hkv_ * D);
-      scores.resize(k.G_ * k.bspad_);
+      scores.resize(k.G_ * (k.bspad_ + 1));
       cur_ml.resize(R * 2), cur_acc.resize(R * D), run_ml.resize(R * 2), run_acc.resize(R * D);
     }
   };
@@ -155,22 +155,23 @@ class Kernel {
   }
 
   // Online-softmax update of the G query heads of one row (q: [G, D]) with keys 0..n-1 of one
-  // KV head of a page (k, v: key j at k + j * stride). ml: [G, 2], acc: [G, D].
-  // pf: the next page, for KV head g (keys n..BS-1 are prefetched with the last key).
+  // KV head of a page (k, v: key j at k + j * stride). ml: [G, 2], acc: [G, D]. sc: workspace.
+  // pf: the next page, whose KV head g is prefetched during the first PV pass.
   void update_group(const float* q, const float* k, const float* v, int64_t n, float* sc,
                     float* ml, float* acc, const Prefetch& pf, int64_t g) const {
     const int64_t stride = Hkv_ * D;
-    for (int64_t j = 0; j < n; ++j) {
-      pf.key(j, g);
-      if (j == n - 1)
-        for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
-      vf kj[NV];
-      for (int c = 0; c < NV; ++c) kj[c] = loadv(k + j * stride + c * kLanes);
-      for (int64_t h = 0; h < G_; ++h) {
-        const float* qh = q + h * D;
-        vf s = loadv(qh) * kj[0];
-        for (int c = 1; c < NV; ++c) s += loadv(qh + c * kLanes) * kj[c];
-        sc[h * bspad_ + j] = hsum(s) * a_.scale;
+    float* alphas = sc + G_ * bspad_;  // [G]
+    for (int64_t h = 0; h < G_; ++h) {  // scores, 16 keys at a time; keys >= n repeat key n-1
+      vf qh[NV];
+      for (int c = 0; c < NV; ++c) qh[c] = loadv(q + h * D + c * kLanes);
+      for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+        vf part[kLanes];
+        for (int jj = 0; jj < kLanes; ++jj) {
+          const float* kj = k + std::min<int64_t>(j0 + jj, n - 1) * stride;
+          part[jj] = qh[0] * loadv(kj);
+          for (int c = 1; c < NV; ++c) part[jj] += qh[c] * loadv(kj + c * kLanes);
+        }
+        storev(sc + h * bspad_ + j0, hsum16(part) * a_.scale);
       }
     }
     for (int64_t h = 0; h < G_; ++h) {
@@ -179,22 +180,49 @@ class Kernel {
       vf mx = loadv(s);
       for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));
       const float m_old = ml[2 * h], m_new = std::max(m_old, hmax(mx));
-      const float alpha = std::exp(m_old - m_new);
+      const float alpha = exp_nonpos(splat(m_old - m_new))[0];
       for (int64_t c = 0; c < bspad_; c += kLanes) storev(s + c, exp_nonpos(loadv(s + c) - m_new));
       vf psum = loadv(s);  // masked lanes are exactly 0: a fixed lane-wise tree, whatever n is
       for (int64_t c = kLanes; c < bspad_; c += kLanes) psum += loadv(s + c);
       const float lsum = hsum(psum);
       ml[2 * h] = m_new;
       ml[2 * h + 1] = ml[2 * h + 1] * alpha + lsum;
-      vf o[NV];
-      float* acc_h = acc + h * D;
-      for (int c = 0; c < NV; ++c) o[c] = loadv(acc_h + c * kLanes) * alpha;
-      for (int64_t j = 0; j < n; ++j) {
-        const float pj = s[j];
-        for (int c = 0; c < NV; ++c) o[c] += pj * loadv(v + j * stride + c * kLanes);
-      }
-      for (int c = 0; c < NV; ++c) storev(acc_h + c * kLanes, o[c]);
+      alphas[h] = alpha;
     }
+    constexpr int64_t kHeads = NV >= 16 ? 1 : NV >= 8 ? 2 : 4;  // per PV pass: accumulators in registers
+    for (int64_t h = 0; h < G_;) {
+      const int64_t hb = std::min(G_ - h, kHeads);
+      const float* p = sc + h * bspad_;
+      const Prefetch next = h == 0 ? pf : Prefetch{};  // once per page
+      if (hb == 4) accumulate<4 <= kHeads ? 4 : 1>(p, v, n, alphas + h, acc + h * D, next, g);
+      else if (hb == 3) accumulate<3 <= kHeads ? 3 : 1>(p, v, n, alphas + h, acc + h * D, next, g);
+      else if (hb == 2) accumulate<2 <= kHeads ? 2 : 1>(p, v, n, alphas + h, acc + h * D, next, g);
+      else accumulate<1>(p, v, n, alphas + h, acc + h * D, next, g);
+      h += hb;
+    }
+  }
+
+  // acc[t] = acc[t] * alpha[t] + sum_j p[t][j] v_j for HB heads sharing each V load (p: [HB, bspad]).
+  template <int HB>
+  void accumulate(const float* p, const float* v, int64_t n, const float* alpha, float* acc, const Prefetch& pf,
+                  int64_t g) const {
+    const int64_t stride = Hkv_ * D;
+    vf o[HB][NV];
+    for (int t = 0; t < HB; ++t)
+      for (int c = 0; c < NV; ++c) o[t][c] = loadv(acc + t * D + c * kLanes) * alpha[t];
+    for (int64_t j = 0; j < n; ++j) {
+      pf.key(j, g);
+      if (j == n - 1)
+        for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
+      vf vj[NV];
+      for (int c = 0; c < NV; ++c) vj[c] = loadv(v + j * stride + c * kLanes);
+      for (int t = 0; t < HB; ++t) {
+        const float pj = p[t * bspad_ + j];
+        for (int c = 0; c < NV; ++c) o[t][c] += pj * vj[c];
+      }
+    }
+    for (int t = 0; t < HB; ++t)
+      for (int c = 0; c < NV; ++c) storev(acc + t * D + c * kLanes, o[t][c]);
   }
 
   // K and V of page `block`'s first n slots as fp32 [BS, Hkv, D] (converted into ws if needed).

@@ -41,10 +41,36 @@ inline float hsum(vf v) {
   return (d[0] + d[2]) + (d[1] + d[3]);
 }
 
+#if defined(__clang__) || __GNUC__ >= 12
+#define PAGEDKV_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PAGEDKV_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+// r[j] = sum of the lanes of p[j], j < 16: a transposing tree of two-source shuffles (45
+// operations for 16 sums instead of 16 separate lane sums). Lane j depends on p[j] alone.
+inline vf hsum16(const vf* p) {
+  vf w[8], u[4], t[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = PAGEDKV_SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           PAGEDKV_SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    u[i] = PAGEDKV_SHUFFLE(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           PAGEDKV_SHUFFLE(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    t[i] = PAGEDKV_SHUFFLE(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           PAGEDKV_SHUFFLE(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return PAGEDKV_SHUFFLE(t[0], t[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         PAGEDKV_SHUFFLE(t[0], t[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Max of the 16 lanes (a shuffle tree: short dependency chain).
 inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
+  v = vmax(v, PAGEDKV_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, PAGEDKV_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, PAGEDKV_SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, PAGEDKV_SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
 }
 
 // e^x for x <= 0; lanes below ln(FLT_MIN) (and -inf) give 0. Cephes expf: x = n ln2 + r,
