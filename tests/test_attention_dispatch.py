@@ -124,3 +124,13 @@ def test_no_compiler_in_a_fresh_cache_falls_back(tmp_path):
     assert done.returncode == 0, done.stderr
     count, message = done.stdout.strip().split(" ", 1)
     assert count == "1" and "kernel is unavailable" in message
+
+
+def test_stale_build_lock_is_removed(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = lock.stat().st_mtime - kernel.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    kernel._wait_for_lock(lock)
+    assert not lock.exists()
+    kernel._wait_for_lock(lock)  # no lock: returns at once

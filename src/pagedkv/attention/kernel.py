@@ -1,12 +1,14 @@
 """Build (JIT, at first use) and load the fused CPU paged-attention kernel.
 
 The C++ sources in ``csrc/`` are compiled once by ``torch.utils.cpp_extension.load``
-(ninja; ``-O3 -march=native -fopenmp``; about 10 s) into
+(ninja; ``-O3 -march=native -fopenmp``; about 15 s) into
 ``$XDG_CACHE_HOME/pagedkv/torch_extensions/<tag>`` (``~/.cache`` when unset), and the
 library registers ``torch.ops.pagedkv.paged_attention``. The tag names the torch and Python
 versions and a hash of the CPU's model and flags, since ``-march=native`` code need not run
 on another CPU. A later load, in this process or another, finds the library up to date and
-skips the compile; concurrent builds wait on torch's lock file in the build directory.
+skips the compile. Concurrent builds wait on torch's lock file in the build directory; a lock
+older than ``STALE_LOCK_S`` (its builder was killed mid-build) is removed rather than waited
+on forever.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +30,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})  # instantiated in the kernel
 KV_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+STALE_LOCK_S = 300.0  # a build takes about 15 s
 
 
 class KernelBuildError(RuntimeError):
@@ -59,10 +63,24 @@ def _build() -> Callable[..., torch.Tensor]:
         raise KernelBuildError(f"no C++ compiler: {compiler!r} is not on PATH")
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    _wait_for_lock(directory / "lock")
     cpp_extension.load(name="pagedkv_attention", sources=[str(CSRC / s) for s in SOURCES],
                        extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(directory),
                        is_python_module=False, verbose=False)
     return torch.ops.pagedkv.paged_attention
+
+
+def _wait_for_lock(lock: Path) -> None:
+    """Wait while another process builds; remove its lock once older than STALE_LOCK_S."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
 
 
 def _summary(e: Exception) -> str:
