@@ -90,9 +90,16 @@ def test_rejects_what_can_never_fit_while_others_complete(tiny_llm_factory):
     assert eng.stats().num_rejected == 5 and eng.kv.pool.num_used == 0
 
 
-def test_max_model_len_larger_than_cache_is_rejected_at_construction(tiny_llm_factory):
-    with pytest.raises(ValueError, match=r"max_model_len 128 is larger than the KV cache holds \(64"):
-        tiny_llm_factory(num_blocks=4, max_model_len=128)
+def test_explicit_max_model_len_over_the_cache_rejects_per_request(tiny_llm_factory):
+    eng = tiny_llm_factory(num_blocks=4, max_model_len=128).engine   # cache: 64 slots
+    with pytest.raises(ValueError, match=r"needs 5 KV blocks of 16 tokens, but the whole cache has 4"):
+        eng.add_request({"prompt_token_ids": list(range(70))}, SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match=r"exceeds max_model_len \(128\)"):
+        eng.add_request({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=100))
+    ok = eng.add_request({"prompt_token_ids": list(range(40))}, SamplingParams(max_tokens=20, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(ok.output_token_ids) == 20 and eng.kv.pool.num_used == 0
 
 
 def test_generate_rejects_bad_prompt_before_running_any(tiny_llm_factory):

@@ -48,13 +48,11 @@ def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
 
 
 def cap_to_cache(max_len: int, cache_tokens: int, explicit: bool) -> int:
-    """``max_model_len`` no longer than the whole cache holds: capped when it came from the
-    model, an error (as vLLM gives) when the user asked for it."""
-    if max_len <= cache_tokens:
+    """``max_model_len`` capped at what the whole cache holds when it came from the model
+    (so ``max_tokens=None`` means "fill the cache", not "be rejected"). A value the user set
+    is kept: requests over the cache are then rejected one by one, naming both limits."""
+    if max_len <= cache_tokens or explicit:
         return max_len
-    if explicit:
-        raise ValueError(f"max_model_len {max_len} is larger than the KV cache holds ({cache_tokens} "
-                         f"tokens): raise --kv-cache-memory / --num-blocks or lower --max-model-len")
     return cache_tokens
 
 
