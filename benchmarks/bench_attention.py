@@ -11,12 +11,14 @@ bandwidth and FLOPs / matmul rate, both measured in this run: read bandwidth as 
 ``torch.dot`` of two 128 MiB fp32 vectors (two read streams, like K and V; the fastest
 read probe tried here, ahead of ``sum`` and ``amax``), matmul rate as a 1024^3 ``torch.mm``.
 
-Timings interleave the implementations (one call of each per round) so the noise of this
-shared machine hits them alike, and report medians over the rounds. Each call uses the next
+Timings interleave the implementations (one call of each per round, in a rotating order) so
+the noise of this shared machine hits them alike, and report medians over the rounds. Each call uses the next
 of ``layers`` independent KV sets (like a model's layers, at least 256 MiB in all when the
 memory budget allows) so K/V come from memory rather than from a cache the previous call
 warmed. SDPA runs on contiguous ``[batch, kv_heads, context, head_dim]`` K/V with
 ``enable_gqa=True`` and on K/V expanded to every query head; the faster is the baseline.
+SDPA always reads fp32 copies (it has no fp32-query / half-KV path), so with a half-precision
+cache it moves twice the kernel's bytes.
 The kernel's output is checked against SDPA's on the same values before timing.
 """
 
@@ -127,10 +129,11 @@ def measure(case: DecodeCase, op, rounds: int, ceilings: Ceilings) -> dict:
     times: dict[str, list[float]] = {name: [] for name in impls}
     for name, fn in impls.items():  # warm-up
         fn(case.sets[0])
+    names = list(impls)
     for r in range(rounds):
         s = case.sets[r % case.layers]
-        for name, fn in impls.items():
-            times[name].append(timed(lambda: fn(s)))
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each goes first after the
+            times[name].append(timed(lambda: impls[name](s)))          # cache-flushing probes as often
         ceilings.sample()
     med = {name: statistics.median(t) for name, t in times.items()}
     sdpa = min((n for n in med if n.startswith("sdpa")), key=med.get)
