@@ -153,3 +153,30 @@ def test_ratio_and_goal_bookkeeping():
     report.add_goal(res, "unmeasured", None, 1.0)
     assert [g["met"] for g in res["goals"]] == [True, False, None]
     assert math.isclose(report.flatten({"a": {"b": 1, "c": "s"}, "d": True})["a.b"], 1)
+
+
+def test_best_run_and_best_ratio():
+    res = report.new_result("throughput", {})
+    for rep, (a, b) in enumerate([(10.0, 2.0), (30.0, 3.0), (12.0, 4.0)]):
+        res["runs"] += [{"system": "x", "repeat": rep, "metrics": {"tps": a, "d": rep}, "roofline": {}},
+                        {"system": "y", "repeat": rep, "metrics": {"tps": b, "d": rep}, "roofline": {}}]
+    report.summarize(res, "metrics.tps")
+    assert res["best"]["x"]["metrics.d"] == 1 and res["best"]["y"]["metrics.d"] == 2
+    report.add_ratio(res, "x/y", "x", "y", "metrics.tps")
+    assert res["ratios"]["x/y"]["best_of_each"] == 30.0 / 4.0
+    report.summarize(res, "metrics.tps", higher=False)
+    assert res["best"]["x"]["metrics.d"] == 0
+    report.add_goal(res, "g", 2.0, 4.0, best=7.5)
+    assert res["goals"][-1]["met"] is False and res["goals"][-1]["met_by_best"] is True
+
+
+def test_load_meter_counts_own_cpu():
+    from pagedkv.bench.load import LoadMeter
+
+    with LoadMeter() as m:
+        x = 0
+        for i in range(2_000_000):
+            x += i
+    r = m.result()
+    assert 0 < r["own_cpu_share"] <= 1.05
+    assert r["others_cpu_share"] is None or 0 <= r["others_cpu_share"] <= 1.05

@@ -168,10 +168,15 @@ def text_report(result: dict) -> str:
            f"load average {result['machine'].get('loadavg_1min_start', 0):.1f} -> "
            f"{result['machine'].get('loadavg_1min_end', 0):.1f} on {result['machine'].get('cpus')} CPUs", "",
            report.markdown_table(result)]
+    if result.get("best") and (result["settings"].get("repeats") or 1) > 1:
+        key = next(iter(result["best"].values())).get("best_by", "")
+        out += ["", f"each system's best run of {result['settings'].get('repeats')} (by {key}):", "",
+                report.markdown_table(result, "best")]
     for system, reason in result["skipped"].items():
         out.append(f"skipped {system}: {reason}")
     if result["ratios"]:
-        out += [""] + [f"{k}: {v['median']:.3g} (per repeat: {', '.join(f'{x:.3g}' for x in v['per_repeat'])})"
+        out += [""] + [f"{k}: median {v['median']:.3g} (per repeat: {', '.join(f'{x:.3g}' for x in v['per_repeat'])}"
+                       + (f"; best of each {v['best_of_each']:.3g})" if v.get("best_of_each") else ")")
                        for k, v in result["ratios"].items() if v["median"] is not None]
     if result["goals"]:
         out += ["", report.goals_text(result)]
