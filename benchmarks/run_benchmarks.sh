@@ -6,14 +6,16 @@
 #
 # Steps: throughput hf16 capacity prefix latency online micro (default: all, in that order;
 # roughly 2 hours on a shared 2-core machine, most of it the throughput step).
-# `python -m pagedkv.bench` is the same command as `pagedkv bench`.
+# `python -m pagedkv.bench` is the same command as `pagedkv bench`; PYTHON overrides the
+# interpreter (default .venv/bin/python when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results}
 shift || true
 STEPS=${*:-throughput hf16 capacity prefix latency online micro}
 mkdir -p "$OUT"
-BENCH="python -m pagedkv.bench"
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
+BENCH="$PY -m pagedkv.bench"
 log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
 
 for step in $STEPS; do
@@ -41,9 +43,9 @@ for step in $STEPS; do
       $BENCH online --num-prompts 32 --max-tokens 64 --request-rate 0.5 --systems pagedkv,contiguous \
         --output "$OUT/online.json" --plot "$OUT/online.png" --no-progress > "$OUT/online.txt" ;;
     micro)        # issue 6 goal 5 and the micro-benchmarks
-      python benchmarks/bench_block_pool.py > "$OUT/micro_block_pool.txt"
-      python benchmarks/bench_scheduler.py > "$OUT/micro_scheduler.txt"
-      python benchmarks/bench_step_overhead.py --batch 64 --steps 16 > "$OUT/micro_step_overhead.txt" ;;
+      $PY benchmarks/bench_block_pool.py > "$OUT/micro_block_pool.txt"
+      $PY benchmarks/bench_scheduler.py > "$OUT/micro_scheduler.txt"
+      $PY benchmarks/bench_step_overhead.py --batch 64 --steps 16 > "$OUT/micro_step_overhead.txt" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

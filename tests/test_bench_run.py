@@ -89,6 +89,8 @@ def test_throughput_end_to_end_json_and_plot(tmp_path, tiny_model_dir, capsys):
               "metrics.max_running", "metrics.preemptions", "metrics.ttft_s.p99"):
         assert k in pk
     assert doc["machine"]["read_bandwidth"] > 0 and doc["machine"]["fp32_flops"] > 0
+    probes = doc["machine"]["probes"]                # ceilings measured again before every run
+    assert len(probes) == 3 and all(p["fp32_flops"] <= doc["machine"]["fp32_flops"] for p in probes)
     assert {"pagedkv/hf output tok/s", "pagedkv/contiguous output tok/s"} <= set(doc["ratios"])
     assert [g["name"] for g in doc["goals"]][0] == "output tok/s vs HF static batching"
     assert (tmp_path / "p.png").stat().st_size > 1000

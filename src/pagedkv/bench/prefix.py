@@ -107,11 +107,12 @@ def prefix(settings: Settings, replay_conversations: int = 16, replay_turns: int
                           "prompt_len_mean": sum(r.num_prompt_tokens for r in workload) / len(workload)}
     for rep in range(settings.repeats):
         for system, caching in (("prefix-caching-on", True), ("prefix-caching-off", False)):
+            ctx.probe(f"{system} repeat {rep}")
             with LoadMeter() as load:
                 m, rest = shared_prefix_run(ctx, caching, workload)
-            result["runs"].append({"system": system, "repeat": rep, "metrics": m,
-                                   "roofline": roofline_entry(ctx, rest.metrics(), rest.steps, workload[1:], False),
-                                   "load": load.result()})
+            run = {"system": system, "repeat": rep, "metrics": m, "load": load.result()}
+            ctx.roofline(run, lambda rm=rest.metrics(), st=rest.steps: roofline_entry(ctx, rm, st, workload[1:], False))
+            result["runs"].append(run)
             checkpoint(ctx, result)
     finish(ctx, result, BEST_KEY, higher=False)
     ratio = report.add_ratio(result, "off/on mean TTFT after the first", "prefix-caching-off", "prefix-caching-on",

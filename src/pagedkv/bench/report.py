@@ -2,14 +2,16 @@
 
 The JSON document (``SCHEMA``) has these top-level keys::
 
-    schema, command, created, settings, machine, model, workload,
-    runs      [{"system", "repeat", "metrics": {...}, "roofline": {...}}, ...]
+    schema, command, created, code, settings, machine, model, workload,
+    runs      [{"system", "repeat", "metrics": {...}, "roofline": {...}, "load": {...}}, ...]
     skipped   {system: reason}
     summary   {system: {flattened metric: median over repeats}}
     best      {system: {flattened metric of its best run}}    (``best_by`` names the key)
     ratios    {name: {"per_repeat": [...], "median": x, "best_of_each": best / best}}
-    goals     [{"name", "target", "measured", "met"}]
+    goals     [{"name", "target", "direction", "measured", "met", "best", "met_by_best", "note"}]
     series    {system: {"waste": [...], "running": [...], "blocks_used": [...]}}  (last repeat)
+    machine   measured ceilings (best of the start measurement and the per-run ``probes``),
+              CPUs, threads, load averages; ``code``: git commit and locally modified files
 
 Metric names in ``summary`` are flattened with dots (``ttft_s.p99``); seconds, tokens and
 requests as named. Ratios are taken per repeat (systems of one repeat ran back to back)
@@ -26,7 +28,7 @@ from pagedkv.bench.metrics import median
 
 SCHEMA = "pagedkv-bench/1"
 REQUIRED_KEYS = ("schema", "command", "created", "settings", "machine", "model", "workload", "runs",
-                 "skipped", "summary", "ratios", "goals", "series")
+                 "skipped", "summary", "best", "ratios", "goals", "series")
 RUN_KEYS = ("system", "repeat", "metrics", "roofline")
 TABLE_METRICS = (
     ("output tok/s", "metrics.output_tokens_per_s", "{:.1f}"),
@@ -59,7 +61,7 @@ TABLE_METRICS = (
 def new_result(command: str, settings: dict) -> dict:
     return {"schema": SCHEMA, "command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "code": code_version(), "settings": settings, "machine": {}, "model": {}, "workload": {},
-            "runs": [], "skipped": {}, "summary": {}, "ratios": {}, "goals": [], "series": {}}
+            "runs": [], "skipped": {}, "summary": {}, "best": {}, "ratios": {}, "goals": [], "series": {}}
 
 
 def code_version() -> dict:
@@ -97,7 +99,7 @@ def summarize(result: dict, best_key: str = "metrics.output_tokens_per_s", highe
     by_system: dict[str, list[dict]] = {}
     for run in result["runs"]:
         by_system.setdefault(run["system"], []).append(flatten({k: run[k] for k in run if k not in ("system", "repeat")}))
-    result.setdefault("best", {})
+    result["best"] = {}
     for system, runs in by_system.items():
         keys = sorted({k for r in runs for k in r})
         result["summary"][system] = {k: median(r.get(k) for r in runs) for k in keys}

@@ -12,7 +12,8 @@ whole context once) and ``attn_pairs`` query-key pairs. Then::
 and a run's bound is the sum over its steps. Its ``limited_by`` names the term that makes
 up most of the bound: ``weight-read`` (small batches), ``kv-read`` (long contexts) or
 ``compute`` (large batches, prefill). Read bandwidth and matmul rate are measured in the
-same run with :func:`pagedkv.planner.cpu.measure`. Not counted: activations, KV writes,
+same run with :func:`pagedkv.planner.cpu.measure`, once at the start and again before every
+run; the bound uses the best of all those measurements (the least disturbed). Not counted: activations, KV writes,
 Python and kernel overheads; a real step is slower, so fraction = bound / measured <= 1.
 """
 
@@ -29,12 +30,21 @@ class Machine:
     method: str = ""
 
     @classmethod
-    def measure(cls, quick: bool = False) -> "Machine":
-        """Measure now (``quick``: 64 MiB reads, 512^3 matmuls, 3 repeats; for tests)."""
+    def measure(cls, size: str = "full") -> "Machine":
+        """Measure now. ``size``: ``full`` (the planner's 512 MiB reads, 1024^3 matmuls, best
+        of 5), ``probe`` (256 MiB, 1024^3, best of 3: well under a second, taken before
+        every run) or ``quick`` (64 MiB, 512^3, best of 3; for tests)."""
         from pagedkv.planner.cpu import measure
 
-        m = measure(64 * 2**20, 512, 3) if quick else measure()
+        sizes = {"full": (None, None, None), "probe": (256 * 2**20, 1024, 3), "quick": (64 * 2**20, 512, 3)}
+        m = measure(*sizes[size])
         return cls(m["read_bandwidth_bytes_per_s"], m["fp32_flops"], m["method"])
+
+    def best(self, other: "Machine") -> "Machine":
+        """The higher of each ceiling: noise on a shared machine only lowers a measurement,
+        so the best seen is the closest to the machine's real ceiling."""
+        return Machine(max(self.read_bandwidth, other.read_bandwidth), max(self.fp32_flops, other.fp32_flops),
+                       f"best of measurements in this run ({self.method})")
 
     def to_dict(self) -> dict:
         return asdict(self)

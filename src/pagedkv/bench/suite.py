@@ -68,6 +68,19 @@ class Context:
     hf_model: object = None
     series: dict = field(default_factory=dict)
     loadavg_start: tuple = field(default_factory=os.getloadavg)
+    probes: list = field(default_factory=list)
+    deferred: list = field(default_factory=list)
+
+    def probe(self, label: str) -> None:
+        """Measure the ceilings again (before a run); keep the best seen."""
+        m = Machine.measure("quick" if self.settings.quick_machine else "probe")
+        self.probes.append({"before": label, "read_bandwidth": m.read_bandwidth, "fp32_flops": m.fp32_flops})
+        self.machine = self.machine.best(m)
+
+    def roofline(self, run: dict, fn) -> None:
+        """Set ``run["roofline"] = fn()`` now and again at the end, against the final ceilings."""
+        run["roofline"] = fn()
+        self.deferred.append((run, fn))
 
     def machine_info(self) -> dict:
         """Measured ceilings, threads, and the 1-minute load average before and after (other
@@ -75,14 +88,15 @@ class Context:
         return self.machine.to_dict() | {"cpus": os.cpu_count(), "torch_threads": _threads(),
                                          "MKL_CBWR": os.environ.get("MKL_CBWR"),
                                          "loadavg_1min_start": self.loadavg_start[0],
-                                         "loadavg_1min_end": os.getloadavg()[0]}
+                                         "loadavg_1min_end": os.getloadavg()[0], "probes": self.probes}
 
 
 def make_context(settings: Settings) -> Context:
     from pagedkv.model.loader import load_tokenizer, resolve_model
 
     files = resolve_model(settings.engine.get("model") or "smollm2-135m-instruct")
-    return Context(settings, Machine.measure(quick=settings.quick_machine), files, load_tokenizer(files.folder))
+    return Context(settings, Machine.measure("quick" if settings.quick_machine else "full"), files,
+                   load_tokenizer(files.folder))
 
 
 def _bar(ctx: Context, desc: str, total: int):
@@ -182,6 +196,7 @@ def run_systems(ctx: Context, command: str, workload: list[BenchRequest], ideal:
             if system in result["skipped"]:
                 continue
             try:
+                ctx.probe(f"{system} repeat {rep}")
                 with LoadMeter() as load:
                     metrics, steps = _one(ctx, system, workload)
             except baselines.BaselineUnavailable as e:
@@ -192,15 +207,18 @@ def run_systems(ctx: Context, command: str, workload: list[BenchRequest], ideal:
                     raise
                 result["skipped"][system] = f"failed: {type(e).__name__}: {e}"
                 continue
-            result["runs"].append({"system": system, "repeat": rep, "metrics": metrics,
-                                   "roofline": roofline_entry(ctx, metrics, steps, workload, ideal),
-                                   "load": load.result()})
+            run = {"system": system, "repeat": rep, "metrics": metrics, "load": load.result()}
+            ctx.roofline(run, lambda m=metrics, st=steps: roofline_entry(ctx, m, st, workload, ideal))
+            result["runs"].append(run)
             checkpoint(ctx, result)
     return finish(ctx, result)
 
 
 def finish(ctx: Context, result: dict, best_key: str = "metrics.output_tokens_per_s", higher: bool = True) -> dict:
-    """Machine, model and series sections, the medians over repeats and the best runs."""
+    """Rooflines against the final ceilings; machine, model and series sections; the
+    medians over repeats and the best runs."""
+    for run, fn in ctx.deferred:
+        run["roofline"] = fn()
     result["machine"] = ctx.machine_info()
     result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict() if ctx.cost else None}
     result["series"] = ctx.series
@@ -290,6 +308,7 @@ def latency(settings: Settings) -> dict:
     result["workload"] = {"dataset": settings.dataset} | workload_summary(workload)
     for rep in range(settings.repeats):
         for system in settings.systems:
+            ctx.probe(f"{system} repeat {rep}")
             with LoadMeter() as load:
                 if system == "pagedkv":
                     engine = make_engine(ctx)
@@ -298,13 +317,15 @@ def latency(settings: Settings) -> dict:
                     del engine
                 else:
                     metrics, _ = _one(ctx, system, workload)
-            bound_tps = weight_read_tokens_per_s(ctx.cost, ctx.machine)
             tps = 1 / metrics["tpot_s"]["p50"]
             metrics["decode_tokens_per_s"] = tps
-            result["runs"].append({"system": system, "repeat": rep, "metrics": metrics,
-                                   "roofline": {"weight_read_tokens_per_s": bound_tps,
-                                                "fraction_of_weight_read": tps / bound_tps},
-                                   "load": load.result()})
+            run = {"system": system, "repeat": rep, "metrics": metrics, "load": load.result()}
+
+            def weight_read(tps=tps):
+                bound_tps = weight_read_tokens_per_s(ctx.cost, ctx.machine)
+                return {"weight_read_tokens_per_s": bound_tps, "fraction_of_weight_read": tps / bound_tps}
+            ctx.roofline(run, weight_read)
+            result["runs"].append(run)
             checkpoint(ctx, result)
     finish(ctx, result, "metrics.decode_tokens_per_s")
     report.add_goal(result, "single-stream decode vs weight-read bound",
