@@ -31,7 +31,7 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # as pagedkv sets it
+import pagedkv  # noqa: E402,F401  (numerics as the engine runs them: PAGEDKV_BATCH_INVARIANT)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

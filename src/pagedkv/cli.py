@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-allocator", default="paged", choices=("paged", "contiguous"),
                    help="contiguous = reserve prompt + max_tokens slots at admission (baseline)")
     g.add_argument("--seed", type=int, default=0, help="engine sampling seed")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bit-identical outputs whatever the batching (MKL strict CNR; ~1.8x slower "
+                        "single-stream decode on CPU; same as PAGEDKV_BATCH_INVARIANT=1)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -45,7 +48,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_scale=a.kv_cache_scale,
                 kv_cache_memory=a.kv_cache_memory, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                enable_prefix_caching=a.enable_prefix_caching, kv_allocator=a.kv_allocator, seed=a.seed)
+                enable_prefix_caching=a.enable_prefix_caching, kv_allocator=a.kv_allocator, seed=a.seed,
+                batch_invariant=a.batch_invariant)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -59,6 +59,8 @@ class EngineConfig:
             slots per request at admission: the pre-paging baseline for benchmarks).
         seed: seed of the sampler's default generator.
         debug_invariants: check the KV manager's invariants after every step.
+        batch_invariant: bit-identical results whatever the batching (MKL strict CNR, see
+            :mod:`pagedkv.numerics`); must be chosen before the process's first matmul.
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """
@@ -76,6 +78,7 @@ class EngineConfig:
     kv_allocator: str = "paged"
     seed: int = 0
     debug_invariants: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

@@ -17,6 +17,7 @@ from pagedkv.model.config import ModelConfig, kv_spec_for
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
 from pagedkv.model.validate import check_weights
+from pagedkv.numerics import enable_batch_invariance
 
 COMPUTE_DTYPE = "float32"  # bf16 matmuls are ~200x slower on these CPUs
 
@@ -73,6 +74,8 @@ def kv_dtype(config: EngineConfig) -> str:
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
+    if config.batch_invariant:
+        enable_batch_invariance()
     files = resolve_model(config.model)
     cfg = files.config
     max_len = resolve_max_model_len(cfg, config.max_model_len)
