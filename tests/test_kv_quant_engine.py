@@ -58,8 +58,12 @@ def test_prefix_key_separates_dtype_and_scale(tiny_llm_factory):
     assert dict(a)["kv_dtype"] == "int8" and dict(b)["kv_scale"] == "per-head"
 
 
-def test_kernel_mode_refuses_quantized_pages(tiny_llm_factory, monkeypatch):
-    llm = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8")
-    monkeypatch.setenv("PAGEDKV_ATTENTION", "kernel")
-    with pytest.raises(ValueError, match="quantized"):
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)
+@pytest.mark.parametrize("dtype", QUANT)
+def test_kernel_and_reference_reads_agree_in_the_engine(tiny_llm_factory, monkeypatch, dtype):
+    prompts = [{"prompt_token_ids": list(range(50 + 30 * i, 90 + 30 * i))} for i in range(3)]
+    outs = {}
+    for mode in ("kernel", "reference"):
+        monkeypatch.setenv("PAGEDKV_ATTENTION", mode)
+        llm = tiny_llm_factory(num_blocks=16, kv_cache_dtype=dtype)
+        outs[mode] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert outs["kernel"] == outs["reference"]

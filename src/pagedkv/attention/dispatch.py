@@ -60,27 +60,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``q`` ``[T, num_heads, head_dim]`` fp32; ``k_cache``/``v_cache``
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16); returns
     ``[T, num_heads, head_dim]`` fp32. Full contract: :mod:`pagedkv.attention.paged`.
-    Quantized pages (int8/fp8 with ``k_scale``/``v_scale``) are read by the reference,
-    which dequantizes a gathered copy (the kernel does not read them yet).
+    Quantized pages (int8/fp8) come with ``k_scale``/``v_scale`` (fp32, ``[num_blocks,
+    block_size, num_kv_heads]``, ``[num_kv_heads]`` or ``[1]``); the kernel dequantizes each
+    page as it reads it, the reference dequantizes a gathered copy.
 
     Raises:
         ValueError: bad ``PAGEDKV_ATTENTION``, or ``kernel`` forced on inputs it does not cover.
         KernelBuildError: ``kernel`` forced where it cannot be built.
     """
     mode = attention_mode()
-    if k_scale is not None:
-        if mode == "kernel":
-            raise ValueError("the attention kernel does not read quantized (int8/fp8) pages yet")
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     if mode == "reference":
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
-    if not kernel_supports(q, k_cache, v_cache):
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    if not kernel_supports(q, k_cache, v_cache, k_scale):
         if mode == "kernel":
             raise ValueError(f"the attention kernel does not cover q {tuple(q.shape)} {q.dtype} {q.device}"
                              f" with a cache {tuple(k_cache.shape)} {k_cache.dtype}")
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     op = _kernel_or_none(mode)
     if op is None:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     seq_info, tables = meta.packed
-    return op(q.contiguous(), k_cache, v_cache, seq_info, tables, scale)
+    if k_scale is None:
+        return op(q.contiguous(), k_cache, v_cache, seq_info, tables, scale)
+    return op(q.contiguous(), k_cache, v_cache, seq_info, tables, scale, -1, k_scale, v_scale)

@@ -30,6 +30,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})  # instantiated in the kernel
 KV_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+QUANTIZED_KV_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})  # with fp32 scales
 STALE_LOCK_S = 300.0  # a build takes about 15 s
 
 
@@ -96,10 +97,13 @@ _state: dict[str, object] = {}
 def load_kernel() -> Callable[..., torch.Tensor]:
     """``torch.ops.pagedkv.paged_attention``, compiling it on the first call of the process.
 
-    The op: ``(q, k_cache, v_cache, seq_info, block_tables, scale, split=-1) -> out``, shapes
-    as in :mod:`pagedkv.attention.paged` (``seq_info``/``block_tables`` from
-    ``AttentionMetadata.packed``); ``split`` 0/1 forbids/forces running a sequence's context
-    partitions on separate threads (results are bit-identical either way; -1 decides).
+    The op: ``(q, k_cache, v_cache, seq_info, block_tables, scale, split=-1, k_scale=None,
+    v_scale=None) -> out``, shapes as in :mod:`pagedkv.attention.paged` (``seq_info``/
+    ``block_tables`` from ``AttentionMetadata.packed``); ``split`` 0/1 forbids/forces running a
+    sequence's context partitions on separate threads (results are bit-identical either way;
+    -1 decides). int8/fp8 caches need their fp32 scales (``LayerKV.k_scale``/``v_scale``); each
+    page is dequantized inside the kernel into an L1-sized buffer, so only the stored bytes
+    are read from memory.
 
     Raises:
         KernelBuildError: if it cannot be built or loaded; remembered, so later calls raise
@@ -116,10 +120,13 @@ def load_kernel() -> Callable[..., torch.Tensor]:
     return _state["op"]  # type: ignore[return-value]
 
 
-def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_scale: torch.Tensor | None = None) -> bool:
     """Whether the kernel covers these inputs (CPU, fp32 queries, contiguous caches of one
-    supported dtype, a head_dim it is instantiated for, whole GQA groups)."""
+    supported dtype, a head_dim it is instantiated for, whole GQA groups; int8/fp8 caches
+    with their scales)."""
+    dtypes = QUANTIZED_KV_DTYPES if k_scale is not None else KV_DTYPES
     return (q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
-            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
+            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in dtypes
             and q.shape[-1] in HEAD_DIMS and q.shape[1] % k_cache.shape[2] == 0
             and k_cache.is_contiguous() and v_cache.is_contiguous())

@@ -109,7 +109,7 @@ class Kernel {
 
  private:
   struct Workspace {
-    std::vector<float> kbuf, vbuf;      // a converted page [BS, Hkv, D] (fp16/bf16 caches)
+    std::vector<float> kbuf, vbuf;      // a converted page [BS, Hkv, D] (fp16/bf16/int8/fp8 caches)
     std::vector<float> scores;          // [G, bspad] scores, then probabilities; [G] rescale factors
     std::vector<float> cur_ml, cur_acc; // partition state per (row, head): [R, 2], [R, D]
     std::vector<float> run_ml, run_acc; // folded state
@@ -225,18 +225,36 @@ class Kernel {
       for (int c = 0; c < NV; ++c) storev(acc + t * D + c * kLanes, o[t][c]);
   }
 
-  // K and V of page `block`'s first n slots as fp32 [BS, Hkv, D] (converted into ws if needed).
+  // K and V of page `block`'s first n slots as fp32 [BS, Hkv, D]: the page itself (fp32), or
+  // converted / dequantized into ws (an L1-sized buffer: only the stored bytes come from memory).
   std::pair<const float*, const float*> page(int64_t block, int64_t n, Workspace& ws) const {
     const int64_t off = block * BS_ * Hkv_ * D;
-    if (a_.kv_type == KVType::f32)
-      return {static_cast<const float*>(a_.k_cache) + off, static_cast<const float*>(a_.v_cache) + off};
-    convert(static_cast<const uint16_t*>(a_.k_cache) + off, ws.kbuf.data(), n * Hkv_ * D, a_.kv_type);
-    convert(static_cast<const uint16_t*>(a_.v_cache) + off, ws.vbuf.data(), n * Hkv_ * D, a_.kv_type);
+    switch (a_.kv_type) {
+      case KVType::f32:
+        return {static_cast<const float*>(a_.k_cache) + off, static_cast<const float*>(a_.v_cache) + off};
+      case KVType::i8: return dequantize<KVType::i8>(block, off, n, ws);
+      case KVType::f8e4m3: return dequantize<KVType::f8e4m3>(block, off, n, ws);
+      case KVType::f8e5m2: return dequantize<KVType::f8e5m2>(block, off, n, ws);
+      default:
+        convert(static_cast<const uint16_t*>(a_.k_cache) + off, ws.kbuf.data(), n * Hkv_ * D, a_.kv_type);
+        convert(static_cast<const uint16_t*>(a_.v_cache) + off, ws.vbuf.data(), n * Hkv_ * D, a_.kv_type);
+        return {ws.kbuf.data(), ws.vbuf.data()};
+    }
+  }
+
+  template <KVType T>
+  std::pair<const float*, const float*> dequantize(int64_t block, int64_t off, int64_t n, Workspace& ws) const {
+    const int64_t* st = a_.scale_strides;
+    const int64_t soff = block * st[0];
+    dequantize_page<T>(static_cast<const uint8_t*>(a_.k_cache) + off, ws.kbuf.data(), n, Hkv_, D,
+                       a_.k_scale + soff, st[1], st[2]);
+    dequantize_page<T>(static_cast<const uint8_t*>(a_.v_cache) + off, ws.vbuf.data(), n, Hkv_, D,
+                       a_.v_scale + soff, st[1], st[2]);
     return {ws.kbuf.data(), ws.vbuf.data()};
   }
 
   Prefetch prefetch(int64_t block) const {
-    const int64_t elem = a_.kv_type == KVType::f32 ? 4 : 2, off = block * BS_ * Hkv_ * D * elem;
+    const int64_t elem = element_bytes(a_.kv_type), off = block * BS_ * Hkv_ * D * elem;
     return {static_cast<const char*>(a_.k_cache) + off, static_cast<const char*>(a_.v_cache) + off,
             Hkv_ * D * elem, D * elem};
   }

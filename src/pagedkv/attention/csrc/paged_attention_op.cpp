@@ -1,6 +1,9 @@
 // torch binding of the fused CPU paged attention kernel: validates the tensors and registers
-//   torch.ops.pagedkv.paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, split=-1)
+//   torch.ops.pagedkv.paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, split=-1,
+//                                     k_scale=None, v_scale=None)
 // Shapes: see paged_attention.h. Only light ATen headers, to keep the JIT build short.
+
+#include <array>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,8 +20,11 @@ KVType kv_type(const at::Tensor& t) {
     case at::kFloat: return KVType::f32;
     case at::kHalf: return KVType::f16;
     case at::kBFloat16: return KVType::bf16;
-    default: TORCH_CHECK(false, "paged_attention: KV cache dtype must be float32, float16 or bfloat16, got ",
-                         t.scalar_type());
+    case at::kChar: return KVType::i8;
+    case at::kFloat8_e4m3fn: return KVType::f8e4m3;
+    case at::kFloat8_e5m2: return KVType::f8e5m2;
+    default: TORCH_CHECK(false, "paged_attention: KV cache dtype must be float32, float16, bfloat16, int8, "
+                         "float8_e4m3fn or float8_e5m2, got ", t.scalar_type());
   }
 }
 
@@ -56,12 +62,38 @@ void check_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
 }
 
+// Scales of a quantized cache k [NB, BS, Hkv, D]: fp32 [NB, BS, Hkv], [Hkv] or [1]; returns the
+// (block, slot, head) strides of the scale index.
+std::array<int64_t, 3> scale_strides(const at::Tensor& k, const c10::optional<at::Tensor>& ks,
+                                     const c10::optional<at::Tensor>& vs) {
+  TORCH_CHECK(ks.has_value() && vs.has_value(), "paged_attention: an int8/fp8 cache needs k_scale and v_scale");
+  const at::Tensor& s = *ks;
+  for (const at::Tensor* t : {&*ks, &*vs})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                    t->sizes() == s.sizes(), "paged_attention: k_scale and v_scale must be contiguous float32 "
+                "CPU tensors of one shape");
+  const int64_t bs = k.size(1), hkv = k.size(2);
+  if (s.dim() == 3 && s.size(0) == k.size(0) && s.size(1) == bs && s.size(2) == hkv) return {bs * hkv, hkv, 1};
+  if (s.dim() == 1 && s.size(0) == hkv) return {0, 0, 1};
+  if (s.dim() == 1 && s.size(0) == 1) return {0, 0, 0};
+  TORCH_CHECK(false, "paged_attention: scale shape ", s.sizes(), " is none of [num_blocks, block_size, kv_heads], "
+              "[kv_heads], [1]");
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& seq_info, const at::Tensor& block_tables, double scale, int64_t split) {
+                           const at::Tensor& seq_info, const at::Tensor& block_tables, double scale, int64_t split,
+                           const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   check_tensors(q, k_cache, v_cache, seq_info, block_tables);
   check_sequences(q, k_cache, seq_info, block_tables);
+  const KVType type = kv_type(k_cache);
+  std::array<int64_t, 3> strides{0, 0, 0};
+  if (is_quantized(type)) strides = scale_strides(k_cache, k_scale, v_scale);
+  else TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "paged_attention: scales given for an unquantized cache");
   at::Tensor out = at::empty_like(q);  // [T, H, D]
-  PagedAttentionArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type(k_cache),
+  const float* ks = is_quantized(type) ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = is_quantized(type) ? v_scale->data_ptr<float>() : nullptr;
+  PagedAttentionArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), type, ks, vs,
+                       {strides[0], strides[1], strides[2]},
                        seq_info.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), out.data_ptr<float>(),
                        seq_info.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
                        static_cast<float>(scale), static_cast<int>(split)};
@@ -75,6 +107,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(pagedkv, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_info, Tensor block_tables, "
-        "float scale, int split=-1) -> Tensor",
+        "float scale, int split=-1, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
         &pagedkv::paged_attention);
 }

@@ -1,6 +1,7 @@
 // Vector helpers of the CPU paged-attention kernel: 16-float GCC/Clang vector types (one
 // AVX-512 register, two AVX2 or four NEON ones under -march=native), a fixed-order lane sum,
-// exp for non-positive inputs, and fp16/bf16 -> fp32 page conversion. Header-only; included
+// exp for non-positive inputs, fp16/bf16 -> fp32 page conversion and int8/fp8 page
+// dequantization. Header-only; included
 // by paged_attention_kernel.cpp alone.
 #pragma once
 
@@ -132,6 +133,62 @@ inline void convert(const uint16_t* src, float* dst, int64_t n, KVType type) {
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+// 16 stored 8-bit values to exact fp32. fp8 bytes are placed in fp32 bit positions so the
+// exponent field lines up, then rebased by a power of two: exact for normals and subnormals
+// alike (a subnormal byte lands on an fp32 subnormal with the same mantissa). Our writer
+// clamps to the format's maximum, so the inf/NaN codes never occur.
+//   e4m3fn: s eeee mmm -> bits s<<31 | eeeemmm<<20, times 2^(127-7)
+//   e5m2:   s eeeee mm -> bits s<<31 | eeeeemm<<21, times 2^(127-15)
+// (Intrinsics where available: GCC lowers a generic 8-to-32-bit vector conversion lane by lane.)
+template <KVType T>
+inline uint32_t fp8_bits(uint32_t u) {
+  return ((u & 0x80u) << 24) | ((u & 0x7fu) << (T == KVType::f8e4m3 ? 20 : 21));
+}
+
+template <KVType T>
+inline vf load8(const uint8_t* p) {
+  constexpr float rebase = T == KVType::f8e4m3 ? 0x1p120f : 0x1p112f;
+  vf out;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m512 f;
+  if constexpr (T == KVType::i8) {
+    f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  } else {
+    const __m512i u = _mm512_cvtepu8_epi32(b);
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24),
+                                         _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)),
+                                                           T == KVType::f8e4m3 ? 20 : 21));
+    f = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(rebase));
+  }
+  std::memcpy(&out, &f, sizeof out);
+#else
+  for (int i = 0; i < kLanes; ++i) {
+    if constexpr (T == KVType::i8) {
+      out[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+    } else {
+      const uint32_t bits = fp8_bits<T>(p[i]);
+      float f; std::memcpy(&f, &bits, 4);
+      out[i] = f * rebase;
+    }
+  }
+#endif
+  return out;
+}
+
+// Dequantize n slots x Hkv heads x D values of one page into fp32: dst = float(q) * scale,
+// the scale of slot j, head g at scale[j * sj + g * sg] (one rounding, as the reference).
+template <KVType T>
+void dequantize_page(const uint8_t* src, float* dst, int64_t n, int64_t Hkv, int64_t D, const float* scale,
+                     int64_t sj, int64_t sg) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const vf s = splat(scale[j * sj + g * sg]);
+      const int64_t off = (j * Hkv + g) * D;
+      for (int64_t c = 0; c < D; c += kLanes) storev(dst + off + c, load8<T>(src + off + c) * s);
+    }
 }
 
 }  // namespace vec
