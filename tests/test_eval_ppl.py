@@ -32,6 +32,26 @@ def test_prompt_logprobs_match_hf_and_chunking(tiny_llm_factory, tiny_model_dir)
     assert chunked == whole
 
 
+def test_prompt_top_logprobs_are_hfs_top_k(tiny_llm_factory, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    out = tiny_llm_factory(num_blocks=16, max_num_batched_tokens=9).generate([{"prompt_token_ids": IDS}], params)[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([IDS])).logits[0], -1)
+    assert out.prompt_top_logprobs[0] is None and len(out.prompt_top_logprobs) == len(IDS)
+    for pos in range(1, len(IDS)):
+        top = torch.topk(lp[pos - 1], 3)
+        got = out.prompt_top_logprobs[pos]
+        assert list(got) == top.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(got.values(), top.values.tolist())) < 1e-4
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+    assert SamplingParams(prompt_logprobs=0) and tiny_llm_factory(num_blocks=16).generate(
+        [{"prompt_token_ids": IDS}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_top_logprobs is None
+
+
 def test_prompt_logprobs_skip_prefix_hits(tiny_llm_factory):
     llm = tiny_llm_factory(num_blocks=16)
     llm.generate([{"prompt_token_ids": IDS}], SamplingParams(max_tokens=1))

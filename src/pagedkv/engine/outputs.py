@@ -34,6 +34,7 @@ class RequestOutput:
     e2e: float | None = None
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None  # per prompt position; None at 0
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None  # top-k per position (prompt_logprobs=k>0)
     token_times: list[float] = field(default_factory=list, repr=False)
 
 
@@ -75,4 +76,6 @@ def make_output(req: Request, text: str) -> RequestOutput:
         logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
         prompt_logprobs=([req.prompt_logprobs.get(i) for i in range(req.num_prompt_tokens)]
                          if req.sampling_params.prompt_logprobs is not None else None),
+        prompt_top_logprobs=([req.prompt_top_logprobs.get(i) for i in range(req.num_prompt_tokens)]
+                             if req.sampling_params.prompt_logprobs else None),
         token_times=list(req.token_times))

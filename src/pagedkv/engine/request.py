@@ -49,6 +49,7 @@ class Request:
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: dict[int, float] = field(default_factory=dict)  # position -> log p
+    prompt_top_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # position -> top-k
     first_token_time: float | None = None
     last_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

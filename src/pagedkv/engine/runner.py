@@ -72,4 +72,8 @@ class ModelRunner:
                 values = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
                 for pos, v in zip(range(start + 1, last + 1), values):
                     req.prompt_logprobs[pos] = v
+                if req.sampling_params.prompt_logprobs:
+                    top = torch.topk(logp, req.sampling_params.prompt_logprobs, dim=-1)
+                    for pos, ids, vals in zip(range(start + 1, last + 1), top.indices.tolist(), top.values.tolist()):
+                        req.prompt_top_logprobs[pos] = dict(zip(ids, vals))
             row += n

@@ -25,8 +25,10 @@ class SamplingParams:
         logprobs: number of top log-probabilities to return per generated token (0 = only
             the sampled token's); ``None`` = none.
         prompt_logprobs: 0 = return each prompt token's log-probability given the tokens
-            before it (for perplexity); ``None`` = none. Such requests compute their whole
-            prompt (no prefix-cache hits: a hit has no logits).
+            before it (for perplexity); k in 1..20 also returns the top-k tokens of each
+            position (``RequestOutput.prompt_top_logprobs``, e.g. teacher-forced argmax);
+            ``None`` = none. Such requests compute their whole prompt (no prefix-cache hits:
+            a hit has no logits).
         skip_special_tokens: leave special tokens out of the text.
     Raises:
         ValueError: on an out-of-range value, naming the field.
@@ -72,9 +74,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.prompt_logprobs not in (None, 0):
-            raise ValueError(f"prompt_logprobs must be None or 0 (the prompt token's own), "
-                             f"got {self.prompt_logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 

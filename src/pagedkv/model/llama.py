@@ -43,16 +43,29 @@ class LlamaLayer:
 
     def forward(self, x: torch.Tensor, idx: int, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv: KVCacheStorage, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.project(x, positions, rope)
+        kv.write(idx, meta.slot_mapping, k, v)
+        pages = kv.layer(idx)
+        attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale)
+        return self.finish(x, attn)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor,
+                rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention inputs of ``x`` ``[T, hidden]``: q ``[T, H, D]`` and k, v ``[T, Hkv, D]``
+        (RoPE applied to q and k)."""
         cfg, T = self.cfg, x.shape[0]
         h = rms_norm(x, self.in_norm, cfg.rms_norm_eps)
         qkv = F.linear(h, self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rope.apply(q.view(T, cfg.num_attention_heads, cfg.head_dim), positions)
         k = rope.apply(k.view(T, cfg.num_key_value_heads, cfg.head_dim), positions)
-        kv.write(idx, meta.slot_mapping, k, v.view(T, cfg.num_key_value_heads, cfg.head_dim))
-        pages = kv.layer(idx)
-        attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale)
-        x = x + F.linear(attn.reshape(T, self.q_size), self.o)
+        return q, k, v.view(T, cfg.num_key_value_heads, cfg.head_dim)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input ``x`` and attention output ``attn`` ``[T, H, D]``."""
+        cfg = self.cfg
+        x = x + F.linear(attn.reshape(x.shape[0], self.q_size), self.o)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down)

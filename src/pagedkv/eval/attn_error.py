@@ -1,0 +1,58 @@
+"""Per-layer attention-output error of a KV storage format against the float32 cache.
+
+For each layer, with the float32 model's own activations (teacher-forced, so errors do not
+compound from layer to layer): q, k, v of a window are computed once; the float32 output is
+causal attention over k, v as they are; a setting's output is the same attention over k, v
+stored and read back in that format (quantized with :mod:`pagedkv.kv.quant` exactly as the
+cache writes them: per-token-head scales per token, per-head / per-tensor scales
+calibrated on the window, as at a layer's first write). The error of layer l is
+
+    ||O_setting - O_float32||_F / ||O_float32||_F    over all windows' rows and heads,
+
+and the float32 output feeds the next layer. Attention runs as the pure-torch reference
+(the kernel reads the same values; tests/test_attention_kernel_quant.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.attention.paged import attend
+from pagedkv.eval.settings import KVSetting
+from pagedkv.kv import quant
+from pagedkv.kv.storage import TORCH_DTYPES
+
+
+def stored(x: torch.Tensor, setting: KVSetting) -> torch.Tensor:
+    """``x`` ``[T, Hkv, D]`` fp32 as the cache would read it back in ``setting``'s format."""
+    if setting.dtype not in quant.QMAX:
+        return x.to(TORCH_DTYPES[setting.dtype]).float()
+    view = quant.scale_view(quant.compute_scales(x, setting.dtype, setting.scale), setting.scale)
+    return quant.dequantize(quant.quantize(x, view, setting.dtype), view)
+
+
+@torch.inference_mode()
+def attention_errors(model, windows: list[list[int]], settings: list[KVSetting]) -> dict[str, list[float]]:
+    """Relative attention-output error per layer for each setting (label -> ``[num_layers]``).
+
+    ``model`` is a :class:`pagedkv.model.llama.LlamaModel`; ``windows`` token-id lists, each
+    scored from position 0. Raises ValueError for no window.
+    """
+    if not windows:
+        raise ValueError("no window to evaluate")
+    layers = len(model.layers)
+    num = {s.label: [0.0] * layers for s in settings}
+    den = [0.0] * layers
+    scale = model.cfg.head_dim ** -0.5
+    for ids in windows:
+        x = model.embed[torch.tensor(ids)]
+        positions = torch.arange(len(ids))
+        for i, layer in enumerate(model.layers):
+            q, k, v = layer.project(x, positions, model.rope)
+            ref = attend(q, k, v, scale)
+            den[i] += float(ref.pow(2).sum())
+            for s in settings:
+                out = attend(q, stored(k, s), stored(v, s), scale)
+                num[s.label][i] += float((out - ref).pow(2).sum())
+            x = layer.finish(x, ref)
+    return {label: [(n / d) ** 0.5 for n, d in zip(errs, den)] for label, errs in num.items()}
