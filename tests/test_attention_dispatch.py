@@ -6,6 +6,7 @@ the kernel does not cover."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -134,3 +135,15 @@ def test_stale_build_lock_is_removed(tmp_path):
     kernel._wait_for_lock(lock)
     assert not lock.exists()
     kernel._wait_for_lock(lock)  # no lock: returns at once
+
+
+def test_build_directory_names_the_source_version(tmp_path, monkeypatch):
+    """Checkouts of different kernel sources must not share (and rebuild over) one library."""
+    from pagedkv.attention import kernel
+
+    src = tmp_path / "csrc"
+    shutil.copytree(kernel.CSRC, src)
+    monkeypatch.setattr(kernel, "CSRC", src)
+    before = kernel.build_directory()
+    (src / "vec.h").write_text((src / "vec.h").read_text() + "\n// changed\n")
+    assert kernel.build_directory() != before and kernel.build_directory().parent == before.parent

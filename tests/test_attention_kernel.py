@@ -148,3 +148,8 @@ def test_rejects_bad_metadata(op):
         op(q, k, v, short, tables, 0.125)
     with pytest.raises(RuntimeError, match="float32"):
         op(q.double(), k, v, info, tables, 0.125)
+    for col, huge in ((0, 2**63 - 2), (3, 2**63 - 2)):  # offsets whose sum with a length wraps
+        wrap = info.clone()
+        wrap[0, col] = huge
+        with pytest.raises(RuntimeError, match="query rows|does not cover"):
+            op(q, k, v, wrap, tables, 0.125)

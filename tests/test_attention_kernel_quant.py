@@ -39,13 +39,13 @@ def test_every_code_dequantizes_exactly(op, dtype):  # noqa: F811
     v[:, 0, 0] = flat.view(rows, D)
     v = v.view(quant.STORAGE_DTYPES[dtype])
     k = torch.zeros_like(v)
-    scale = torch.rand(num_blocks, BS, HKV) * 3 + 0.01   # per-token-head
+    scale = (torch.rand(num_blocks, BS, HKV) * 3 + 0.01).bfloat16()   # per-token-head, as stored
     seqs = [SeqAttention(i, 1, 1, torch.tensor([num_blocks - 1 - i])) for i in range(num_blocks)]
     meta = AttentionMetadata(torch.zeros(num_blocks, dtype=torch.int64), seqs)
     q = torch.randn(num_blocks, H, D)
     out = op(q, k, v, *meta.packed, D ** -0.5, -1, scale, scale.clone())
     table = torch.tensor([num_blocks - 1 - i for i in range(num_blocks)])
-    expect = quant.dequantize(v[table, 0, 0], scale[table, 0, 0].unsqueeze(-1))   # [rows, D]
+    expect = quant.dequantize(v[table, 0, 0], scale[table, 0, 0].float().unsqueeze(-1))   # [rows, D]
     assert torch.equal(out[:, 0], expect)              # query head 0 reads KV head 0
 
 
@@ -79,11 +79,15 @@ def quantized_batch(dtype: str, gran: str, specs, seed: int = 0):
 def test_matches_reference(op, dtype, gran):  # noqa: F811
     specs = [(1, c) for c in BOUNDARY] + [(5, 40), (17, 17), (3, 300)]
     q, k, v, ks, vs, meta = quantized_batch(dtype, gran, specs)
-    ref = paged_attention_reference(q, k, v, meta, D ** -0.5, ks, vs)
-    out = op(q, k, v, *meta.packed, D ** -0.5, -1, ks, vs)
-    assert ref.abs().max() > 0.1
-    # float rounding relative to the output's scale (the outlier head's values are ~25x)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    as_stored = [(ks, vs)] + ([(ks.bfloat16(), vs.bfloat16())] if gran == "per-token-head" else [])
+    for kss, vss in as_stored:  # the cache keeps per-token-head scales in bfloat16 (exact here)
+        ref = paged_attention_reference(q, k, v, meta, D ** -0.5, kss, vss)
+        out = op(q, k, v, *meta.packed, D ** -0.5, -1, kss, vss)
+        assert ref.abs().max() > 0.1
+        # float rounding relative to the output's scale (the outlier head's values are ~25x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    if len(as_stored) == 2:
+        assert torch.equal(as_stored[1][0].float(), ks)  # compute_scales already rounds to bfloat16
 
 
 def test_dispatch_sends_quantized_pages_to_the_kernel(op, monkeypatch):  # noqa: F811

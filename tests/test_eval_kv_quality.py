@@ -19,6 +19,10 @@ def test_parse_settings():
     got = parse_settings("auto, int8 ,fp8_e4m3:per-tensor,float16")
     assert got == [KVSetting("float32"), KVSetting("int8"), KVSetting("fp8_e4m3", "per-tensor"), KVSetting("float16")]
     assert [s.label for s in got] == ["float32", "int8:per-token-head", "fp8_e4m3:per-tensor", "float16"]
+    assert parse_settings("int8,fp8_e5m2:per-head", "per-tensor") == [KVSetting("int8", "per-tensor"),
+                                                                  KVSetting("fp8_e5m2", "per-head")]
+    assert parse_settings("float32,auto,int8,int8:per-token-head,float32:per-head,float16") == [
+        KVSetting("float32"), KVSetting("int8"), KVSetting("float16")]  # one row per setting
     for bad in ("int4", "int8:per-row", ",", ""):
         with pytest.raises(ValueError):
             parse_settings(bad)
@@ -29,7 +33,8 @@ def test_stored_roundtrip_matches_the_cache_format():
     assert torch.equal(stored(x, KVSetting("float32")), x)
     assert torch.equal(stored(x, KVSetting("bfloat16")), x.bfloat16().float())
     err = (stored(x, KVSetting("int8")) - x).abs().amax(-1)
-    assert (err <= x.abs().amax(-1) / 127 * 0.5 + 1e-6).all()  # half a step of its own scale
+    step = x.abs().amax(-1) / 127 * (1 + 2 ** -7)  # its scale, rounded up to bfloat16
+    assert (err <= step * 0.5 + 1e-6).all()
 
 
 def test_attention_errors_per_layer(tiny_llm_factory):
@@ -73,7 +78,8 @@ def test_eval_cli_attn_error_and_agreement(tiny_model_dir, tmp_path):
     base = [sys.executable, "-m", "pagedkv.cli", "eval"]
     engine = ["--model", str(tiny_model_dir), "--num-blocks", "32", "--json"]
     r = subprocess.run(base + ["attn-error", "--file", str(text), "--num-tokens", "96", "--window", "48",
-                               "--kv-cache-dtype", "float32,int8:per-head"] + engine, capture_output=True, text=True)
+                               "--kv-cache-dtype", "float32,int8", "--kv-cache-scale", "per-head"] + engine,
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["setting"] for x in rows] == ["float32", "int8:per-head"] and rows[1]["max"] > 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedkv.kv import quant
 from pagedkv.kv.quant import MIN_SCALE, QMAX, compute_scales, dequantize, quantize, scale_view
 
 DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -79,3 +80,14 @@ def test_unknown_dtype_or_granularity_raises():
         compute_scales(torch.ones(1, 1, 1), "float16", "per-tensor")
     with pytest.raises(ValueError, match="granularity"):
         compute_scales(torch.ones(1, 1, 1), "int8", "per-block")
+
+
+def test_token_scales_round_up_to_bfloat16():
+    s = torch.cat([torch.rand(1000) * 10 ** torch.randint(-12, 30, (1000,)).float(), torch.tensor([1e-12, 1.0, 3.0])])
+    r = quant.round_up_to_bfloat16(s)
+    assert torch.equal(r.bfloat16().float(), r) and (r >= s).all()
+    assert (r <= s * (1 + 2 ** -7)).all()  # at most one bfloat16 step above
+    x = torch.randn(8, 2, 16) * 100
+    scales = quant.compute_scales(x, "int8", "per-token-head")
+    q = quant.quantize(x, quant.scale_view(scales, "per-token-head"), "int8")
+    assert q.abs().amax() <= 127 and torch.equal(scales, quant.round_up_to_bfloat16(scales))

@@ -51,8 +51,8 @@ def test_quantized_scales_are_counted():
     m = _model(layers=2, heads=8, kv=2, head_dim=64)
     elems = 2 * 2 * 64  # per layer and token: 2 KV heads x (K + V) x 64
     per_token_head = m.kv_spec("int8", scale_granularity="per-token-head")
-    assert per_token_head.bytes_per_token == 2 * (elems + 2 * 2 * 4)  # one fp32 scale per head, K and V
-    assert m.kv_spec("int4", scale_granularity="per-token-head").bytes_per_token == 2 * (elems // 2 + 16)
+    assert per_token_head.bytes_per_token == 2 * (elems + 2 * 2 * 2)  # one bf16 scale per head, K and V
+    assert m.kv_spec("int4", scale_granularity="per-token-head").bytes_per_token == 2 * (elems // 2 + 8)
     per_head = m.kv_spec("fp8_e4m3", scale_granularity="per-head")
     assert per_head.bytes_per_token == 2 * elems and per_head.static_bytes == 2 * 2 * 2 * 4
     assert m.kv_spec("int8", scale_granularity="per-tensor").static_bytes == 2 * 2 * 4

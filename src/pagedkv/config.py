@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -47,7 +48,7 @@ class EngineConfig:
         kv_cache_dtype: KV storage dtype; ``auto`` = the compute dtype (float32 on CPU);
             int8 / fp8_e4m3 / fp8_e5m2 store quantized pages with fp32 scales.
         kv_cache_scale: scale granularity of quantized pages: per-token-head (default),
-            per-head or per-tensor (static, calibrated on a layer's first write).
+            per-head or per-tensor (static, calibrated at start on a fixed text: kv/calibrate.py).
         kv_cache_memory: KV budget in bytes (default 4 GiB, like vLLM's CPU backend);
             ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
@@ -97,6 +98,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -4,8 +4,9 @@ The C++ sources in ``csrc/`` are compiled once by ``torch.utils.cpp_extension.lo
 (ninja; ``-O3 -march=native -fopenmp``; about 15 s) into
 ``$XDG_CACHE_HOME/pagedkv/torch_extensions/<tag>`` (``~/.cache`` when unset), and the
 library registers ``torch.ops.pagedkv.paged_attention``. The tag names the torch and Python
-versions and a hash of the CPU's model and flags, since ``-march=native`` code need not run
-on another CPU. A later load, in this process or another, finds the library up to date and
+versions, a hash of the CPU's model and flags (``-march=native`` code need not run on
+another CPU) and a hash of the sources, so checkouts of different versions never rebuild
+over each other's library. A later load, in this process or another, finds the library up to date and
 skips the compile. Concurrent builds wait on torch's lock file in the build directory; a lock
 older than ``STALE_LOCK_S`` (its builder was killed mid-build) is removed rather than waited
 on forever.
@@ -49,10 +50,20 @@ def cpu_fingerprint() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def source_fingerprint() -> str:
+    """Short hash of the kernel's C++ sources and build flags."""
+    h = hashlib.sha256(" ".join(CFLAGS + LDFLAGS).encode())
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def build_directory() -> Path:
     """Where the compiled library lives; created on demand."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-cpu{cpu_fingerprint()}"
+    tag = (f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-cpu{cpu_fingerprint()}"
+           f"-src{source_fingerprint()}")
     return cache / "pagedkv" / "torch_extensions" / tag.replace("+", "_")
 
 

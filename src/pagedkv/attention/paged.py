@@ -67,8 +67,8 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     if scale is None:
         return out
     if scale.dim() == 3:
-        return out * scale.index_select(0, block_table).flatten(0, 1)[:length].unsqueeze(-1)
-    return out * scale.view(1, -1, 1)
+        return out * scale.index_select(0, block_table).flatten(0, 1)[:length].unsqueeze(-1).float()
+    return out * scale.float().view(1, -1, 1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from pagedkv.config import EngineConfig
+from pagedkv.kv.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.storage import KVCacheStorage
@@ -93,8 +94,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     check_weights(cfg, state)
     model = LlamaModel(cfg, state)
     tokenizer = load_tokenizer(files.folder)
+    storage = KVCacheStorage(spec, num_blocks)
+    if spec.is_quantized and spec.scale_granularity != "per-token-head":
+        calibrate_static_scales(model, storage, calibration_ids(tokenizer, min(CALIBRATION_TOKENS, max_len)))
     eos = set(cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
-    return EngineParts(files, model, tokenizer, spec, kv, KVCacheStorage(spec, num_blocks),
-                       max_len, frozenset(eos))
+    return EngineParts(files, model, tokenizer, spec, kv, storage, max_len, frozenset(eos))

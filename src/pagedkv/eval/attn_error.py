@@ -4,8 +4,8 @@ For each layer, with the float32 model's own activations (teacher-forced, so err
 compound from layer to layer): q, k, v of a window are computed once; the float32 output is
 causal attention over k, v as they are; a setting's output is the same attention over k, v
 stored and read back in that format (quantized with :mod:`pagedkv.kv.quant` exactly as the
-cache writes them: per-token-head scales per token, per-head / per-tensor scales
-calibrated on the window, as at a layer's first write). The error of layer l is
+cache writes them: per-token-head scales per token, per-head / per-tensor scales from the
+engine's calibration text, :mod:`pagedkv.kv.calibrate`). The error of layer l is
 
     ||O_setting - O_float32||_F / ||O_float32||_F    over all windows' rows and heads,
 
@@ -23,23 +23,42 @@ from pagedkv.kv import quant
 from pagedkv.kv.storage import TORCH_DTYPES
 
 
-def stored(x: torch.Tensor, setting: KVSetting) -> torch.Tensor:
-    """``x`` ``[T, Hkv, D]`` fp32 as the cache would read it back in ``setting``'s format."""
+def stored(x: torch.Tensor, setting: KVSetting, calibration: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` ``[T, Hkv, D]`` fp32 as the cache would read it back in ``setting``'s format;
+    static (per-head / per-tensor) scales come from ``calibration`` ``[N, Hkv, D]`` when given,
+    else from ``x`` itself."""
     if setting.dtype not in quant.QMAX:
         return x.to(TORCH_DTYPES[setting.dtype]).float()
-    view = quant.scale_view(quant.compute_scales(x, setting.dtype, setting.scale), setting.scale)
+    static = setting.scale != "per-token-head" and calibration is not None
+    view = quant.scale_view(quant.compute_scales(calibration if static else x, setting.dtype, setting.scale),
+                            setting.scale)
     return quant.dequantize(quant.quantize(x, view, setting.dtype), view)
 
 
+def layer_kv(model, token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's fp32 (k, v) ``[T, Hkv, D]`` for ``token_ids`` (float32 activations)."""
+    x = model.embed[torch.tensor(token_ids)]
+    positions, out = torch.arange(len(token_ids)), []
+    for layer in model.layers:
+        q, k, v = layer.project(x, positions, model.rope)
+        out.append((k, v))
+        x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5))
+    return out
+
+
 @torch.inference_mode()
-def attention_errors(model, windows: list[list[int]], settings: list[KVSetting]) -> dict[str, list[float]]:
+def attention_errors(model, windows: list[list[int]], settings: list[KVSetting],
+                     calibration_ids: list[int] | None = None) -> dict[str, list[float]]:
     """Relative attention-output error per layer for each setting (label -> ``[num_layers]``).
 
     ``model`` is a :class:`pagedkv.model.llama.LlamaModel`; ``windows`` token-id lists, each
-    scored from position 0. Raises ValueError for no window.
+    scored from position 0; ``calibration_ids`` the text static scales are calibrated on (the
+    engine's, :func:`pagedkv.kv.calibrate.calibration_ids`; ``None`` = each window itself).
+    Raises ValueError for no window.
     """
     if not windows:
         raise ValueError("no window to evaluate")
+    cal = layer_kv(model, calibration_ids) if calibration_ids else None
     layers = len(model.layers)
     num = {s.label: [0.0] * layers for s in settings}
     den = [0.0] * layers
@@ -51,8 +70,9 @@ def attention_errors(model, windows: list[list[int]], settings: list[KVSetting])
             q, k, v = layer.project(x, positions, model.rope)
             ref = attend(q, k, v, scale)
             den[i] += float(ref.pow(2).sum())
+            ck, cv = cal[i] if cal else (None, None)
             for s in settings:
-                out = attend(q, stored(k, s), stored(v, s), scale)
+                out = attend(q, stored(k, s, ck), stored(v, s, cv), scale)
                 num[s.label][i] += float((out - ref).pow(2).sum())
             x = layer.finish(x, ref)
     return {label: [(n / d) ** 0.5 for n, d in zip(errs, den)] for label, errs in num.items()}

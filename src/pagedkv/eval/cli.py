@@ -1,7 +1,9 @@
 """``pagedkv eval ppl | attn-error | agreement``: what a KV storage setting costs in quality.
 
 Each takes ``--kv-cache-dtype`` as a comma-separated list of settings, ``dtype`` or
-``dtype:granularity`` (see :mod:`pagedkv.eval.settings`); the first is the baseline.
+``dtype:granularity`` (see :mod:`pagedkv.eval.settings`; ``--kv-cache-scale`` is the
+granularity of entries without one). ``ppl`` and ``agreement`` compare with the first
+setting; ``attn-error`` always measures against the float32 cache.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def _sub(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
     for action in p._actions:  # here --kv-cache-dtype takes a list of settings to compare
         if action.dest == "kv_cache_dtype":
             action.choices, action.default = None, DEFAULT_SETTINGS if name != "ppl" else "float32,int8,fp8_e4m3"
-            action.help = "comma-separated dtype[:granularity] settings; the first is the baseline (default: %(default)s)"
+            action.help = ("comma-separated dtype[:granularity] settings; " +
+                           ("errors are against float32" if name == "attn-error" else "the first is the baseline")
+                           + " (default: %(default)s)")
+        if action.dest == "kv_cache_scale":
+            action.help = "granularity of settings given without one (default: %(default)s)"
     p.set_defaults(func=func)
     return p
 
@@ -58,8 +64,10 @@ def _text_args(p: argparse.ArgumentParser, window: int) -> None:
 def _text_ids(a, tokenizer) -> list[int]:
     if a.num_tokens < 2 or a.window < 2:
         raise ValueError("--num-tokens and --window must be at least 2")
-    if not a.file.is_file():
+    if not a.file.exists():
         raise FileNotFoundError(f"text file {a.file} does not exist")
+    if not a.file.is_file():
+        raise ValueError(f"{a.file} is not a regular file")
     text = a.file.read_text(encoding="utf-8")
     return tokenizer(text[: a.num_tokens * 12], add_special_tokens=False).input_ids
 
@@ -75,7 +83,7 @@ def run_ppl(a) -> int:
     from pagedkv.eval.ppl import perplexity
     from pagedkv.eval.settings import parse_settings
 
-    settings, results = parse_settings(a.kv_cache_dtype), []
+    settings, results = parse_settings(a.kv_cache_dtype, a.kv_cache_scale), []
     for s in settings:
         llm = _llm(a, s, max_model_len=a.window + 1)
         results.append(perplexity(llm, _text_ids(a, llm.get_tokenizer()), a.num_tokens, a.window))
@@ -92,13 +100,15 @@ def run_ppl(a) -> int:
 
 def run_attn_error(a) -> int:
     from pagedkv.eval.attn_error import attention_errors
+    from pagedkv.kv.calibrate import CALIBRATION_TOKENS, calibration_ids
     from pagedkv.eval.ppl import windows
     from pagedkv.eval.settings import KVSetting, parse_settings
 
-    settings = parse_settings(a.kv_cache_dtype)
+    settings = parse_settings(a.kv_cache_dtype, a.kv_cache_scale)
     llm = _llm(a, KVSetting("float32"), max_model_len=a.window + 1)
     wins = windows(_text_ids(a, llm.get_tokenizer()), a.num_tokens, a.window)
-    errors = attention_errors(llm.engine.parts.model, wins, settings)
+    cal = calibration_ids(llm.get_tokenizer(), min(CALIBRATION_TOKENS, a.window))
+    errors = attention_errors(llm.engine.parts.model, wins, settings, cal)
     for label, per_layer in errors.items():
         mean, worst = sum(per_layer) / len(per_layer), max(per_layer)
         if a.json:
@@ -116,7 +126,7 @@ def run_agreement(a) -> int:
 
     if a.num_prompts < 1 or a.max_tokens < 1:
         raise ValueError("--num-prompts and --max-tokens must be at least 1")
-    settings = parse_settings(a.kv_cache_dtype)
+    settings = parse_settings(a.kv_cache_dtype, a.kv_cache_scale)
     tokenizer = _llm(a, settings[0]).get_tokenizer()
     work = arena_hard_workload(tokenizer, a.num_prompts, a.max_prompt_tokens, a.max_tokens)
     prompts = [list(r.prompt_token_ids) for r in work]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pagedkv.config import KV_CACHE_DTYPES, KV_CACHE_SCALES
+from pagedkv.config import KV_CACHE_DTYPES, KV_CACHE_SCALES, KV_DTYPE_ALIASES
 from pagedkv.kv import quant
 
 
@@ -25,8 +25,11 @@ class KVSetting(NamedTuple):
         return {"kv_cache_dtype": self.dtype, "kv_cache_scale": self.scale}
 
 
-def parse_settings(text: str) -> list[KVSetting]:
-    """``"float32,int8,int8:per-tensor"`` -> settings, in order (the first is the baseline).
+def parse_settings(text: str, default_scale: str = "per-token-head") -> list[KVSetting]:
+    """``"float32,int8,int8:per-tensor"`` -> settings, in order (the first is the baseline);
+    a quantized dtype without ``:granularity`` takes ``default_scale``.
+    Names of one setting (``auto``/``float32``, ``int8``/``int8:per-token-head``; a granularity
+    on an unquantized dtype is ignored) count once: later repeats are dropped.
 
     Raises:
         ValueError: for an unknown dtype or granularity, or an empty list.
@@ -36,13 +39,15 @@ def parse_settings(text: str) -> list[KVSetting]:
         if not item:
             continue
         dtype, _, scale = item.partition(":")
-        dtype = "float32" if dtype == "auto" else dtype
+        dtype = {"auto": "float32", **KV_DTYPE_ALIASES}.get(dtype, dtype)
         if dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown KV dtype {dtype!r} in {item!r} (one of {', '.join(KV_CACHE_DTYPES)})")
-        scale = scale or "per-token-head"
+        scale = scale or default_scale
         if scale not in KV_CACHE_SCALES:
             raise ValueError(f"unknown scale granularity {scale!r} in {item!r} (one of {', '.join(KV_CACHE_SCALES)})")
-        out.append(KVSetting(dtype, scale))
+        setting = KVSetting(dtype, scale if dtype in quant.QMAX else "per-token-head")
+        if setting not in out:
+            out.append(setting)
     if not out:
         raise ValueError("no KV setting given")
     return out

@@ -7,9 +7,15 @@ int8, or cast to fp8) and read back as ``q * scale``. ``scale = amax / qmax`` ov
     per-head        one static scale per layer and KV head;
     per-tensor      one static scale per layer.
 
-Static scales are calibrated from the first tokens a layer writes (its first prefill) and
-then fixed; later values beyond them saturate at ``qmax`` (clamped). That is where a
+Static scales are calibrated once, at engine start, on a fixed text
+(:mod:`pagedkv.kv.calibrate`), and then fixed; later values beyond them saturate at
+``qmax`` (clamped). That is where a
 per-tensor scale loses: one outlier head sets the scale for all, the others keep few levels.
+
+Per-token-head scales are stored as bfloat16 (2 bytes: fp32's range, 8 significant bits),
+rounded *up* to the next bfloat16 so ``|x| / scale <= qmax`` still holds and nothing
+saturates; the values are then quantized with exactly the stored scale. Static scales stay
+fp32 (a few bytes per layer).
 
 Robustness: NaN inputs are stored as 0 and values beyond +-1e38 (inf included) are clamped there, and
 every scale is at least ``MIN_SCALE``, so no scale is ever zero, NaN or inf (an all-zero
@@ -47,7 +53,18 @@ def compute_scales(x: torch.Tensor, dtype: str, granularity: str) -> torch.Tenso
         amax = a.amax().reshape(1)
     else:
         raise ValueError(f"unknown scale granularity {granularity!r}")
-    return (amax / QMAX[dtype]).clamp(min=MIN_SCALE)
+    scale = (amax / QMAX[dtype]).clamp(min=MIN_SCALE)
+    return round_up_to_bfloat16(scale) if granularity == "per-token-head" else scale
+
+
+def round_up_to_bfloat16(s: torch.Tensor) -> torch.Tensor:
+    """Positive fp32 ``s`` rounded up to the nearest bfloat16 value (returned as fp32, exactly
+    representable in bfloat16). Incrementing a positive bfloat16's bit pattern gives the next
+    larger value."""
+    b = s.to(torch.bfloat16)
+    below = b.float() < s
+    bits = b.view(torch.int16) + below.to(torch.int16)
+    return bits.view(torch.bfloat16).float()
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:

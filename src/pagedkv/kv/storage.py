@@ -5,11 +5,11 @@ in the KV storage dtype. Slot ``s`` is ``(s // block_size, s % block_size)``; vi
 tensor as ``[num_blocks * block_size, num_kv_heads, head_dim]`` makes slots a flat index.
 
 Quantized dtypes (int8, fp8_e4m3, fp8_e5m2; see :mod:`pagedkv.kv.quant`) also hold fp32
-scales per layer for K and for V, shaped by the granularity:
+scales per layer for K and for V (fp32, but bfloat16 per token), shaped by the granularity:
 
-    per-token-head  [num_blocks, block_size, num_kv_heads]   written with each token
-    per-head        [num_kv_heads]                          calibrated at the first write
-    per-tensor      [1]                                     calibrated at the first write
+    per-token-head  [num_blocks, block_size, num_kv_heads]   bfloat16, written with each token
+    per-head        [num_kv_heads]                          static (see set_static_scales)
+    per-tensor      [1]                                     static
 
 so ``num_blocks * spec.page_size_bytes + spec.static_bytes`` is exactly what is allocated.
 """
@@ -60,8 +60,9 @@ class KVCacheStorage:
         if spec.is_quantized:
             sshape = {"per-token-head": shape[:3], "per-head": (spec.num_kv_heads,),
                       "per-tensor": (1,)}[spec.scale_granularity]
-            self.k_scale = [torch.ones(sshape, device=device) for _ in range(n)]
-            self.v_scale = [torch.ones(sshape, device=device) for _ in range(n)]
+            sdtype = torch.bfloat16 if spec.scale_granularity == "per-token-head" else torch.float32
+            self.k_scale = [torch.ones(sshape, dtype=sdtype, device=device) for _ in range(n)]
+            self.v_scale = [torch.ones(sshape, dtype=sdtype, device=device) for _ in range(n)]
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +74,21 @@ class KVCacheStorage:
         if not self.spec.is_quantized:
             return LayerKV(self.k[layer], self.v[layer], None, None)
         return LayerKV(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
+
+    def set_static_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fix a layer's per-head / per-tensor scales from sample keys and values
+        ``[T, kv_heads, head_dim]`` (the engine calibrates at start: :mod:`pagedkv.kv.calibrate`).
+        A layer written before any call calibrates on its first write instead.
+
+        Raises:
+            ValueError: if this storage has no static scales (unquantized or per-token-head).
+        """
+        gran = self.spec.scale_granularity
+        if not self.spec.is_quantized or gran == "per-token-head":
+            raise ValueError(f"no static scales to set for {self.spec.dtype} / {gran}")
+        self.k_scale[layer].copy_(quant.compute_scales(k, self.spec.dtype, gran))
+        self.v_scale[layer].copy_(quant.compute_scales(v, self.spec.dtype, gran))
+        self._calibrated[layer] = True
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. ``slot_mapping`` ``[T]`` int64; ``k``, ``v`` ``[T, kv_heads, head_dim]``."""
@@ -89,7 +105,7 @@ class KVCacheStorage:
         for pages, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             if gran == "per-token-head":
                 s = quant.compute_scales(x, spec.dtype, gran)                 # [T, Hkv]
-                scales[layer].view(-1, spec.num_kv_heads).index_copy_(0, slots, s)
+                scales[layer].view(-1, spec.num_kv_heads).index_copy_(0, slots, s.to(torch.bfloat16))  # exact
             elif not self._calibrated[layer]:
                 scales[layer].copy_(quant.compute_scales(x, spec.dtype, gran))
             view = quant.scale_view(s if gran == "per-token-head" else scales[layer], gran)

@@ -4,7 +4,7 @@
 //   q            [T, num_heads, head_dim]                           fp32, contiguous
 //   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]   fp32 | fp16 | bf16 | int8 | fp8
 //                (e4m3fn, e5m2), contiguous
-//   k/v scale    quantized caches only, fp32: [num_blocks, block_size, num_kv_heads]
+//   k/v scale    quantized caches only, fp32 or bf16: [num_blocks, block_size, num_kv_heads]
 //                (per-token-head), [num_kv_heads] (per-head) or [1] (per-tensor); a stored
 //                value q of slot j, KV head g in block b reads as float(q) * scale[b, j, g]
 //   seq_info     [S, 5] int64: query_start, query_len, context_len, table_offset, table_len
@@ -29,9 +29,10 @@ struct PagedAttentionArgs {
   const void* k_cache;        // [NB, BS, Hkv, D], element type kv_type
   const void* v_cache;
   KVType kv_type;
-  const float* k_scale;       // quantized caches: scale of (block b, slot j, KV head g) at
-  const float* v_scale;       //   b * scale_strides[0] + j * scale_strides[1] + g * scale_strides[2]
+  const void* k_scale;        // quantized caches: scale of (block b, slot j, KV head g) at
+  const void* v_scale;        //   b * scale_strides[0] + j * scale_strides[1] + g * scale_strides[2]
   int64_t scale_strides[3];
+  bool scale_bf16;            // scales stored as bfloat16 (else float32)
   const int64_t* seq_info;    // [S, 5]
   const int64_t* block_tables;
   float* out;                 // [T, H, D]

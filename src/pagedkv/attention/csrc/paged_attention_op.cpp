@@ -52,9 +52,11 @@ void check_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t T = q.size(0), nb = k.size(0), bs = k.size(1), n_tables = tables.numel();
   for (int64_t i = 0; i < info.size(0); ++i, s += 5) {
     const int64_t qs = s[0], ql = s[1], ctx = s[2], off = s[3], len = s[4];
-    TORCH_CHECK(qs >= 0 && ql >= 0 && qs + ql <= T && ql <= ctx, "paged_attention: sequence ", i,
+    // written as differences so that huge values cannot wrap around and pass
+    TORCH_CHECK(qs >= 0 && ql >= 0 && qs <= T && ql <= T - qs && ql <= ctx, "paged_attention: sequence ", i,
                 " has query rows [", qs, ", ", qs + ql, ") and context_len ", ctx, " for ", T, " rows");
-    TORCH_CHECK(off >= 0 && len >= 0 && off + len <= n_tables && len * bs >= ctx, "paged_attention: sequence ", i,
+    TORCH_CHECK(off >= 0 && len >= 0 && off <= n_tables && len <= n_tables - off && len * bs >= ctx,
+                "paged_attention: sequence ", i,
                 " block table (", len, " blocks at ", off, ") does not cover context_len ", ctx);
     for (int64_t b = 0; b < (ctx + bs - 1) / bs; ++b)
       TORCH_CHECK_INDEX(bt[off + b] >= 0 && bt[off + b] < nb, "paged_attention: block id ", bt[off + b],
@@ -62,16 +64,18 @@ void check_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
 }
 
-// Scales of a quantized cache k [NB, BS, Hkv, D]: fp32 [NB, BS, Hkv], [Hkv] or [1]; returns the
+// Scales of a quantized cache k [NB, BS, Hkv, D]: fp32 or bf16 [NB, BS, Hkv], [Hkv] or [1]; returns the
 // (block, slot, head) strides of the scale index.
 std::array<int64_t, 3> scale_strides(const at::Tensor& k, const c10::optional<at::Tensor>& ks,
                                      const c10::optional<at::Tensor>& vs) {
   TORCH_CHECK(ks.has_value() && vs.has_value(), "paged_attention: an int8/fp8 cache needs k_scale and v_scale");
   const at::Tensor& s = *ks;
   for (const at::Tensor* t : {&*ks, &*vs})
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat &&
-                    t->sizes() == s.sizes(), "paged_attention: k_scale and v_scale must be contiguous float32 "
-                "CPU tensors of one shape");
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->sizes() == s.sizes() &&
+                    t->scalar_type() == s.scalar_type() &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
+                "paged_attention: k_scale and v_scale must be contiguous float32 or bfloat16 CPU tensors of one "
+                "shape and dtype");
   const int64_t bs = k.size(1), hkv = k.size(2);
   if (s.dim() == 3 && s.size(0) == k.size(0) && s.size(1) == bs && s.size(2) == hkv) return {bs * hkv, hkv, 1};
   if (s.dim() == 1 && s.size(0) == hkv) return {0, 0, 1};
@@ -90,10 +94,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (is_quantized(type)) strides = scale_strides(k_cache, k_scale, v_scale);
   else TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "paged_attention: scales given for an unquantized cache");
   at::Tensor out = at::empty_like(q);  // [T, H, D]
-  const float* ks = is_quantized(type) ? k_scale->data_ptr<float>() : nullptr;
-  const float* vs = is_quantized(type) ? v_scale->data_ptr<float>() : nullptr;
+  const bool quantized = is_quantized(type);
+  const void* ks = quantized ? k_scale->data_ptr() : nullptr;
+  const void* vs = quantized ? v_scale->data_ptr() : nullptr;
+  const bool bf16 = quantized && k_scale->scalar_type() == at::kBFloat16;
   PagedAttentionArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), type, ks, vs,
-                       {strides[0], strides[1], strides[2]},
+                       {strides[0], strides[1], strides[2]}, bf16,
                        seq_info.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), out.data_ptr<float>(),
                        seq_info.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
                        static_cast<float>(scale), static_cast<int>(split)};

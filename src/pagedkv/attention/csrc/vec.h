@@ -178,14 +178,22 @@ inline vf load8(const uint8_t* p) {
   return out;
 }
 
+// Element i of a float32 or bfloat16 (exact widening) array.
+inline float scale_at(const void* base, int64_t i, bool bf16) {
+  if (!bf16) return static_cast<const float*>(base)[i];
+  const uint32_t b = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
+  float f; std::memcpy(&f, &b, 4);
+  return f;
+}
+
 // Dequantize n slots x Hkv heads x D values of one page into fp32: dst = float(q) * scale,
 // the scale of slot j, head g at scale[j * sj + g * sg] (one rounding, as the reference).
 template <KVType T>
-void dequantize_page(const uint8_t* src, float* dst, int64_t n, int64_t Hkv, int64_t D, const float* scale,
-                     int64_t sj, int64_t sg) {
+void dequantize_page(const uint8_t* src, float* dst, int64_t n, int64_t Hkv, int64_t D, const void* scale,
+                     bool scale_bf16, int64_t sj, int64_t sg) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t g = 0; g < Hkv; ++g) {
-      const vf s = splat(scale[j * sj + g * sg]);
+      const vf s = splat(scale_at(scale, j * sj + g * sg, scale_bf16));
       const int64_t off = (j * Hkv + g) * D;
       for (int64_t c = 0; c < D; c += kLanes) storev(dst + off + c, load8<T>(src + off + c) * s);
     }
