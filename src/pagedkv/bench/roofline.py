@@ -43,8 +43,9 @@ class Machine:
     def best(self, other: "Machine") -> "Machine":
         """The higher of each ceiling: noise on a shared machine only lowers a measurement,
         so the best seen is the closest to the machine's real ceiling."""
-        return Machine(max(self.read_bandwidth, other.read_bandwidth), max(self.fp32_flops, other.fp32_flops),
-                       f"best of measurements in this run ({self.method})")
+        prefix = "best of measurements in this run"
+        method = self.method if self.method.startswith(prefix) else f"{prefix} ({self.method})"
+        return Machine(max(self.read_bandwidth, other.read_bandwidth), max(self.fp32_flops, other.fp32_flops), method)
 
     def to_dict(self) -> dict:
         return asdict(self)
