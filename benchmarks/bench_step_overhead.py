@@ -1,4 +1,4 @@
-"""Scheduler + block-manager share of the engine step at batch 64 (issue 6: goal < 5%).
+"""Scheduler + block-manager share of the engine step at batch 64 (goal: < 5%).
 
 Runs the real model (default smollm2-135m-instruct) with ``--batch`` requests decoding
 together and measures, over ``--steps`` decode steps, in two independent ways:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 BENCH_EXAMPLES = """examples:
-  # issue 6 offline throughput goal: pagedkv vs contiguous allocator vs HF static batches
+  # offline throughput: pagedkv vs the contiguous allocator vs HF static batches
   pagedkv bench throughput --num-prompts 64 --max-prompt-tokens 512 --max-tokens 128 \\
       --systems pagedkv,contiguous,hf,hf-cb --repeats 3 --output out/throughput.json --plot out/throughput.png
   # capacity at a fixed KV budget on the hh-rlhf length distribution: waste, running at once
@@ -23,7 +23,7 @@ BENCH_EXAMPLES = """examples:
   pagedkv bench online --request-rate 2 --num-prompts 32 --max-tokens 64
   # single-stream decode against the weight-read bound
   pagedkv bench latency --num-prompts 3 --max-tokens 64
-  # issue 4: prefix caching on vs off (shared 1,024-token system prompt) + multi-turn replay
+  # prefix caching on vs off (shared 1,024-token system prompt) + multi-turn replay
   pagedkv bench prefix --num-prompts 32 --output out/prefix.json
   # seconds-long smoke run
   pagedkv bench throughput --num-prompts 4 --max-prompt-tokens 64 --max-tokens 8 --systems pagedkv,hf
@@ -36,7 +36,7 @@ pagedkv/bench/data/README.md): arena-hard, hh-rlhf, shared-prefix.
 
 DESCRIPTION = ("Benchmark pagedkv on bundled real workloads against its baselines (contiguous allocator, "
                "HF transformers, llama.cpp) and this machine's roofline, measured in the same run. "
-               "Prints medians over --repeats, ratios and the issue's goals; --output writes JSON, --plot a PNG.")
+               "Prints medians over --repeats, ratios and the goals (see BENCHMARKS.md); --output writes JSON, --plot a PNG.")
 
 DEFAULTS = {  # per command: dataset, prompts, prompt cap, max tokens, systems
     "throughput": ("arena-hard", 64, 512, 128, "pagedkv,contiguous,hf"),

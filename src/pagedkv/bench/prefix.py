@@ -1,4 +1,4 @@
-"""Issue 4's prefix-caching benchmark: a shared system prompt, and a multi-turn replay.
+"""The prefix-caching benchmark: a shared system prompt, and a multi-turn replay.
 
 Shared prefix: ``num_requests`` requests share a ~1,024-token system prompt (sonnets),
 each with a different ~64-token question. The first request runs alone (it fills the

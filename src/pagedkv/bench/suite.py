@@ -254,7 +254,7 @@ def workload_for(ctx: Context) -> list[BenchRequest]:
 
 
 def throughput(settings: Settings) -> dict:
-    """Offline (all at once) unless a request rate is set; goals of issue 6 for the engine vs HF."""
+    """Offline (all at once) unless a request rate is set; with the throughput goals for the engine vs HF (BENCHMARKS.md)."""
     ctx = make_context(settings)
     result = run_systems(ctx, "throughput", workload_for(ctx), ideal=settings.request_rate == float("inf"))
     key = "metrics.output_tokens_per_s"
