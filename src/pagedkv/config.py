@@ -61,7 +61,8 @@ class EngineConfig:
         seed: seed of the sampler's default generator.
         debug_invariants: check the KV manager's invariants after every step.
         batch_invariant: bit-identical results whatever the batching (MKL strict CNR, see
-            :mod:`pagedkv.numerics`); must be chosen before the process's first matmul.
+            :mod:`pagedkv.numerics`); must be chosen before the process's first matmul, and
+            then holds for the whole process.
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """

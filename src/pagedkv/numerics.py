@@ -14,7 +14,9 @@ default; products of 16+ rows run at the same speed either way.
 Turn it on with ``PAGEDKV_BATCH_INVARIANT=1`` in the environment (read when ``pagedkv``
 is imported), ``--batch-invariant`` on the CLI, or ``EngineConfig(batch_invariant=True)``.
 MKL fixes the mode at its first call in a process, so the last two work only before any
-matrix product has run; otherwise they raise with the environment-variable fix.
+matrix product has run; otherwise they raise with the environment-variable fix. Once on,
+the mode holds for the whole process: a later engine built with ``batch_invariant=False``
+still runs strict.
 
 Source: Intel oneMKL Developer Reference, "Conditional Numerical Reproducibility
 Control" (``mkl_cbwr_set``; ``MKL_CBWR_AUTO`` = 2, ``MKL_CBWR_STRICT`` = 0x10000,
