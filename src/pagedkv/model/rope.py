@@ -54,9 +54,17 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos(), emb.sin()
         self.max_positions = max_positions
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``positions`` ``[T]``, each ``[T, 1, head_dim]`` (look up once per
+        forward; every layer rotates with the same tables)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        return self.rotate(x, *self.tables(positions))
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, heads, head_dim]`` rotated by the tables of :meth:`tables`."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
