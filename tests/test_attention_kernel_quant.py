@@ -14,7 +14,7 @@ from pagedkv.kv import quant
 from test_attention_kernel import BOUNDARY, op  # noqa: F401  (the module-scoped kernel fixture)
 
 DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
-GRANULARITIES = ["per-token-head", "per-head", "per-tensor"]
+GRANULARITIES = ["per-token-head", "per-head", "per-tensor", "per-channel"]
 D, HKV, H, BS = 64, 2, 4, 16
 
 

@@ -10,7 +10,7 @@ from pagedkv.kv import quant
 from pagedkv.kv.quant import MIN_SCALE, QMAX, compute_scales, dequantize, quantize, scale_view
 
 DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
-GRANS = ["per-token-head", "per-head", "per-tensor"]
+GRANS = ["per-token-head", "per-head", "per-tensor", "per-channel"]
 # worst relative step of each format at full scale: int8 half a level of 127; fp8 half an ulp
 REL = {"int8": 0.5 / 127, "fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3}
 

@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("dtype", QUANT)
-@pytest.mark.parametrize("gran", ["per-token-head", "per-head", "per-tensor"])
+@pytest.mark.parametrize("gran", ["per-token-head", "per-head", "per-tensor", "per-channel"])
 def test_storage_bytes_equal_spec(dtype, gran):
     spec = KVCacheSpec(3, 2, 16, dtype, 16, scale_granularity=gran)
     st = KVCacheStorage(spec, 7)

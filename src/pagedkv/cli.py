@@ -20,14 +20,15 @@ GENERATE_EXAMPLES = """examples:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM's engine arguments."""
-    from pagedkv.config import DEFAULT_MODEL, KV_CACHE_DTYPES
+    from pagedkv.config import DEFAULT_MODEL, KV_CACHE_DTYPES, KV_CACHE_SCALES
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf path or HF folder (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV storage dtype")
-    g.add_argument("--kv-cache-scale", default="per-token-head", choices=("per-token-head", "per-head", "per-tensor"),
-                   help="scale granularity of int8/fp8 pages (default: %(default)s)")
+    g.add_argument("--kv-cache-scale", default="per-token-head", choices=KV_CACHE_SCALES,
+                   help="scale granularity of int8/fp8 pages; per-channel = static per-channel keys, "
+                        "per-token values (KIVI-style) (default: %(default)s)")
     g.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget, e.g. 512MiB (default: %(default)s)")
     g.add_argument("--num-blocks", type=int, default=None, help="exact number of KV pages (overrides --kv-cache-memory)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per step")

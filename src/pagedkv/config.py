@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
-KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor")
+KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -48,7 +48,8 @@ class EngineConfig:
         kv_cache_dtype: KV storage dtype; ``auto`` = the compute dtype (float32 on CPU);
             int8 / fp8_e4m3 / fp8_e5m2 store quantized pages with fp32 scales.
         kv_cache_scale: scale granularity of quantized pages: per-token-head (default),
-            per-head or per-tensor (static, calibrated at start on a fixed text: kv/calibrate.py).
+            per-head or per-tensor (static, calibrated at start on a fixed text: kv/calibrate.py),
+            or per-channel (KIVI-style: static per-channel key scales, per-token-head values).
         kv_cache_memory: KV budget in bytes (default 4 GiB, like vLLM's CPU backend);
             ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.

@@ -58,7 +58,8 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """Contiguous ``[length, num_kv_heads, head_dim]`` fp32 copy of a sequence's first ``length``
     tokens; quantized pages are multiplied by their ``scale`` (``[num_blocks, block_size,
-    kv_heads]`` per token and head, ``[kv_heads]`` per head, or ``[1]``)."""
+    kv_heads]`` per token and head, ``[kv_heads, head_dim]`` per channel, ``[kv_heads]`` per
+    head, or ``[1]``)."""
     if cache.element_size() == 1:  # int8/fp8: index_select has no fp8 kernel on CPU; move bytes
         pages = cache.view(torch.uint8).index_select(0, block_table).view(cache.dtype)
     else:
@@ -68,6 +69,8 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
         return out
     if scale.dim() == 3:
         return out * scale.index_select(0, block_table).flatten(0, 1)[:length].unsqueeze(-1).float()
+    if scale.dim() == 2:                                  # per channel: [kv_heads, head_dim]
+        return out * scale.float().unsqueeze(0)
     return out * scale.float().view(1, -1, 1)
 
 

@@ -96,7 +96,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(files.folder)
     storage = KVCacheStorage(spec, num_blocks)
     if spec.is_quantized and spec.scale_granularity != "per-token-head":
-        calibrate_static_scales(model, storage, calibration_ids(tokenizer, min(CALIBRATION_TOKENS, max_len)))
+        # the model's own length limit, not the cache's: scales must not depend on the cache size
+        cal_len = min(CALIBRATION_TOKENS, resolve_max_model_len(cfg, None))
+        calibrate_static_scales(model, storage, calibration_ids(tokenizer, cal_len))
     eos = set(cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)

@@ -23,15 +23,16 @@ from pagedkv.kv import quant
 from pagedkv.kv.storage import TORCH_DTYPES
 
 
-def stored(x: torch.Tensor, setting: KVSetting, calibration: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` ``[T, Hkv, D]`` fp32 as the cache would read it back in ``setting``'s format;
-    static (per-head / per-tensor) scales come from ``calibration`` ``[N, Hkv, D]`` when given,
+def stored(x: torch.Tensor, setting: KVSetting, calibration: torch.Tensor | None = None,
+           values: bool = False) -> torch.Tensor:
+    """``x`` ``[T, Hkv, D]`` fp32 keys (or ``values``) as the cache would read them back in
+    ``setting``'s format; static scales come from ``calibration`` ``[N, Hkv, D]`` when given,
     else from ``x`` itself."""
     if setting.dtype not in quant.QMAX:
         return x.to(TORCH_DTYPES[setting.dtype]).float()
-    static = setting.scale != "per-token-head" and calibration is not None
-    view = quant.scale_view(quant.compute_scales(calibration if static else x, setting.dtype, setting.scale),
-                            setting.scale)
+    gran = quant.key_value_granularities(setting.scale)[1 if values else 0]
+    static = gran != "per-token-head" and calibration is not None
+    view = quant.scale_view(quant.compute_scales(calibration if static else x, setting.dtype, gran), gran)
     return quant.dequantize(quant.quantize(x, view, setting.dtype), view)
 
 
@@ -72,7 +73,7 @@ def attention_errors(model, windows: list[list[int]], settings: list[KVSetting],
             den[i] += float(ref.pow(2).sum())
             ck, cv = cal[i] if cal else (None, None)
             for s in settings:
-                out = attend(q, stored(k, s, ck), stored(v, s, cv), scale)
+                out = attend(q, stored(k, s, ck), stored(v, s, cv, values=True), scale)
                 num[s.label][i] += float((out - ref).pow(2).sum())
             x = layer.finish(x, ref)
     return {label: [(n / d) ** 0.5 for n, d in zip(errs, den)] for label, errs in num.items()}

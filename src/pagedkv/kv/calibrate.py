@@ -11,7 +11,8 @@ maximum (:mod:`pagedkv.kv.quant`).
 
 The text: the bundled Shakespeare sonnets (public domain) followed by arena-hard prompts
 (Apache-2.0), i.e. prose plus chat questions; ``CALIBRATION_TOKENS`` tokens of it (fewer
-if ``max_model_len`` is shorter). This is the same "calculate scales on a calibration pass"
+if the model's own position or window limit is shorter; never tied to the cache size, so
+every engine of a model gets the same scales). This is the same "calculate scales on a calibration pass"
 idea as vLLM's ``calculate_kv_scales``, done on fixed data so every run gets the same scales.
 """
 

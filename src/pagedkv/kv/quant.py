@@ -5,7 +5,9 @@ int8, or cast to fp8) and read back as ``q * scale``. ``scale = amax / qmax`` ov
 
     per-token-head  one scale per token and KV head, written with the token (default);
     per-head        one static scale per layer and KV head;
-    per-tensor      one static scale per layer.
+    per-tensor      one static scale per layer;
+    per-channel     keys: one static scale per layer, KV head and channel (KIVI-style);
+                    values: per-token-head (see :func:`key_value_granularities`).
 
 Static scales are calibrated once, at engine start, on a fixed text
 (:mod:`pagedkv.kv.calibrate`), and then fixed; later values beyond them saturate at
@@ -40,13 +42,15 @@ def sanitize(x: torch.Tensor) -> torch.Tensor:
 
 def compute_scales(x: torch.Tensor, dtype: str, granularity: str) -> torch.Tensor:
     """Scales for ``x`` ``[T, kv_heads, head_dim]``: ``[T, kv_heads]`` per-token-head,
-    ``[kv_heads]`` per-head, ``[1]`` per-tensor. Raises ValueError for an unknown dtype
-    or granularity."""
+    ``[kv_heads]`` per-head, ``[1]`` per-tensor, ``[kv_heads, head_dim]`` per-channel.
+    Raises ValueError for an unknown dtype or granularity."""
     if dtype not in QMAX:
         raise ValueError(f"{dtype!r} is not a quantized KV dtype ({', '.join(QMAX)})")
     a = sanitize(x).abs()
     if granularity == "per-token-head":
         amax = a.amax(dim=-1)
+    elif granularity == "per-channel":
+        amax = a.amax(dim=0)
     elif granularity == "per-head":
         amax = a.amax(dim=(0, 2))
     elif granularity == "per-tensor":
@@ -81,10 +85,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
+def key_value_granularities(granularity: str) -> tuple[str, str]:
+    """The granularity keys and values are stored with under a ``--kv-cache-scale`` setting
+    (they differ only for per-channel: static per-channel keys, per-token-head values)."""
+    return (granularity, "per-token-head") if granularity == "per-channel" else (granularity, granularity)
+
+
 def scale_view(scale: torch.Tensor, granularity: str) -> torch.Tensor:
     """Reshape a stored scale so it broadcasts against ``[T, kv_heads, head_dim]``."""
     if granularity == "per-token-head":
         return scale.unsqueeze(-1)        # [T, H] -> [T, H, 1]
+    if granularity == "per-channel":
+        return scale.unsqueeze(0)         # [H, D] -> [1, H, D]
     if granularity == "per-head":
         return scale.view(1, -1, 1)       # [H] -> [1, H, 1]
     return scale.view(1, 1, 1)

@@ -30,7 +30,10 @@ QUANTIZED_DTYPES = frozenset({"fp8_e4m3", "fp8_e5m2", "int8", "int4"})
 #: keeps fp32's range, and the scale is rounded up so no value saturates: see kv/quant.py).
 #: 2-byte token scales are what lets int8 reach 1.94x float16's tokens per byte at head_dim 64
 #: (fp32 scales: 1.88x); llama.cpp's Q8_0 likewise keeps a 2-byte scale per 32 values.
-SCALE_GRANULARITIES = ("per-tensor", "per-head", "per-token-head")
+#: per-channel (KIVI-style, Liu et al. 2024, arXiv:2402.02750): keys get one static fp32
+#: scale per KV head and channel (key outliers sit in fixed channels), values one bfloat16
+#: scale per token and KV head; MLA latents get one static scale per latent channel.
+SCALE_GRANULARITIES = ("per-tensor", "per-head", "per-token-head", "per-channel")
 TOKEN_SCALE_BYTES = 2   # bfloat16, per token and KV head
 STATIC_SCALE_BYTES = 4  # float32, per layer (and KV head)
 
@@ -97,18 +100,22 @@ class KVCacheSpec:
 
     @property
     def scale_bytes_per_token_layer(self) -> int:
-        """Bytes of per-token scales in one layer (0 unless quantized per-token-head)."""
-        if not self.is_quantized or self.scale_granularity != "per-token-head":
+        """Bytes of per-token scales in one layer (per-token-head: K and V; per-channel: V)."""
+        if not self.is_quantized or self.scale_granularity not in ("per-token-head", "per-channel"):
             return 0
+        if self.scale_granularity == "per-channel":
+            return 0 if self.mla_latent_dim else self.num_kv_heads * TOKEN_SCALE_BYTES
         heads = 1 if self.mla_latent_dim else self.num_kv_heads
         parts = 1 if self.mla_latent_dim else 2  # K and V
         return heads * parts * TOKEN_SCALE_BYTES
 
     @property
     def scale_bytes_per_layer(self) -> int:
-        """Bytes of static (per-tensor or per-head) scales in one layer."""
+        """Bytes of static (per-tensor, per-head, per-channel keys) scales in one layer."""
         if not self.is_quantized or self.scale_granularity == "per-token-head":
             return 0
+        if self.scale_granularity == "per-channel":
+            return (self.mla_latent_dim or self.num_kv_heads * self.head_dim) * STATIC_SCALE_BYTES
         heads = 1 if (self.mla_latent_dim or self.scale_granularity == "per-tensor") else self.num_kv_heads
         return heads * (1 if self.mla_latent_dim else 2) * STATIC_SCALE_BYTES
 

@@ -10,6 +10,7 @@ scales per layer for K and for V (fp32, but bfloat16 per token), shaped by the g
     per-token-head  [num_blocks, block_size, num_kv_heads]   bfloat16, written with each token
     per-head        [num_kv_heads]                          static (see set_static_scales)
     per-tensor      [1]                                     static
+    per-channel     K: [num_kv_heads, head_dim] static; V: as per-token-head
 
 so ``num_blocks * spec.page_size_bytes + spec.static_bytes`` is exactly what is allocated.
 """
@@ -58,11 +59,17 @@ class KVCacheStorage:
         self.v_scale: list[torch.Tensor] = []
         self._calibrated = [False] * n
         if spec.is_quantized:
-            sshape = {"per-token-head": shape[:3], "per-head": (spec.num_kv_heads,),
-                      "per-tensor": (1,)}[spec.scale_granularity]
-            sdtype = torch.bfloat16 if spec.scale_granularity == "per-token-head" else torch.float32
-            self.k_scale = [torch.ones(sshape, dtype=sdtype, device=device) for _ in range(n)]
-            self.v_scale = [torch.ones(sshape, dtype=sdtype, device=device) for _ in range(n)]
+            kg, vg = quant.key_value_granularities(spec.scale_granularity)
+            self.k_scale = [self._scale_tensor(kg, shape, device) for _ in range(n)]
+            self.v_scale = [self._scale_tensor(vg, shape, device) for _ in range(n)]
+
+    @staticmethod
+    def _scale_tensor(gran: str, shape: tuple, device: str) -> torch.Tensor:
+        """Ones in a granularity's scale shape: bfloat16 per token, fp32 static."""
+        sshape = {"per-token-head": shape[:3], "per-head": (shape[2],), "per-tensor": (1,),
+                  "per-channel": shape[2:]}[gran]
+        dtype = torch.bfloat16 if gran == "per-token-head" else torch.float32
+        return torch.ones(sshape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -86,8 +93,9 @@ class KVCacheStorage:
         gran = self.spec.scale_granularity
         if not self.spec.is_quantized or gran == "per-token-head":
             raise ValueError(f"no static scales to set for {self.spec.dtype} / {gran}")
-        self.k_scale[layer].copy_(quant.compute_scales(k, self.spec.dtype, gran))
-        self.v_scale[layer].copy_(quant.compute_scales(v, self.spec.dtype, gran))
+        for scales, x, g in zip((self.k_scale, self.v_scale), (k, v), quant.key_value_granularities(gran)):
+            if g != "per-token-head":
+                scales[layer].copy_(quant.compute_scales(x, self.spec.dtype, g))
         self._calibrated[layer] = True
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -100,9 +108,10 @@ class KVCacheStorage:
         self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.v[layer].dtype))
 
     def _write_quantized(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        spec, gran = self.spec, self.spec.scale_granularity
+        spec = self.spec
         flat = (-1, spec.num_kv_heads, spec.head_dim)
-        for pages, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+        kg, vg = quant.key_value_granularities(spec.scale_granularity)
+        for pages, scales, x, gran in ((self.k, self.k_scale, k, kg), (self.v, self.v_scale, v, vg)):
             if gran == "per-token-head":
                 s = quant.compute_scales(x, spec.dtype, gran)                 # [T, Hkv]
                 scales[layer].view(-1, spec.num_kv_heads).index_copy_(0, slots, s.to(torch.bfloat16))  # exact

@@ -49,7 +49,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="auto|float32|float16|bfloat16|fp8_e4m3|fp8_e5m2|int8|int4 (also fp16, bf16, fp8); "
                         "auto = the engine's compute dtype (default: auto)")
     p.add_argument("--kv-cache-scale", "--kv-scale", dest="kv_scale", default="per-token-head",
-                   help="scales of quantized KV: per-tensor|per-head|per-token-head (default: per-token-head)")
+                   help="scales of quantized KV: per-tensor|per-head|per-token-head|per-channel (default: per-token-head)")
     p.add_argument("--weight-dtype", default="auto", help="same names as --kv-cache-dtype (default: auto)")
     p.add_argument("--seq-len", default="4096", help="tokens per request, prompt + output (default: 4096)")
     p.add_argument("--batch", default="1", help="concurrent requests (default: 1)")

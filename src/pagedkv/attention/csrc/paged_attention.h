@@ -5,8 +5,9 @@
 //   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]   fp32 | fp16 | bf16 | int8 | fp8
 //                (e4m3fn, e5m2), contiguous
 //   k/v scale    quantized caches only, fp32 or bf16: [num_blocks, block_size, num_kv_heads]
-//                (per-token-head), [num_kv_heads] (per-head) or [1] (per-tensor); a stored
-//                value q of slot j, KV head g in block b reads as float(q) * scale[b, j, g]
+//                (per-token-head), [num_kv_heads, head_dim] (per-channel, fp32), [num_kv_heads]
+//                (per-head) or [1] (per-tensor); a stored value q of slot j, KV head g,
+//                channel c in block b reads as float(q) * scale[b, j, g] (or scale[g, c])
 //   seq_info     [S, 5] int64: query_start, query_len, context_len, table_offset, table_len
 //   block_tables [sum table_len] int64: every sequence's block table, concatenated
 //   out          [T, num_heads, head_dim]                           fp32
@@ -24,15 +25,23 @@ enum class KVType : int { f32 = 0, f16 = 1, bf16 = 2, i8 = 3, f8e4m3 = 4, f8e5m2
 inline bool is_quantized(KVType t) { return t == KVType::i8 || t == KVType::f8e4m3 || t == KVType::f8e5m2; }
 inline int64_t element_bytes(KVType t) { return t == KVType::f32 ? 4 : is_quantized(t) ? 1 : 2; }
 
+// Where a quantized cache's scales live: scale of (block b, slot j, KV head g) at
+// b * strides[0] + j * strides[1] + g * strides[2]; per_channel: a [Hkv, D] fp32 table,
+// channel c of head g at g * D + c.
+struct ScaleLayout {
+  const void* data = nullptr;
+  int64_t strides[3] = {0, 0, 0};
+  bool bf16 = false;
+  bool per_channel = false;
+};
+
 struct PagedAttentionArgs {
   const float* q;             // [T, H, D]
   const void* k_cache;        // [NB, BS, Hkv, D], element type kv_type
   const void* v_cache;
   KVType kv_type;
-  const void* k_scale;        // quantized caches: scale of (block b, slot j, KV head g) at
-  const void* v_scale;        //   b * scale_strides[0] + j * scale_strides[1] + g * scale_strides[2]
-  int64_t scale_strides[3];
-  bool scale_bf16;            // scales stored as bfloat16 (else float32)
+  ScaleLayout k_scale;        // quantized caches only
+  ScaleLayout v_scale;
   const int64_t* seq_info;    // [S, 5]
   const int64_t* block_tables;
   float* out;                 // [T, H, D]

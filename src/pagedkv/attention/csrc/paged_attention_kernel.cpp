@@ -244,12 +244,10 @@ class Kernel {
 
   template <KVType T>
   std::pair<const float*, const float*> dequantize(int64_t block, int64_t off, int64_t n, Workspace& ws) const {
-    const int64_t* st = a_.scale_strides;
-    const int64_t soff = block * st[0] * (a_.scale_bf16 ? 2 : 4);  // bytes
-    dequantize_page<T>(static_cast<const uint8_t*>(a_.k_cache) + off, ws.kbuf.data(), n, Hkv_, D,
-                       static_cast<const char*>(a_.k_scale) + soff, a_.scale_bf16, st[1], st[2]);
-    dequantize_page<T>(static_cast<const uint8_t*>(a_.v_cache) + off, ws.vbuf.data(), n, Hkv_, D,
-                       static_cast<const char*>(a_.v_scale) + soff, a_.scale_bf16, st[1], st[2]);
+    dequantize_page<T>(static_cast<const uint8_t*>(a_.k_cache) + off, ws.kbuf.data(), block, n, Hkv_, D,
+                       a_.k_scale);
+    dequantize_page<T>(static_cast<const uint8_t*>(a_.v_cache) + off, ws.vbuf.data(), block, n, Hkv_, D,
+                       a_.v_scale);
     return {ws.kbuf.data(), ws.vbuf.data()};
   }
 

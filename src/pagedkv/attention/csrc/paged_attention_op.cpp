@@ -3,8 +3,6 @@
 //                                     k_scale=None, v_scale=None)
 // Shapes: see paged_attention.h. Only light ATen headers, to keep the JIT build short.
 
-#include <array>
-
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -64,24 +62,29 @@ void check_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
 }
 
-// Scales of a quantized cache k [NB, BS, Hkv, D]: fp32 or bf16 [NB, BS, Hkv], [Hkv] or [1]; returns the
-// (block, slot, head) strides of the scale index.
-std::array<int64_t, 3> scale_strides(const at::Tensor& k, const c10::optional<at::Tensor>& ks,
-                                     const c10::optional<at::Tensor>& vs) {
-  TORCH_CHECK(ks.has_value() && vs.has_value(), "paged_attention: an int8/fp8 cache needs k_scale and v_scale");
-  const at::Tensor& s = *ks;
-  for (const at::Tensor* t : {&*ks, &*vs})
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->sizes() == s.sizes() &&
-                    t->scalar_type() == s.scalar_type() &&
-                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
-                "paged_attention: k_scale and v_scale must be contiguous float32 or bfloat16 CPU tensors of one "
-                "shape and dtype");
-  const int64_t bs = k.size(1), hkv = k.size(2);
-  if (s.dim() == 3 && s.size(0) == k.size(0) && s.size(1) == bs && s.size(2) == hkv) return {bs * hkv, hkv, 1};
-  if (s.dim() == 1 && s.size(0) == hkv) return {0, 0, 1};
-  if (s.dim() == 1 && s.size(0) == 1) return {0, 0, 0};
-  TORCH_CHECK(false, "paged_attention: scale shape ", s.sizes(), " is none of [num_blocks, block_size, kv_heads], "
-              "[kv_heads], [1]");
+// The layout of one quantized cache's scales (k: the cache [NB, BS, Hkv, D]): contiguous
+// float32 or bfloat16 [NB, BS, Hkv] (per token and head), float32 [Hkv, D] (per channel),
+// [Hkv] (per head) or [1] (per tensor).
+ScaleLayout scale_layout(const at::Tensor& k, const at::Tensor& s, const char* name) {
+  TORCH_CHECK(s.device().is_cpu() && s.is_contiguous() &&
+                  (s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16),
+              "paged_attention: ", name, " must be a contiguous float32 or bfloat16 CPU tensor");
+  ScaleLayout l;
+  l.data = s.data_ptr();
+  l.bf16 = s.scalar_type() == at::kBFloat16;
+  const int64_t bs = k.size(1), hkv = k.size(2), d = k.size(3);
+  if (s.dim() == 3 && s.size(0) == k.size(0) && s.size(1) == bs && s.size(2) == hkv) {
+    l.strides[0] = bs * hkv, l.strides[1] = hkv, l.strides[2] = 1;
+  } else if (s.dim() == 2 && s.size(0) == hkv && s.size(1) == d) {
+    TORCH_CHECK(!l.bf16, "paged_attention: per-channel ", name, " must be float32");
+    l.per_channel = true;
+  } else if (s.dim() == 1 && s.size(0) == hkv) {
+    l.strides[2] = 1;
+  } else {
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == 1, "paged_attention: ", name, " shape ", s.sizes(),
+                " is none of [num_blocks, block_size, kv_heads], [kv_heads, head_dim], [kv_heads], [1]");
+  }
+  return l;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -90,19 +93,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   check_tensors(q, k_cache, v_cache, seq_info, block_tables);
   check_sequences(q, k_cache, seq_info, block_tables);
   const KVType type = kv_type(k_cache);
-  std::array<int64_t, 3> strides{0, 0, 0};
-  if (is_quantized(type)) strides = scale_strides(k_cache, k_scale, v_scale);
-  else TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "paged_attention: scales given for an unquantized cache");
-  at::Tensor out = at::empty_like(q);  // [T, H, D]
-  const bool quantized = is_quantized(type);
-  const void* ks = quantized ? k_scale->data_ptr() : nullptr;
-  const void* vs = quantized ? v_scale->data_ptr() : nullptr;
-  const bool bf16 = quantized && k_scale->scalar_type() == at::kBFloat16;
-  PagedAttentionArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), type, ks, vs,
-                       {strides[0], strides[1], strides[2]}, bf16,
-                       seq_info.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), out.data_ptr<float>(),
+  PagedAttentionArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), type, {}, {},
+                       seq_info.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), nullptr,
                        seq_info.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
                        static_cast<float>(scale), static_cast<int>(split)};
+  if (is_quantized(type)) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "paged_attention: an int8/fp8 cache needs k_scale and v_scale");
+    a.k_scale = scale_layout(k_cache, *k_scale, "k_scale");
+    a.v_scale = scale_layout(k_cache, *v_scale, "v_scale");
+  } else {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "paged_attention: scales given for an unquantized cache");
+  }
+  at::Tensor out = at::empty_like(q);  // [T, H, D]
+  a.out = out.data_ptr<float>();
   at::internal::lazy_init_num_threads();  // this thread's OpenMP team size = torch.get_num_threads()
   paged_attention_cpu(a);
   return out;

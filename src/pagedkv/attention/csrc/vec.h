@@ -186,14 +186,23 @@ inline float scale_at(const void* base, int64_t i, bool bf16) {
   return f;
 }
 
-// Dequantize n slots x Hkv heads x D values of one page into fp32: dst = float(q) * scale,
-// the scale of slot j, head g at scale[j * sj + g * sg] (one rounding, as the reference).
+// Dequantize n slots x Hkv heads x D values of block b into fp32: dst = float(q) * scale
+// (one rounding, as the reference), scales as described by `sl`.
 template <KVType T>
-void dequantize_page(const uint8_t* src, float* dst, int64_t n, int64_t Hkv, int64_t D, const void* scale,
-                     bool scale_bf16, int64_t sj, int64_t sg) {
+void dequantize_page(const uint8_t* src, float* dst, int64_t b, int64_t n, int64_t Hkv, int64_t D,
+                     const ScaleLayout& sl) {
+  if (sl.per_channel) {
+    const float* s = static_cast<const float*>(sl.data);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const int64_t off = (j * Hkv + g) * D;
+        for (int64_t c = 0; c < D; c += kLanes) storev(dst + off + c, load8<T>(src + off + c) * loadv(s + g * D + c));
+      }
+    return;
+  }
   for (int64_t j = 0; j < n; ++j)
     for (int64_t g = 0; g < Hkv; ++g) {
-      const vf s = splat(scale_at(scale, j * sj + g * sg, scale_bf16));
+      const vf s = splat(scale_at(sl.data, b * sl.strides[0] + j * sl.strides[1] + g * sl.strides[2], sl.bf16));
       const int64_t off = (j * Hkv + g) * D;
       for (int64_t c = 0; c < D; c += kLanes) storev(dst + off + c, load8<T>(src + off + c) * s);
     }
