@@ -40,3 +40,28 @@ def test_set_static_scales_refuses_token_scales(tiny_llm_factory):
     storage = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8").engine.parts.storage
     with pytest.raises(ValueError, match="no static scales"):
         storage.set_static_scales(0, torch.ones(2, 2, 16), torch.ones(2, 2, 16))
+
+
+def test_eval_uses_the_engines_calibration(tiny_llm_factory):
+    """attn-error computes static scales from the same text as the engine, whatever its window."""
+    from pagedkv.eval.attn_error import layer_kv
+    from pagedkv.kv import quant
+    from pagedkv.kv.calibrate import engine_calibration_ids
+
+    llm = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8", kv_cache_scale="per-channel", max_model_len=64)
+    parts = llm.engine.parts
+    cal = layer_kv(parts.model, engine_calibration_ids(llm.get_tokenizer(), parts.files.config))
+    for i, (k, _) in enumerate(cal):
+        assert torch.equal(quant.compute_scales(k, "int8", "per-channel"), parts.storage.k_scale[i])
+
+
+def test_reference_refuses_misshapen_scales():
+    from pagedkv.attention.paged import gather_pages
+
+    cache = torch.zeros(4, 16, 2, 8, dtype=torch.int8)
+    table = torch.tensor([1, 0])
+    for bad in (torch.ones(2, 8, 1), torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8, 2), torch.ones(()),
+                torch.ones(2, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="none of"):
+            gather_pages(cache, table, 20, bad)
+    assert gather_pages(cache, table, 20, torch.ones(2, 8)).shape == (20, 2, 8)

@@ -54,6 +54,16 @@ class AttentionMetadata:
                 torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int64))
 
 
+def _check_scale(cache: torch.Tensor, scale: torch.Tensor) -> None:
+    """Raise ValueError unless ``scale`` has one of the layouts the kernel also accepts."""
+    nb, bs, hkv, d = cache.shape
+    ok = (tuple(scale.shape) in ((nb, bs, hkv), (hkv,), (1,))
+          or (tuple(scale.shape) == (hkv, d) and scale.dtype == torch.float32))
+    if not ok or scale.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"scale {tuple(scale.shape)} {scale.dtype} is none of [num_blocks, block_size, kv_heads], "
+                         f"[kv_heads, head_dim] (float32), [kv_heads], [1] (float32 or bfloat16)")
+
+
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """Contiguous ``[length, num_kv_heads, head_dim]`` fp32 copy of a sequence's first ``length``
@@ -67,6 +77,7 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     out = pages.flatten(0, 1)[:length].float()            # [length, kv_heads, head_dim]
     if scale is None:
         return out
+    _check_scale(cache, scale)
     if scale.dim() == 3:
         return out * scale.index_select(0, block_table).flatten(0, 1)[:length].unsqueeze(-1).float()
     if scale.dim() == 2:                                  # per channel: [kv_heads, head_dim]

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from pagedkv.config import EngineConfig
-from pagedkv.kv.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
+from pagedkv.kv.calibrate import calibrate_static_scales, engine_calibration_ids
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.storage import KVCacheStorage
@@ -97,8 +97,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     storage = KVCacheStorage(spec, num_blocks)
     if spec.is_quantized and spec.scale_granularity != "per-token-head":
         # the model's own length limit, not the cache's: scales must not depend on the cache size
-        cal_len = min(CALIBRATION_TOKENS, resolve_max_model_len(cfg, None))
-        calibrate_static_scales(model, storage, calibration_ids(tokenizer, cal_len))
+        calibrate_static_scales(model, storage, engine_calibration_ids(tokenizer, cfg))
     eos = set(cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)

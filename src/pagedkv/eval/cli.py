@@ -100,14 +100,14 @@ def run_ppl(a) -> int:
 
 def run_attn_error(a) -> int:
     from pagedkv.eval.attn_error import attention_errors
-    from pagedkv.kv.calibrate import CALIBRATION_TOKENS, calibration_ids
+    from pagedkv.kv.calibrate import engine_calibration_ids
     from pagedkv.eval.ppl import windows
     from pagedkv.eval.settings import KVSetting, parse_settings
 
     settings = parse_settings(a.kv_cache_dtype, a.kv_cache_scale)
     llm = _llm(a, KVSetting("float32"), max_model_len=a.window + 1)
     wins = windows(_text_ids(a, llm.get_tokenizer()), a.num_tokens, a.window)
-    cal = calibration_ids(llm.get_tokenizer(), min(CALIBRATION_TOKENS, a.window))
+    cal = engine_calibration_ids(llm.get_tokenizer(), llm.engine.parts.files.config)  # as the engine's
     errors = attention_errors(llm.engine.parts.model, wins, settings, cal)
     for label, per_layer in errors.items():
         mean, worst = sum(per_layer) / len(per_layer), max(per_layer)

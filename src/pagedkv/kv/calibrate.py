@@ -33,6 +33,14 @@ def calibration_ids(tokenizer, max_tokens: int = CALIBRATION_TOKENS) -> list[int
     return list(tokenizer(text, add_special_tokens=False).input_ids)[:max_tokens]
 
 
+def engine_calibration_ids(tokenizer, cfg) -> list[int]:
+    """The calibration ids an engine uses for model config ``cfg``: at most
+    ``CALIBRATION_TOKENS``, fewer only if the model's own length limit is shorter."""
+    from pagedkv.engine.setup import resolve_max_model_len
+
+    return calibration_ids(tokenizer, min(CALIBRATION_TOKENS, resolve_max_model_len(cfg, None)))
+
+
 @torch.inference_mode()
 def calibrate_static_scales(model, storage, token_ids: list[int]) -> None:
     """Set every layer's static K/V scales of ``storage`` from ``token_ids`` run through
