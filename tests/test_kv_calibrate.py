@@ -44,9 +44,9 @@ def test_set_static_scales_refuses_token_scales(tiny_llm_factory):
 
 def test_eval_uses_the_engines_calibration(tiny_llm_factory):
     """attn-error computes static scales from the same text as the engine, whatever its window."""
-    from pagedkv.eval.attn_error import layer_kv
+    from pagedkv.kv.calibrate import layer_kv
     from pagedkv.kv import quant
-    from pagedkv.kv.calibrate import engine_calibration_ids
+    from pagedkv.engine.setup import engine_calibration_ids
 
     llm = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8", kv_cache_scale="per-channel", max_model_len=64)
     parts = llm.engine.parts

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from pagedkv.config import EngineConfig
-from pagedkv.kv.calibrate import calibrate_static_scales, engine_calibration_ids
+from pagedkv.kv.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.storage import KVCacheStorage
@@ -47,6 +47,13 @@ def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     if requested is not None and requested > limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
     return requested or limit
+
+
+def engine_calibration_ids(tokenizer, cfg: ModelConfig) -> list[int]:
+    """The calibration ids an engine uses for static KV scales (:mod:`pagedkv.kv.calibrate`):
+    at most ``CALIBRATION_TOKENS``, fewer only if the model's own length limit is shorter
+    (never the cache's, so every engine of a model gets the same scales)."""
+    return calibration_ids(tokenizer, min(CALIBRATION_TOKENS, resolve_max_model_len(cfg, None)))
 
 
 def cap_to_cache(max_len: int, cache_tokens: int, explicit: bool) -> int:

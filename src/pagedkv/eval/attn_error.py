@@ -19,6 +19,7 @@ import torch
 
 from pagedkv.attention.paged import attend
 from pagedkv.eval.settings import KVSetting
+from pagedkv.kv.calibrate import layer_kv
 from pagedkv.kv import quant
 from pagedkv.kv.storage import TORCH_DTYPES
 
@@ -36,17 +37,6 @@ def stored(x: torch.Tensor, setting: KVSetting, calibration: torch.Tensor | None
     return quant.dequantize(quant.quantize(x, view, setting.dtype), view)
 
 
-def layer_kv(model, token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's fp32 (k, v) ``[T, Hkv, D]`` for ``token_ids`` (float32 activations)."""
-    x = model.embed[torch.tensor(token_ids)]
-    positions, out = torch.arange(len(token_ids)), []
-    for layer in model.layers:
-        q, k, v = layer.project(x, positions, model.rope)
-        out.append((k, v))
-        x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5))
-    return out
-
-
 @torch.inference_mode()
 def attention_errors(model, windows: list[list[int]], settings: list[KVSetting],
                      calibration_ids: list[int] | None = None) -> dict[str, list[float]]:
@@ -54,7 +44,7 @@ def attention_errors(model, windows: list[list[int]], settings: list[KVSetting],
 
     ``model`` is a :class:`pagedkv.model.llama.LlamaModel`; ``windows`` token-id lists, each
     scored from position 0; ``calibration_ids`` the text static scales are calibrated on (the
-    engine's, :func:`pagedkv.kv.calibrate.calibration_ids`; ``None`` = each window itself).
+    engine's, :func:`pagedkv.engine.setup.engine_calibration_ids`; ``None`` = each window).
     Raises ValueError for no window.
     """
     if not windows:

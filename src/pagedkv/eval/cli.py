@@ -100,7 +100,7 @@ def run_ppl(a) -> int:
 
 def run_attn_error(a) -> int:
     from pagedkv.eval.attn_error import attention_errors
-    from pagedkv.kv.calibrate import engine_calibration_ids
+    from pagedkv.engine.setup import engine_calibration_ids
     from pagedkv.eval.ppl import windows
     from pagedkv.eval.settings import KVSetting, parse_settings
 

@@ -33,24 +33,23 @@ def calibration_ids(tokenizer, max_tokens: int = CALIBRATION_TOKENS) -> list[int
     return list(tokenizer(text, add_special_tokens=False).input_ids)[:max_tokens]
 
 
-def engine_calibration_ids(tokenizer, cfg) -> list[int]:
-    """The calibration ids an engine uses for model config ``cfg``: at most
-    ``CALIBRATION_TOKENS``, fewer only if the model's own length limit is shorter."""
-    from pagedkv.engine.setup import resolve_max_model_len
-
-    return calibration_ids(tokenizer, min(CALIBRATION_TOKENS, resolve_max_model_len(cfg, None)))
-
-
 @torch.inference_mode()
+def layer_kv(model, token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's fp32 (k, v) ``[T, Hkv, D]`` for ``token_ids`` run through ``model`` (a
+    :class:`pagedkv.model.llama.LlamaModel`) with float32 activations and attention."""
+    x = model.embed[torch.tensor(token_ids)]
+    positions, out = torch.arange(len(token_ids)), []
+    for layer in model.layers:
+        q, k, v = layer.project(x, positions, model.rope)
+        out.append((k, v))
+        x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5))
+    return out
+
+
 def calibrate_static_scales(model, storage, token_ids: list[int]) -> None:
     """Set every layer's static K/V scales of ``storage`` from ``token_ids`` run through
-    ``model`` (a :class:`pagedkv.model.llama.LlamaModel`). Raises ValueError for no tokens."""
+    ``model``. Raises ValueError for no tokens."""
     if not token_ids:
         raise ValueError("calibration needs at least one token")
-    x = model.embed[torch.tensor(token_ids)]
-    positions = torch.arange(len(token_ids))
-    scale = model.cfg.head_dim ** -0.5
-    for i, layer in enumerate(model.layers):
-        q, k, v = layer.project(x, positions, model.rope)
+    for i, (k, v) in enumerate(layer_kv(model, token_ids)):
         storage.set_static_scales(i, k, v)
-        x = layer.finish(x, attend(q, k, v, scale))
