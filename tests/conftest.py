@@ -8,7 +8,6 @@ import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PAGEDKV_BATCH_INVARIANT", "1")  # tests assert bit-identical outputs across batching
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="contiguous = reserve prompt + max_tokens slots at admission (baseline)")
     g.add_argument("--seed", type=int, default=0, help="engine sampling seed")
     g.add_argument("--batch-invariant", action="store_true",
-                   help="bit-identical outputs whatever the batching (MKL strict CNR; ~1.8x slower "
+                   help="bit-identical outputs whatever the batching (every matrix product in 16-row tiles; slower "
                         "single-stream decode on CPU; same as PAGEDKV_BATCH_INVARIANT=1)")
 
 

@@ -61,9 +61,9 @@ class EngineConfig:
             slots per request at admission: the pre-paging baseline for benchmarks).
         seed: seed of the sampler's default generator.
         debug_invariants: check the KV manager's invariants after every step.
-        batch_invariant: bit-identical results whatever the batching (MKL strict CNR, see
-            :mod:`pagedkv.numerics`); must be chosen before the process's first matmul, and
-            then holds for the whole process.
+        batch_invariant: bit-identical results whatever the batching: every matrix product
+            in fixed 16-row tiles (see :mod:`pagedkv.numerics`); also on for every engine
+            when ``PAGEDKV_BATCH_INVARIANT=1`` is set.
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """

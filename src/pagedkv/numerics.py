@@ -1,39 +1,41 @@
-"""Batch-invariant numerics on CPU: MKL conditional numerical reproducibility (CNR).
+"""Batch-invariant numerics on CPU, by construction: fixed row tiles for every matrix product.
 
-By default pagedkv lets MKL pick its fastest kernels. For fewer than 16 rows MKL's fp32
-GEMM then takes a GEMV-like path whose reduction order differs from the one used for
-16+ rows, so a row's result (to the last bit) depends on how many rows share the product:
-a request's logits move by ~1e-5 with the batch around it, and a greedy near-tie can flip.
+By default pagedkv lets the BLAS pick its fastest kernels. For a product of fewer than 16
+rows, MKL's fp32 GEMM takes a GEMV-like path whose reduction order differs from the one
+it uses for 16+ rows, so a row's result (to the last bit) depends on how many rows share
+the product: a request's logits move by ~1e-5 with the batch around it, and a greedy
+near-tie can flip.
 
-Batch-invariant mode (``MKL_CBWR=AUTO,STRICT``) makes every row independent of M, so
-greedy outputs are bit-identical for batch size 1 and N, under chunked prefill,
-preemption and prefix hits. Measured on the 2-core CPU this project targets
-(SmolLM2-135M, fp32, 2 threads): single-stream decode 15.4 tok/s strict vs 27.2 tok/s
-default; products of 16+ rows run at the same speed either way.
+Batch-invariant mode pads the rows of every linear layer (the LM head included) up to a
+multiple of :data:`ROW_TILE` before the product, so no product ever has fewer than 16 rows
+and every row goes through the same GEMM kernel whatever the batch: greedy outputs are
+bit-identical for batch size 1 and N, under chunked prefill, preemption and prefix hits.
+The other operations of a step are row-wise already (norms, RoPE, SwiGLU, softmax), and
+the paged-attention kernel fixes each row's reduction order itself.
 
-Turn it on with ``PAGEDKV_BATCH_INVARIANT=1`` in the environment (read when ``pagedkv``
-is imported), ``--batch-invariant`` on the CLI, or ``EngineConfig(batch_invariant=True)``.
-MKL fixes the mode at its first call in a process, so the last two work only before any
-matrix product has run; otherwise they raise with the environment-variable fix. Once on,
-the mode holds for the whole process: a later engine built with ``batch_invariant=False``
-still runs strict.
+Why not MKL's own switch (``MKL_CBWR=AUTO,STRICT``, conditional numerical
+reproducibility)? MKL honours it on Intel CPUs only: on the AMD EPYC machines this project
+also runs on, products of 1-3 rows still differ from the same rows inside a 64-row
+product with it set. Measured there, rows of products padded to 8 or 16 rows agree
+bit for bit with the same rows inside products of 17 to 2,048 rows; on Intel (AVX-512)
+products of 16+ rows agreed already. 16 covers both.
 
-Source: Intel oneMKL Developer Reference, "Conditional Numerical Reproducibility
-Control" (``mkl_cbwr_set``; ``MKL_CBWR_AUTO`` = 2, ``MKL_CBWR_STRICT`` = 0x10000,
-``MKL_CBWR_ERR_MODE_CHANGE_FAILURE`` = -8).
+Cost: a single-stream decode step computes 16 rows instead of 1 (memory traffic is the
+same, FLOPs x16); products of 16+ rows pay only for the padding to the next multiple of
+16. BENCHMARKS.md has the measured step times.
+
+Turn it on with ``PAGEDKV_BATCH_INVARIANT=1`` in the environment (every engine of the
+process), ``--batch-invariant`` on the CLI, or ``EngineConfig(batch_invariant=True)`` (one
+engine). It can be switched at any time: nothing here is process-wide state of the BLAS.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 ENV = "PAGEDKV_BATCH_INVARIANT"
-STRICT_SETTING = "AUTO,STRICT"
-_MKL_CBWR_AUTO = 2
-_MKL_CBWR_STRICT = 0x10000
-_MKL_CBWR_SUCCESS = 0
-_MODE_CHANGE_FAILURE = -8
+#: Rows per tile: every product in batch-invariant mode has a multiple of this many rows.
+ROW_TILE = 16
 
 
 def env_requests_invariance() -> bool:
@@ -41,51 +43,26 @@ def env_requests_invariance() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def apply_env() -> None:
-    """At import: ``PAGEDKV_BATCH_INVARIANT=1`` sets ``MKL_CBWR=AUTO,STRICT`` unless the
-    user set ``MKL_CBWR`` themselves (theirs wins)."""
-    if env_requests_invariance():
-        os.environ.setdefault("MKL_CBWR", STRICT_SETTING)
+def invariant_linear(x, weight, bias=None):
+    """``F.linear(x, weight, bias)`` whose rows do not depend on how many rows ``x`` has.
 
-
-def is_batch_invariant() -> bool:
-    """Whether this process asked MKL for strict CNR (via the environment or
-    :func:`enable_batch_invariance`)."""
-    return "STRICT" in os.environ.get("MKL_CBWR", "").upper()
-
-
-def _mkl_cbwr_set():
-    import torch
-
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-    fn = getattr(lib, "mkl_serv_cbwr_set", None) or getattr(lib, "mkl_cbwr_set", None)
-    if fn is None:
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def enable_batch_invariance() -> None:
-    """Switch this process to MKL strict CNR (see the module doc).
-
-    Raises:
-        RuntimeError: if this torch build has no MKL to switch, or MKL already ran in this
-            process (the mode is fixed at its first call): start Python with
-            ``PAGEDKV_BATCH_INVARIANT=1`` instead.
+    ``x`` ``[M, in]``, ``weight`` ``[out, in]``, ``bias`` ``[out]`` or None; returns
+    ``[M, out]`` (fp32 in, fp32 out). Zero rows pad ``x`` to a multiple of
+    :data:`ROW_TILE`; their results are dropped.
     """
-    if is_batch_invariant():
-        return
-    try:
-        fn = _mkl_cbwr_set()
-    except OSError:
-        fn = None
-    if fn is None:
-        raise RuntimeError("batch-invariant mode needs torch's MKL (mkl_cbwr_set not found in this build)")
-    status = fn(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT)
-    if status == _MODE_CHANGE_FAILURE:
-        raise RuntimeError(f"batch-invariant mode must be chosen before the process's first matrix product: "
-                           f"start Python with {ENV}=1 (or MKL_CBWR={STRICT_SETTING})")
-    if status != _MKL_CBWR_SUCCESS:
-        raise RuntimeError(f"mkl_cbwr_set({STRICT_SETTING}) failed with status {status}")
-    os.environ["MKL_CBWR"] = STRICT_SETTING  # children (e.g. kernel builds, subprocesses) inherit it
+    import torch.nn.functional as F
+
+    m = x.shape[0]
+    pad = -m % ROW_TILE
+    if not pad:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:m]
+
+
+def linear_for(batch_invariant: bool):
+    """The linear function a model uses: :func:`invariant_linear` or torch's own."""
+    if batch_invariant:
+        return invariant_linear
+    import torch.nn.functional as F
+
+    return F.linear

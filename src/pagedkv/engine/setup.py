@@ -18,7 +18,7 @@ from pagedkv.model.config import ModelConfig, kv_spec_for
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
 from pagedkv.model.validate import check_weights
-from pagedkv.numerics import enable_batch_invariance
+from pagedkv.numerics import env_requests_invariance
 
 COMPUTE_DTYPE = "float32"  # bf16 matmuls are ~200x slower on these CPUs
 
@@ -82,8 +82,6 @@ def kv_dtype(config: EngineConfig) -> str:
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
-    if config.batch_invariant:
-        enable_batch_invariance()
     files = resolve_model(config.model)
     cfg = files.config
     max_len = resolve_max_model_len(cfg, config.max_model_len)
@@ -99,7 +97,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
                         allocator=config.kv_allocator)
     state = load_state_dict(files.folder)
     check_weights(cfg, state)
-    model = LlamaModel(cfg, state)
+    model = LlamaModel(cfg, state, batch_invariant=config.batch_invariant or env_requests_invariance())
     tokenizer = load_tokenizer(files.folder)
     storage = KVCacheStorage(spec, num_blocks)
     if spec.is_quantized and spec.scale_granularity != "per-token-head":

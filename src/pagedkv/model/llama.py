@@ -17,6 +17,7 @@ from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.rope import RotaryEmbedding
+from pagedkv.numerics import linear_for
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,6 +32,7 @@ class LlamaLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
         get = lambda n: w.pop(f"{prefix}.{n}")  # noqa: E731 - frees memory as it goes
         self.cfg = cfg
+        self.linear = F.linear  # or numerics.invariant_linear (LlamaModel.set_batch_invariant)
         self.in_norm, self.post_norm = get("input_layernorm.weight"), get("post_attention_layernorm.weight")
         q, k, v = (get(f"self_attn.{p}_proj.weight") for p in "qkv")
         self.qkv = torch.cat([q, k, v]).contiguous()  # [(H + 2 Hkv) * D, hidden]
@@ -59,7 +61,7 @@ class LlamaLayer:
         cfg, T = self.cfg, x.shape[0]
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = rms_norm(x, self.in_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        qkv = self.linear(h, self.qkv, self.qkv_bias)
         cos, sin = tables if tables is not None else rope.tables(positions)
         qk = rope.rotate(qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)
         return qk[:, :H], qk[:, H:], qkv[:, self.q_size + self.kv_size:].view(T, Hkv, D)
@@ -67,10 +69,10 @@ class LlamaLayer:
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``x`` and attention output ``attn`` ``[T, H, D]``."""
         cfg = self.cfg
-        x = x + F.linear(attn.reshape(x.shape[0], self.q_size), self.o)
+        x = x + self.linear(attn.reshape(x.shape[0], self.q_size), self.o)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, self.down)
 
 
 class LlamaModel:
@@ -80,7 +82,7 @@ class LlamaModel:
         KeyError: if a tensor the config implies is missing from ``state``.
     """
 
-    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], batch_invariant: bool = False) -> None:
         w = dict(state)
         self.cfg = cfg
         self.embed = w.pop("model.embed_tokens.weight")         # [vocab, hidden]
@@ -90,6 +92,15 @@ class LlamaModel:
         if self.lm_head is None or cfg.tie_word_embeddings:
             self.lm_head = self.embed
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.set_batch_invariant(batch_invariant)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Compute every linear layer (LM head included) in fixed row tiles, so each row's
+        bits do not depend on the batch (see :mod:`pagedkv.numerics`), or with torch's own."""
+        self.batch_invariant = bool(on)
+        self.linear = linear_for(self.batch_invariant)
+        for layer in self.layers:
+            layer.linear = self.linear
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCacheStorage,
@@ -104,7 +115,7 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, vocab]`` fp32 logits for ``[n, hidden]`` states."""
-        return F.linear(hidden, self.lm_head)
+        return self.linear(hidden, self.lm_head)
 
     @property
     def weight_bytes(self) -> int:
