@@ -1,8 +1,9 @@
 """Scheduler step cost vs the number of running requests (pure Python, no model).
 
 For each batch size N: admit N requests of ``--prompt-tokens`` tokens, then time decode
-steps: ``Scheduler.schedule()`` (block allocation included), a fake runner that appends
-one token per sampling request, ``Scheduler.update()`` (publishing full blocks). Median
+steps: ``Scheduler.schedule()`` (block allocation included), a fake runner's
+``ModelRunnerOutput`` with one token per sampling request, ``Scheduler.update()``
+(publishing full blocks, stop checks). Median
 over ``--steps`` steps; the per-request cost should stay flat as N grows.
 
     python benchmarks/bench_scheduler.py                   # a few seconds
@@ -19,6 +20,7 @@ import time
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens
 from pagedkv.kv.manager import KVCacheManager
 
 
@@ -40,10 +42,9 @@ def step(sched: Scheduler, token: int) -> float:
     """One schedule -> fake sample -> update; returns its seconds."""
     t = time.perf_counter()
     out = sched.schedule()
-    for s in out.scheduled:
-        if s.samples:
-            s.request.append_token(token, 0.0)
-    sched.update(out)
+    sampled = {rid: SampledTokens([token]) for rid, start, n in out.chunks()
+               if start + n == sched.requests[rid].num_tokens}
+    sched.update(out, ModelRunnerOutput(sampled=sampled), 0.0)
     return time.perf_counter() - t
 
 

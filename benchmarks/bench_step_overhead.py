@@ -106,14 +106,16 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=48, help="cap on each prompt (short: prefill is not measured)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     ap.add_argument("--top", type=int, default=15, help="cProfile lines to print")
+    ap.add_argument("--batch-invariant", action="store_true", help="16-row tiles for every matrix product")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    engine = LLMEngine(model=a.model, kv_cache_memory="1GiB", max_num_seqs=a.batch)
+    extra = {"batch_invariant": True} if a.batch_invariant else {}
+    engine = LLMEngine(model=a.model, kv_cache_memory="1GiB", max_num_seqs=a.batch, **extra)
     start_batch(engine, a.batch, a.prompt_tokens, 2 * a.steps + 2)
     assert len(engine.scheduler.running) == a.batch
     timers = timer_share(engine, a.steps)
     prof = cprofile_share(engine, a.steps, a.top)
-    res = {"batch": a.batch, "steps": a.steps, "timers": timers, "cprofile": prof}
+    res = {"batch": a.batch, "steps": a.steps, "batch_invariant": a.batch_invariant, "timers": timers, "cprofile": prof}
     if a.json:
         print(json.dumps(res))
         return 0

@@ -11,6 +11,7 @@ import pytest
 from pagedkv.bench import report
 from pagedkv.bench.metrics import RequestRecord, WasteSamples, distribution, percentile, summarize_requests
 from pagedkv.bench.roofline import Machine, ModelCost, StepWork, bound, causal_pairs, ideal_offline_steps, step_terms
+from pagedkv.kv.groups import single_group
 from pagedkv.kv.manager import KVCacheManager
 
 
@@ -88,7 +89,8 @@ class _Req:
 def test_slot_usage_paged_vs_contiguous(allocator, allocated):
     """17 tokens written at block size 16: paged holds 2 blocks; contiguous reserves
     ceil((17 + 95) / 16) = 7 blocks at admission."""
-    kv = KVCacheManager(64, 16, enable_prefix_caching=False, allocator=allocator)
+    kv = KVCacheManager(64, 16, enable_prefix_caching=False,
+                        kv_groups=single_group(1, 16, contiguous=allocator == "contiguous"))
     req = _Req("a", 17, 95)
     assert kv.allocate_slots(req, 17)
     a, f = kv.slot_usage({"a": 17})

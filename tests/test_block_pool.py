@@ -33,10 +33,10 @@ def state(pool: BlockPool) -> tuple:
 def test_fresh_pool_hands_out_ids_in_order():
     pool = BlockPool(6)
     assert (pool.num_free, pool.num_evictable, pool.num_available, pool.num_used) == (6, 0, 6, 0)
-    assert pool.allocate(3) == [0, 1, 2]
-    assert pool.ref_cnt == [1, 1, 1, 0, 0, 0]
+    assert pool.allocate(3) == [1, 2, 3]  # page 0 is the null block, never handed out
+    assert pool.ref_cnt == [0, 1, 1, 1, 0, 0, 0]
     assert (pool.num_free, pool.num_used) == (3, 3)
-    assert pool.allocate(2) == [3, 4]
+    assert pool.allocate(2) == [4, 5]
     pool.check_invariants()
 
 
@@ -64,44 +64,44 @@ def test_over_allocation_raises_and_changes_nothing():
 
 def test_released_unhashed_blocks_rejoin_free_queue_at_its_tail():
     pool = BlockPool(5)
-    assert pool.allocate(3) == [0, 1, 2]
-    pool.release([2, 1, 0])  # tail first
-    assert pool.ref_cnt == [0] * 5
-    assert drain(pool) == [3, 4, 2, 1, 0]
+    assert pool.allocate(3) == [1, 2, 3]
+    pool.release([3, 2, 1])  # tail first
+    assert pool.ref_cnt == [0] * 6
+    assert drain(pool) == [4, 5, 3, 2, 1]
     pool.check_invariants()
 
 
 def test_free_fifo_first_then_lru_eviction():
     pool = BlockPool(4)
-    assert pool.allocate(4) == [0, 1, 2, 3]
-    pool.cache_block(0, h("a"), (1,))
-    pool.cache_block(1, h("b"), (2,))
-    pool.release([1, 0])  # evictable LRU: 1, 0
-    pool.release([3, 2])  # free FIFO: 3, 2
+    assert pool.allocate(4) == [1, 2, 3, 4]
+    pool.cache_block(1, h("a"), (1,))
+    pool.cache_block(2, h("b"), (2,))
+    pool.release([2, 1])  # evictable LRU: 2, 1
+    pool.release([4, 3])  # free FIFO: 4, 3
     assert (pool.num_free, pool.num_evictable) == (2, 2)
     pool.check_invariants()
+    assert pool.allocate(1) == [4]
     assert pool.allocate(1) == [3]
-    assert pool.allocate(1) == [2]
     assert pool.num_evictions == 0
-    assert pool.lookup(h("b"), (2,)) == 1
-    assert pool.allocate(1) == [1]  # least recently released cached block goes first
+    assert pool.lookup(h("b"), (2,)) == 2
+    assert pool.allocate(1) == [2]  # least recently released cached block goes first
     assert pool.num_evictions == 1
-    assert pool.allocate(1) == [0]
+    assert pool.allocate(1) == [1]
     assert pool.num_evictions == 2
     pool.check_invariants()
 
 
 def test_touch_refreshes_lru_position():
     pool = BlockPool(3)
-    assert pool.allocate(3) == [0, 1, 2]
-    for b, name in zip((0, 1, 2), "abc"):
+    assert pool.allocate(3) == [1, 2, 3]
+    for b, name in zip((1, 2, 3), "abc"):
         pool.cache_block(b, h(name), (b,))
-    pool.release([0, 1, 2])  # LRU order 0, 1, 2
-    pool.touch([0])  # a prefix hit on 0
-    assert pool.ref_cnt[0] == 1 and pool.num_evictable == 2
+    pool.release([1, 2, 3])  # LRU order 1, 2, 3
+    pool.touch([1])  # a prefix hit on 1
+    assert pool.ref_cnt[1] == 1 and pool.num_evictable == 2
     pool.check_invariants()
-    pool.release([0])  # 0 becomes most recently used
-    assert drain(pool) == [1, 2, 0]
+    pool.release([1])  # 1 becomes most recently used
+    assert drain(pool) == [2, 3, 1]
 
 
 def test_touch_and_release_count_references():
@@ -135,10 +135,10 @@ def test_tail_first_release_evicts_request_tail_first():
     for i, b in enumerate(table):
         pool.cache_block(b, h(f"blk{i}"), (i,))
     pool.release(list(reversed(table)))
-    assert pool.allocate(1) == [3]  # the tail goes first, the shared-prefix head survives longest
-    assert pool.lookup(h("blk0"), (0,)) == 0
+    assert pool.allocate(1) == [4]  # the tail goes first, the shared-prefix head survives longest
+    assert pool.lookup(h("blk0"), (0,)) == 1
     assert pool.lookup(h("blk3"), (3,)) is None
-    assert drain(pool) == [2, 1, 0]
+    assert drain(pool) == [3, 2, 1]
 
 
 # ---- prefix-cache map -------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_duplicate_hash_stays_private():
     assert (pool.num_free, pool.num_evictable) == (2, 0)
     pool.release([a])
     assert (pool.num_free, pool.num_evictable) == (2, 1)
-    assert pool.allocate(2) == [2, b]  # free FIFO, the cached one is kept
+    assert pool.allocate(2) == [3, b]  # free FIFO, the cached one is kept
     assert pool.lookup(h("same"), (9,)) == a
     pool.check_invariants()
 
@@ -222,14 +222,14 @@ def test_reset_prefix_cache_drops_every_hash():
     assert pool.ref_cnt[c] == 1
     pool.release([c])  # lost its hash, so it is freed, not cached
     assert (pool.num_free, pool.num_evictable) == (5, 0)
-    assert drain(pool) == [3, 4, b, a, c]
+    assert drain(pool) == [4, 5, b, a, c]
     assert pool.num_evictions == 0
     assert pool.reset_prefix_cache() == 0
 
 
 # ---- check_invariants catches corruption -----------------------------------------------
 def _cached_pool() -> BlockPool:
-    """Pool of 4: block 0 in use (hashed), block 1 cached-evictable, 2 and 3 free."""
+    """Pool of 4: block 1 in use (hashed), block 2 cached-evictable, 3 and 4 free."""
     pool = BlockPool(4)
     a, b = pool.allocate(2)
     pool.cache_block(a, h("a"), (1,))
@@ -245,49 +245,63 @@ def test_invariants_hold_on_a_consistent_pool():
 
 def test_invariants_catch_block_in_two_queues():
     pool = _cached_pool()
-    pool._evictable[2] = None  # free block also evictable
+    pool._evictable[3] = None  # free block also evictable
     with pytest.raises(AssertionError):
         pool.check_invariants()
 
 
 def test_invariants_catch_in_use_block_in_free_queue():
     pool = _cached_pool()
-    pool.ref_cnt[2] = 1
+    pool.ref_cnt[3] = 1
     with pytest.raises(AssertionError):
         pool.check_invariants()
 
 
 def test_invariants_catch_lost_block():
     pool = _cached_pool()
-    del pool._free[3]  # in no state at all
+    del pool._free[4]  # in no state at all
     with pytest.raises(AssertionError):
         pool.check_invariants()
 
 
 def test_invariants_catch_negative_ref_count():
     pool = _cached_pool()
-    del pool._free[3]
-    pool.ref_cnt[3] = -1
+    del pool._free[4]
+    pool.ref_cnt[4] = -1
     with pytest.raises(AssertionError):
         pool.check_invariants()
 
 
 def test_invariants_catch_free_block_with_hash():
     pool = _cached_pool()
-    pool.block_hash[2] = h("ghost")
+    pool.block_hash[3] = h("ghost")
     with pytest.raises(AssertionError):
         pool.check_invariants()
 
 
 def test_invariants_catch_evictable_block_without_hash():
     pool = _cached_pool()
-    pool.block_hash[1] = None
+    pool.block_hash[2] = None
     with pytest.raises(AssertionError):
         pool.check_invariants()
 
 
+def test_invariants_catch_a_queued_or_held_null_block():
+    for corrupt in (lambda p: p._free.update({0: None}), lambda p: p.ref_cnt.__setitem__(0, 1)):
+        pool = _cached_pool()
+        corrupt(pool)
+        with pytest.raises(AssertionError, match="null block"):
+            pool.check_invariants()
+
+
+def test_null_block_is_never_handed_out():
+    pool = BlockPool(3)
+    assert pool.null_block == 0 and pool.num_pages == 4 and list(pool.block_ids) == [1, 2, 3]
+    assert sorted(drain(pool)) == [1, 2, 3] and pool.num_available == 0
+
+
 def test_invariants_catch_stale_hash_entry():
     pool = _cached_pool()
-    pool._hash_to_block[h("stale")] = 2  # entry points at a block holding other data
+    pool._hash_to_block[h("stale")] = 3  # entry points at a block holding other data
     with pytest.raises(AssertionError):
         pool.check_invariants()

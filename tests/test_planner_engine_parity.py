@@ -16,7 +16,7 @@ from pagedkv import LLM, plan
 def test_plan_num_blocks_equals_engine_pool(budget, block_size, dtype):
     llm = LLM(kv_cache_memory=budget, block_size=block_size, kv_cache_dtype=dtype)
     engine_blocks = llm.engine.kv.pool.num_blocks
-    assert llm.engine.parts.storage.nbytes == engine_blocks * llm.engine.parts.spec.page_size_bytes
+    assert llm.engine.parts.storage.nbytes == (engine_blocks + 1) * llm.engine.parts.spec.page_size_bytes  # + null page
     result = plan(model="smollm2-135m-instruct", kv_cache_memory=budget, block_size=block_size,
                   kv_cache_dtype=dtype)
     assert result.num_blocks == engine_blocks
@@ -28,4 +28,4 @@ def test_plan_cli_json_num_blocks_256mib():
                           "--kv-cache-memory", "256MiB", "--block-size", "16", "--json"],
                          capture_output=True, text=True, check=True).stdout
     # 46,080 B/token x 16 = 737,280 B per block; 268,435,456 // 737,280 = 364
-    assert json.loads(out)["num_blocks"] == 364
+    assert json.loads(out)["num_blocks"] == 363  # 364 pages fit; page 0 is the null page

@@ -103,8 +103,8 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
         now = time.perf_counter() - t0
         while i < total and pending[i][1].arrival_s <= now:
             index, r = pending[i]
-            req = engine.add_request({"prompt_token_ids": list(r.prompt_token_ids)}, sampling_params(r, ignore_eos))
-            req.arrival_time = t0 + r.arrival_s
+            req = engine.add_request({"prompt_token_ids": list(r.prompt_token_ids)}, sampling_params(r, ignore_eos),
+                                     arrival_time=t0 + r.arrival_s)
             targets[req.request_id] = (r.output_len, req, index)
             i += 1
         if not engine.has_unfinished_requests():
@@ -115,7 +115,7 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
         outs = engine.step()
         run.step_seconds.append(time.perf_counter() - ts)
         tb = time.perf_counter()
-        _record_step(run, seen, kv, sched, sample_waste)
+        _record_step(run, seen, kv, sched, sample_waste, sum(1 for o in outs if o.token_ids))
         for out in outs:
             target, req, index = targets[out.request_id]
             if not out.finished and len(out.token_ids) >= target:
@@ -132,14 +132,14 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
     return run
 
 
-def _record_step(run: EngineRun, seen: list, kv, sched, sample_waste: bool) -> None:
+def _record_step(run: EngineRun, seen: list, kv, sched, sample_waste: bool, num_sampled: int) -> None:
     out = seen[-1] if seen else None
-    if out is not None and out.scheduled:
-        s = out.scheduled
-        run.steps.append(StepWork(sum(x.num_new_tokens for x in s), sum(x.samples for x in s),
-                                  sum(x.start + x.num_new_tokens for x in s),
-                                  sum(causal_pairs(x.start, x.num_new_tokens) for x in s)))
-        run.running.append(len(s))
+    if out is not None and out.num_scheduled_tokens:
+        chunks = out.chunks()
+        run.steps.append(StepWork(out.total_num_scheduled_tokens, num_sampled,
+                                  sum(start + n for _, start, n in chunks),
+                                  sum(causal_pairs(start, n) for _, start, n in chunks)))
+        run.running.append(len(chunks))
     run.blocks_used.append(kv.pool.num_used)
     if sample_waste:
         run.waste.add(*kv.slot_usage({r.request_id: r.num_computed_tokens for r in sched.running}))

@@ -1,51 +1,71 @@
-"""LLMEngine: requests in, streamed RequestOutputs out, one ``step()`` at a time.
+"""LLMEngine: the text side around an EngineCore; prompts in, streamed RequestOutputs out.
 
-``add_request`` validates and rejects at once what can never run (longer than
-``max_model_len``, or needing more pages than the whole cache); ``step`` schedules,
-runs the model on the paged cache, samples, applies stop rules and frees finished
-requests' pages. One bad request raises in ``add_request`` and leaves the others alone.
+``add_request`` tokenizes, validates and rejects at once what can never run (longer than
+``max_model_len``, or needing more pages than the whole cache), then hands token ids to
+the core. ``step`` runs one core step and turns its token ids into text: incremental
+detokenization, stop strings (the core applies the id-based stop rules). One bad request
+raises in ``add_request`` and leaves the others alone.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-import time
 
 import torch
 
 from pagedkv.config import EngineConfig
-from pagedkv.engine.outputs import RequestOutput, find_stop, hold_back, make_output
+from pagedkv.engine.core import EngineCore
+from pagedkv.engine.core_io import EngineCoreOutput
+from pagedkv.engine.outputs import RequestOutput, TextRequest
 from pagedkv.engine.request import Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.setup import EngineParts, build_parts
 from pagedkv.engine.stats import EngineStats, collect_stats
+from pagedkv.kv.connector import KVConnector
+
+ENDED_KEPT = 1024  # recently ended requests whose final output ``final_output`` can still give
 
 
 class LLMEngine:
     """The engine loop around one model and one paged KV cache.
 
+    Args:
+        config: the engine settings (or pass its fields as keywords).
+        kv_connector: a KV connector (:mod:`pagedkv.kv.connector`) to load and save pages
+            elsewhere, or None.
+
     Raises (constructor):
         FileNotFoundError / ValueError: model not found or unsupported; bad config.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+    def __init__(self, config: EngineConfig | None = None, kv_connector: KVConnector | None = None,
+                 **kwargs) -> None:
         self.config = config or EngineConfig(**kwargs)
         parts: EngineParts = build_parts(self.config)
         self.parts = parts
         self.model, self.tokenizer, self.kv = parts.model, parts.tokenizer, parts.kv
         self.max_model_len, self.eos_token_ids = parts.max_model_len, parts.eos_token_ids
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self.generator = torch.Generator().manual_seed(self.config.seed)
-        self.runner = ModelRunner(self.model, parts.storage, self.kv, self.generator)
-        self.requests: dict[str, Request] = {}
-        self._ended: dict[str, Request] = {}   # recently aborted, for final_output
+        scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                              self.max_model_len, self.eos_token_ids,
+                              kv_connector.scheduler if kv_connector else None)
+        runner = ModelRunner(self.model, parts.storage, self.kv.kv_groups,
+                             torch.Generator().manual_seed(self.config.seed),
+                             kv_connector.worker if kv_connector else None)
+        self.core = EngineCore(scheduler, runner, debug_invariants=self.config.debug_invariants)
+        self._texts: dict[str, TextRequest] = {}
+        self._ended: dict[str, TextRequest] = {}   # recently ended, for final_output
         self._ids = itertools.count()
-        self.peak_blocks_used = 0
         self.num_generated_tokens = 0
         self.num_rejected = 0
+
+    # the parts, by their usual names
+    scheduler = property(lambda self: self.core.scheduler)
+    runner = property(lambda self: self.core.runner)
+    requests = property(lambda self: self.core.scheduler.requests, doc="live requests by id")
+    peak_blocks_used = property(lambda self: self.core.peak_blocks_used)
 
     # ---- requests -------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
@@ -67,8 +87,8 @@ class LLMEngine:
         raise ValueError("a prompt is a string or a dict with 'prompt_token_ids' or 'prompt'")
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    cache_salt: str | None = None) -> Request:
-        """Queue a request.
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+        """Queue a request; ``arrival_time`` (the core clock's seconds) defaults to now.
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, a duplicate id,
@@ -87,10 +107,9 @@ class LLMEngine:
             raise
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = str(prompt["cache_salt"])  # vLLM's per-prompt salt
-        req = Request(rid, ids, params, prompt=text, cache_salt=cache_salt)
-        req.max_tokens = max_tokens
-        self.requests[rid] = req
-        self.scheduler.add(req)
+        req = Request(rid, ids, params, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time)
+        self.core.add_request(req)
+        self._texts[rid] = TextRequest(rid, text, ids, params, req.arrival_time, self.tokenizer)
         return req
 
     def _validate(self, rid: str, ids: list[int]) -> None:
@@ -123,86 +142,51 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a queued or running request and free its pages; unknown ids are ignored."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        self.scheduler.finish(req, "abort")
-        self._ended[request_id] = req
-        while len(self._ended) > 1024:  # keep only recent ones
-            self._ended.pop(next(iter(self._ended)))
-        return make_output(req, self._text(req))
+        outs = self.core.abort_requests([request_id])
+        return self._process(outs[0]) if outs else None
 
     def final_output(self, request_id: str) -> RequestOutput | None:
-        """Output of a request that ended outside ``step`` (aborted), if known."""
-        req = self._ended.get(request_id)
-        return make_output(req, self._text(req)) if req is not None else None
+        """Output of a recently ended request (e.g. aborted outside ``step``), if known."""
+        t = self._ended.get(request_id)
+        return t.output() if t is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.core.has_unfinished_requests()
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that produced a token."""
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return []
+        """Run one engine step; returns an output for every request that produced a token.
+        If the model fails, the step's requests end (``abort``) and the error propagates."""
         try:
-            sampled = self.runner.execute(sched)
+            core_outputs = self.core.step()
         except Exception:
-            # the step's KV writes are incomplete: end its requests rather than leave the
-            # engine stuck on them, then let the caller see the error
-            for s in sched.scheduled:
-                self.requests.pop(s.request.request_id, None)
-                self.scheduler.finish(s.request, "abort")
+            self._forget_failed()
             raise
-        self.scheduler.update(sched)
-        self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
-        now = time.perf_counter()
-        outputs = []
-        for s in sched.scheduled:
-            req = s.request
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue
-            if tok.error is not None:  # this request alone failed to sample
-                req.error = tok.error
-                self.scheduler.finish(req, "abort")
-                self.requests.pop(req.request_id, None)
-                outputs.append(make_output(req, self._text(req)))
-                continue
-            req.append_token(tok.token_id, now)
-            if tok.logprobs is not None:
-                req.logprobs.append(tok.logprobs)
-            self.num_generated_tokens += 1
-            outputs.append(self._process(req))
-        if self.config.debug_invariants:
-            self.kv.check_invariants()
-        return outputs
+        return [self._process(o) for o in core_outputs]
 
-    def _process(self, req: Request) -> RequestOutput:
-        """Apply the stop rules after a new token; finish and free the request if one hits."""
-        p, tok = req.sampling_params, req.output_token_ids[-1]
-        text = self._text(req)
-        reason = None
-        if tok in p.stop_token_ids:  # the stop token is in token_ids, not in the text
-            reason, req.stop_reason = "stop", tok
-            text = self._text(req, exclude_last=True)
-        elif tok in self.eos_token_ids and not p.ignore_eos:
-            reason = "stop"
-        elif p.stop and (hit := find_stop(text, p.stop)):
-            reason, req.stop_reason, text = "stop", hit[1], text[:hit[0]]
-        elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason:
-            self.scheduler.finish(req, reason)
-            self.requests.pop(req.request_id, None)
-        elif p.stop:
-            text = hold_back(text, p.stop)
-        return make_output(req, text)
+    def _process(self, out: EngineCoreOutput) -> RequestOutput:
+        """Apply a core output to the request's text: detokenize, then stop strings."""
+        t = self._texts[out.request_id]
+        self.num_generated_tokens += len(out.new_token_ids)
+        t.apply(out)
+        if t.stop_string_hit() and not out.finished:
+            self.core.abort_requests([out.request_id], reason="stop")
+        if t.finished:
+            self._end(t)
+        return t.output()
 
-    def _text(self, req: Request, exclude_last: bool = False) -> str:
-        ids = req.output_token_ids[:-1] if exclude_last else req.output_token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
+    def _end(self, t: TextRequest) -> None:
+        self._texts.pop(t.request_id, None)
+        self._ended[t.request_id] = t
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.pop(next(iter(self._ended)))
+
+    def _forget_failed(self) -> None:
+        """Text state of requests the core dropped without an output (a failed step)."""
+        for rid in [r for r in self._texts if r not in self.requests]:
+            t = self._texts[rid]
+            t.apply(EngineCoreOutput(rid, [], finish_reason="abort"))
+            self._end(t)
 
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.engine.request import Request
+from pagedkv.engine.core_io import EngineCoreOutput
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -38,11 +40,11 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list, repr=False)
 
 
-def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """Earliest ``(index, stop_string)`` of any stop string in ``text``."""
+def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """Earliest ``(index, stop_string)`` of any stop string in ``text[start:]``."""
     best = None
     for s in stops:
-        i = text.find(s)
+        i = text.find(s, start)
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     return best
@@ -60,22 +62,80 @@ def hold_back(text: str, stops: list[str]) -> str:
     return text[:len(text) - cut] if cut else text
 
 
-def make_output(req: Request, text: str) -> RequestOutput:
-    ttft = tpot = e2e = None
-    if req.first_token_time is not None:
-        ttft = req.first_token_time - req.arrival_time
-        e2e = req.last_token_time - req.arrival_time
-        n = len(req.output_token_ids)
-        tpot = (req.last_token_time - req.first_token_time) / (n - 1) if n > 1 else 0.0
-    return RequestOutput(
-        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-        text=text, token_ids=list(req.output_token_ids), finished=req.is_finished,
-        finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-        num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
-        stop_reason=req.stop_reason, error=req.error, ttft=ttft, tpot=tpot, e2e=e2e,
-        logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-        prompt_logprobs=([req.prompt_logprobs.get(i) for i in range(req.num_prompt_tokens)]
-                         if req.sampling_params.prompt_logprobs is not None else None),
-        prompt_top_logprobs=([req.prompt_top_logprobs.get(i) for i in range(req.num_prompt_tokens)]
-                             if req.sampling_params.prompt_logprobs else None),
-        token_times=list(req.token_times))
+class TextRequest:
+    """The text side's record of one request, built from the core's outputs."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float, tokenizer) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params, self.arrival_time = params, arrival_time
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.token_times: list[float] = []
+        self.prompt_logprobs: dict[int, float] = {}
+        self.prompt_top_logprobs: dict[int, dict[int, float]] = {}
+        self.finish_reason = self.stop_reason = self.error = None
+        self.num_cached_tokens = self.num_preemptions = 0
+        self._stop_text: str | None = None   # text cut at a stop string
+        self._searched = 0                   # stop strings were looked for up to here
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, out: EngineCoreOutput) -> None:
+        """Append the core's news; a stop token's own text is left out of the text."""
+        for i, tok in enumerate(out.new_token_ids):
+            self.token_ids.append(tok)
+            self.token_times.append(out.token_time)
+            stop_tok = i == len(out.new_token_ids) - 1 and out.finish_reason == "stop" and out.stop_reason == tok \
+                and tok in self.params.stop_token_ids
+            if not stop_tok:
+                self.detok.push(tok)
+        self.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs or {}
+        self.num_cached_tokens, self.num_preemptions = out.num_cached_tokens, out.num_preemptions
+        if out.finished and not self.finished:
+            self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
+
+    def stop_string_hit(self) -> bool:
+        """If a stop string now appears (and no id-based stop came first), finish with
+        ``stop`` and cut the text before it. Returns whether it did."""
+        stops = self.params.stop
+        if not stops or self.finish_reason not in (None, "length") or self._stop_text is not None:
+            return False
+        text = self.detok.text
+        hit = find_stop(text, stops, max(0, self._searched - max(map(len, stops)) + 1))
+        self._searched = len(text)
+        if hit is None:
+            return False
+        self.finish_reason, self.stop_reason, self._stop_text = "stop", hit[1], text[:hit[0]]
+        return True
+
+    def visible_text(self) -> str:
+        if self._stop_text is not None:
+            return self._stop_text
+        text = self.detok.text
+        return hold_back(text, self.params.stop) if self.params.stop and not self.finished else text
+
+    def output(self) -> RequestOutput:
+        ttft = tpot = e2e = None
+        if self.token_times:
+            first, last, n = self.token_times[0], self.token_times[-1], len(self.token_ids)
+            ttft, e2e = first - self.arrival_time, last - self.arrival_time
+            tpot = (last - first) / (n - 1) if n > 1 else 0.0
+        p, n_prompt = self.params, len(self.prompt_token_ids)
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            text=self.visible_text(), token_ids=list(self.token_ids), finished=self.finished,
+            finish_reason=self.finish_reason, num_prompt_tokens=n_prompt,
+            num_cached_tokens=self.num_cached_tokens, num_preemptions=self.num_preemptions,
+            stop_reason=self.stop_reason, error=self.error, ttft=ttft, tpot=tpot, e2e=e2e,
+            logprobs=list(self.logprobs) if p.logprobs is not None else None,
+            prompt_logprobs=([self.prompt_logprobs.get(i) for i in range(n_prompt)]
+                             if p.prompt_logprobs is not None else None),
+            prompt_top_logprobs=([self.prompt_top_logprobs.get(i) for i in range(n_prompt)]
+                                 if p.prompt_logprobs else None),
+            token_times=list(self.token_times))

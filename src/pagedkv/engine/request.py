@@ -11,12 +11,10 @@ chunked prefill, decode and recompute after preemption are all that one rule::
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.step_io import PromptLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -28,14 +26,14 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class Request:
-    """A request's tokens, progress, sampling state and timings (seconds, ``time.perf_counter``)."""
+    """A request's tokens, progress and timings (seconds on the engine core's clock).
+    The scheduler is its only writer; no torch state (runners keep their own)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    prompt: str | None = None
     cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.perf_counter)
+    arrival_time: float | None = None  # set by EngineCore.add_request when None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -46,7 +44,6 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None           # why an aborted request failed, if it did
     max_tokens: int = 0                # resolved against max_model_len by the engine
-    generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: dict[int, float] = field(default_factory=dict)  # position -> log p
     prompt_top_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # position -> top-k
@@ -56,8 +53,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_tokens(self) -> int:
@@ -78,3 +73,10 @@ class Request:
             self.first_token_time = now
         self.last_token_time = now
         self.token_times.append(now)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Record one step's prompt log-probs (positions ``chunk.first_position`` on)."""
+        for i, v in enumerate(chunk.values):
+            self.prompt_logprobs[chunk.first_position + i] = v
+        for i, top in enumerate(chunk.top or ()):
+            self.prompt_top_logprobs[chunk.first_position + i] = top

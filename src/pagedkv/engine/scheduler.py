@@ -7,67 +7,77 @@ Each step, under a token budget (``max_num_batched_tokens``):
    admitted running request is preempted: its pages are freed, its progress reset, and
    it goes back to the front of the waiting queue (its tokens are recomputed later).
 2. if nothing was preempted, waiting requests are admitted in order while the budget,
-   ``max_num_seqs`` and the pool allow. The prefix lookup comes first; the tokens to
-   schedule are derived from its hit, then the pages are allocated.
+   ``max_num_seqs`` and the pool allow. The prefix lookup (local cache, then the KV
+   connector) comes first; the tokens to schedule are derived from its hit, then the
+   pages are allocated.
 
-The same code drives the real model runner and the simulator.
+The scheduler is the only writer of request state. ``schedule`` returns a plain-data
+:class:`~pagedkv.engine.step_io.SchedulerOutput`; ``update`` applies the runner's
+:class:`~pagedkv.engine.step_io.ModelRunnerOutput` (progress, published pages, sampled
+tokens, stop checks by token id). The same code drives the real model runner and the
+simulator's cost model.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedkv.engine.core_io import EngineCoreOutput, check_stop
+from pagedkv.kv.connector import KVConnectorScheduler
 from pagedkv.kv.manager import KVCacheManager
 
 
-@dataclass
-class ScheduledRequest:
-    """``num_new_tokens`` tokens of ``request`` from position ``start`` are computed this step."""
-    request: Request
-    start: int
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
 class Scheduler:
-    """Owns the waiting and running queues; the KV manager owns the pages."""
+    """Owns the waiting and running queues; the KV manager owns the pages.
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    Args:
+        kv: the KV cache manager (pages and block tables).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: a request stops (``length``) when it reaches this many tokens.
+        eos_token_ids: ids that end a request unless its params say ``ignore_eos``.
+        connector: the scheduler side of a KV connector, or None.
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_kv_load_failures = 0
+        # what the runner holds of each request it has seen: (tokens, pages per group), or
+        # None after a preemption (it keeps only the request's generator then)
+        self._sent: dict[str, tuple[int, list[int]] | None] = {}
+        self._finished_ids: list[str] = []                  # to tell the runner next step
+        self._delayed_free: set[str] = set()                # pages kept until the connector is done
 
     def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- schedule ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
+        if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -78,10 +88,10 @@ class Scheduler:
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
                     return budget
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            self._emit(out, req, n)
             budget -= n
             i += 1
         return budget
@@ -90,40 +100,139 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - req.num_computed_tokens - hit.num_tokens, budget)
-            if not self.kv.allocate_slots(req, n, hit):
+            external = self._external_hit(req, hit.num_tokens)
+            n = min(req.num_tokens - req.num_computed_tokens - hit.num_tokens - external, budget)
+            if n <= 0 or not self.kv.allocate_slots(req, n + external, hit):
                 break
             self.waiting.popleft()
-            req.num_computed_tokens += hit.num_tokens
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), external)
+            req.num_computed_tokens += hit.num_tokens + external
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit.num_tokens
+                req.num_cached_tokens = hit.num_tokens + external
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            self._emit(out, req, n)
             budget -= n
+
+    def _external_hit(self, req: Request, local_tokens: int) -> int:
+        """Tokens the connector can load beyond the local hit (always leaving one to compute)."""
+        if self.connector is None:
+            return 0
+        n = self.connector.get_num_new_matched_tokens(req, local_tokens)
+        return max(0, min(n, req.num_tokens - 1 - local_tokens))
+
+    def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """Add ``req``'s chunk of ``n`` tokens to ``out``: in full if the runner has no
+        state for it, else as a delta of tokens and pages it has not seen."""
+        rid, blocks = req.request_id, self.kv.get_block_ids(req.request_id)
+        out.num_scheduled_tokens[rid] = n
+        sent = self._sent.get(rid)
+        if sent is None:
+            out.scheduled_new_reqs.append(NewRequestData(
+                rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
+                tuple(list(g) for g in blocks), req.num_computed_tokens))
+        else:
+            out.scheduled_cached_reqs.add(rid, req.all_token_ids[sent[0]:],
+                                          tuple(g[k:] for g, k in zip(blocks, sent[1])),
+                                          req.num_computed_tokens)
+        self._sent[rid] = (req.num_tokens, [len(g) for g in blocks])
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        if req.request_id in self._sent:
+            self._sent[req.request_id] = None  # the runner drops its pages; sent in full again
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Advance progress after the runner wrote this step's KV; publish full blocks."""
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.request, s.request.num_computed_tokens)
+    # ---- update -----------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput, now: float) -> list[EngineCoreOutput]:
+        """Apply one step's result: advance progress, publish full pages, append sampled
+        tokens (stamped ``now``) and finish requests that hit a stop condition."""
+        outputs = []
+        for rid in sched.req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:  # ended while the step ran
+                continue
+            if result.invalid_block_ids and self._roll_back(req, result.invalid_block_ids):
+                continue
+            req.num_computed_tokens += sched.num_scheduled_tokens[rid]
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            prompt_lp = result.prompt_logprobs.get(rid)
+            if prompt_lp is not None:
+                req.add_prompt_logprobs(prompt_lp)
+            sampled = result.sampled.get(rid)
+            if sampled is not None:
+                outputs.append(self._apply_sampled(req, sampled, now))
+        self._finish_transfers(result)
+        return outputs
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End ``req`` (``stop``, ``length`` or ``abort``) and free its pages. Idempotent."""
-        if req.is_finished:
-            return
+    def _roll_back(self, req: Request, invalid: set[int]) -> bool:
+        """Load-failure policy ``recompute``: if a page of ``req`` failed to load, its
+        progress goes back to the last whole block before that page and this step's
+        result for it is dropped (computed from bad KV); returns whether it did."""
+        bad = [i for table in self.kv.get_block_ids(req.request_id) for i, b in enumerate(table) if b in invalid]
+        if not bad:
+            return False
+        req.num_computed_tokens = min(req.num_computed_tokens, min(bad) * self.kv.block_size)
+        self.num_kv_load_failures += 1
+        return True
+
+    def _apply_sampled(self, req: Request, sampled, now: float) -> EngineCoreOutput:
+        if sampled.error is not None:  # this request alone failed to sample
+            req.error = sampled.error
+            self.finish(req.request_id, "abort")
+            return EngineCoreOutput.of(req, [], [])
+        new_ids, new_lps = [], []
+        for i, tok in enumerate(sampled.token_ids):
+            req.append_token(tok, now)
+            new_ids.append(tok)
+            if sampled.logprobs is not None:
+                req.logprobs.append(sampled.logprobs[i])
+                new_lps.append(sampled.logprobs[i])
+            reason, stop_reason = check_stop(req, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                req.stop_reason = stop_reason
+                self.finish(req.request_id, reason)
+                break
+        return EngineCoreOutput.of(req, new_ids, new_lps)
+
+    # ---- finish -----------------------------------------------------------------------
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """End a request (``stop``, ``length`` or ``abort``) and free its pages, unless the
+        connector still reads them (freed when it reports the transfer done). Idempotent;
+        returns the request, or None for an unknown id."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return req
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        del self.requests[request_id]
+        if request_id in self._sent:
+            self._finished_ids.append(request_id)
+            del self._sent[request_id]
+        delay = self.connector is not None and self.connector.request_finished(
+            req, self.kv.get_block_ids(request_id))
+        if delay:
+            self._delayed_free.add(request_id)
+        else:
+            self.kv.free(request_id)
+        return req
+
+    def _finish_transfers(self, result: ModelRunnerOutput) -> None:
+        """Free pages whose delayed release the connector has finished with."""
+        for rid in result.finished_sending & self._delayed_free:
+            self._delayed_free.discard(rid)
+            self.kv.free(rid)
+
+    @property
+    def num_delayed_free(self) -> int:
+        """Requests whose pages wait for the connector."""
+        return len(self._delayed_free)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pagedkv.config import EngineConfig
 from pagedkv.kv.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
+from pagedkv.kv.groups import single_group
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.storage import KVCacheStorage
@@ -88,18 +89,18 @@ def build_parts(config: EngineConfig) -> EngineParts:
     dtype = kv_dtype(config)
     spec = kv_spec_for(cfg, dtype, config.block_size, config.kv_cache_scale)
     num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory)
-    check_fits_in_ram(num_blocks * spec.page_size_bytes + spec.static_bytes)
+    check_fits_in_ram(spec.cache_bytes(num_blocks))
     max_len = cap_to_cache(max_len, num_blocks * config.block_size, config.max_model_len is not None)
     keys = (("model", str(files.folder.name)), ("weights", files.weights_version),
             ("kv_dtype", dtype), ("block_size", str(config.block_size)),
             ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"))
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
-                        allocator=config.kv_allocator)
+    groups = single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
     state = load_state_dict(files.folder)
     check_weights(cfg, state)
     model = LlamaModel(cfg, state, batch_invariant=config.batch_invariant or env_requests_invariance())
     tokenizer = load_tokenizer(files.folder)
-    storage = KVCacheStorage(spec, num_blocks)
+    storage = KVCacheStorage(spec, kv.pool.num_pages)  # page 0 is the null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":
         # the model's own length limit, not the cache's: scales must not depend on the cache size
         calibrate_static_scales(model, storage, engine_calibration_ids(tokenizer, cfg))

@@ -7,30 +7,49 @@ Every block is in exactly one of three states::
     in use           ref > 0              -> held by one or more block tables
 
 A block taken for new data leaves the hash map at once, so no entry ever points at a
-block that holds other data. Plain ints only: this module never imports torch.
+block that holds other data. Page 0 is the null block: never handed out, never freed,
+in none of the three states; a block-table entry whose page was given back early (a
+sliding window's past) points at it. Usable pages are ``1..num_blocks``. Prefix-cache
+keys are any hashable (the KV manager uses ``(group_id, block_hash)``). Plain ints only:
+this module never imports torch.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from pagedkv.kv.hashing import BlockHash
+from typing import Hashable
+
+BlockKey = Hashable  # a prefix-cache key: a block hash, or (group_id, block hash)
 
 
 class BlockPool:
-    """Pages ``0..num_blocks-1`` with ref counts, a free queue and an LRU evictable queue."""
+    """Pages ``1..num_blocks`` with ref counts, a free queue and an LRU evictable queue,
+    plus the null page 0 (:attr:`null_block`); :attr:`num_pages` = ``num_blocks + 1``."""
+
+    null_block = 0
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.ref_cnt = [0] * self.num_pages
+        self.block_hash: list[BlockKey | None] = [None] * self.num_pages
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * self.num_pages
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(self.block_ids)
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._hash_to_block: dict[BlockHash, int] = {}
+        self._hash_to_block: dict[BlockKey, int] = {}
         self.num_evictions = 0
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the storage must hold: the usable ones and the null page."""
+        return self.num_blocks + 1
+
+    @property
+    def block_ids(self) -> range:
+        """Ids of the usable pages."""
+        return range(1, self.num_blocks + 1)
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -93,12 +112,12 @@ class BlockPool:
                 (self._evictable if self.block_hash[b] else self._free)[b] = None
 
     # ---- prefix-cache map -----------------------------------------------------------
-    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> int | None:
+    def lookup(self, block_hash: BlockKey, token_ids: tuple[int, ...]) -> int | None:
         """The block cached under ``block_hash`` if it holds exactly ``token_ids``."""
         b = self._hash_to_block.get(block_hash)
         return b if b is not None and self.block_tokens[b] == token_ids else None
 
-    def cache_block(self, block: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block: int, block_hash: BlockKey, token_ids: tuple[int, ...]) -> None:
         """Publish an in-use, fully written block under ``block_hash``.
 
         A hash already held by another block is left pointing there (the duplicate
@@ -117,7 +136,7 @@ class BlockPool:
             self._evictable.pop(b)
             self._free[b] = None
         dropped = 0
-        for b in range(self.num_blocks):
+        for b in self.block_ids:
             if self.block_hash[b] is not None:
                 self._drop_hash(b)
                 dropped += 1
@@ -135,7 +154,9 @@ class BlockPool:
         """Raise AssertionError if the three-way split or the hash map is inconsistent."""
         free, evict = set(self._free), set(self._evictable)
         assert not free & evict, f"blocks both free and evictable: {free & evict}"
-        for b in range(self.num_blocks):
+        assert self.ref_cnt[self.null_block] == 0 and self.block_hash[self.null_block] is None, "null block in use"
+        assert self.null_block not in free and self.null_block not in evict, "null block queued"
+        for b in self.block_ids:
             in_use = self.ref_cnt[b] > 0
             assert in_use + (b in free) + (b in evict) == 1, f"block {b} not in exactly one state"
             assert self.ref_cnt[b] >= 0, f"block {b} ref count {self.ref_cnt[b]}"

@@ -1,16 +1,19 @@
-"""KVCacheManager: per-request block tables on top of a BlockPool.
+"""KVCacheManager: per-request block tables for every KV cache group, on one BlockPool.
 
-A request's block table lists its pages in token order. Token ``t`` of the request
-lives in slot ``table[t // block_size] * block_size + t % block_size``::
+A request has one block table per KV cache group (:mod:`pagedkv.kv.groups`); each group's
+tables are kept by a manager chosen from the group's spec type
+(:mod:`pagedkv.kv.single_type`). Token ``t`` of a request lives, in the layers of group
+``g``, in slot ``table_g[t // block_size] * block_size + t % block_size``::
 
     | prefix hit (shared, read-only) | computed | new (this step) | unallocated |
     ^0                               ^hit       ^num_computed     ^+num_new
 
 The scheduler's call order is the contract: ``get_computed_blocks`` (prefix lookup, only
 for a request with nothing computed) -> derive the tokens to schedule from the hit ->
-``allocate_slots`` (pins the hit blocks, takes new ones) -> the model writes the KV ->
-``cache_full_blocks`` publishes the newly full blocks -> ``free`` on finish, abort or
-preemption (tail first, so the tail is evicted first). Plain ints; no torch.
+``allocate_slots`` (pins the hit blocks, takes new ones; all groups or none) -> the model
+writes the KV -> ``cache_full_blocks`` publishes the newly full blocks -> ``free`` on
+finish, abort or preemption (tail first, so the tail is evicted first). Page 0 is the
+null block: table entries whose page was given back point at it. Plain ints; no torch.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from collections import Counter
 from typing import NamedTuple, Protocol, Sequence
 
 from pagedkv.kv.block_pool import BlockPool
+from pagedkv.kv.groups import KVCacheGroup, single_group
 from pagedkv.kv.hashing import ROOT_HASH, BlockHash, encode_extra_keys, hash_blocks
+from pagedkv.kv.single_type import FullAttentionManager, manager_for
 
 
 class CacheRequest(Protocol):
@@ -27,18 +32,20 @@ class CacheRequest(Protocol):
     all_token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
-    num_prompt_tokens: int  # read only by the contiguous allocator
-    max_tokens: int         # read only by the contiguous allocator
 
 
 class ComputedBlocks(NamedTuple):
-    """Result of a prefix lookup: the hit blocks and the tokens they hold."""
-    blocks: list[int]
+    """Result of a prefix lookup: the hit pages of each group (``()`` = no hit) and the
+    tokens they hold."""
+    blocks: tuple[list[int], ...]
     num_tokens: int
 
 
+NO_HIT = ComputedBlocks((), 0)
+
+
 class KVUsage(NamedTuple):
-    """Blocks by state; ``used + cached + free == total``."""
+    """Blocks by state; ``used + cached + free == total`` (the null block is not counted)."""
     used: int
     cached: int
     free: int
@@ -46,109 +53,105 @@ class KVUsage(NamedTuple):
 
 
 class KVCacheManager:
-    """Allocates, publishes and frees the pages of each request.
+    """Allocates, publishes and frees the pages of each request in every group.
 
     Args:
-        num_blocks: pages in the pool.
+        num_blocks: usable pages in the pool (the null page 0 comes on top).
         block_size: token slots per page.
         enable_prefix_caching: look up and publish full blocks by chained hash.
         extra_keys: tagged ``(field, value)`` pairs every block hash includes
             (model identity, weights version, KV dtype).
-        allocator: ``"paged"`` takes pages as a request grows; ``"contiguous"`` is the
-            pre-paging baseline (FasterTransformer, Orca): at admission it reserves pages
-            for ``prompt + max_tokens`` tokens at once, so unused output slots are wasted.
+        kv_groups: the KV cache groups; default one full-attention group.
+
+    Raises:
+        ValueError: a group whose block size is not ``block_size``, or a spec type with
+            no manager.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 extra_keys: Sequence[tuple[str, str]] = (), allocator: str = "paged") -> None:
-        if allocator not in ("paged", "contiguous"):
-            raise ValueError(f"allocator must be 'paged' or 'contiguous', got {allocator!r}")
+                 extra_keys: Sequence[tuple[str, str]] = (),
+                 kv_groups: Sequence[KVCacheGroup] | None = None) -> None:
+        self.kv_groups = tuple(kv_groups) if kv_groups else single_group(1, block_size)
+        if any(g.spec.block_size != block_size for g in self.kv_groups):
+            raise ValueError(f"every KV group must use block_size {block_size}")
         self.pool = BlockPool(num_blocks)
-        self.allocator = allocator
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = tuple(extra_keys)
-        self.block_tables: dict[str, list[int]] = {}
+        self.groups: list[FullAttentionManager] = [manager_for(g.spec, i, self.pool)
+                                                   for i, g in enumerate(self.kv_groups)]
         self._hashes: dict[str, list[BlockHash]] = {}
-        self._num_published: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up, counted when a lookup is admitted
         self.prefix_hits = 0     # tokens found
 
     # ---- lookup and allocation ------------------------------------------------------
     def get_computed_blocks(self, req: CacheRequest) -> ComputedBlocks:
-        """Longest cached prefix of ``req`` in whole blocks, leaving >= 1 token to compute
-        (the last token's logits are needed). Does not pin: pass the result to
-        ``allocate_slots`` in the same scheduling step."""
+        """Longest cached prefix of ``req`` in whole blocks present in every group,
+        leaving >= 1 token to compute (the last token's logits are needed). Does not pin:
+        pass the result to ``allocate_slots`` in the same scheduling step."""
         if not self.enable_prefix_caching or req.num_computed_tokens or _wants_prompt_logits(req):
-            return ComputedBlocks([], 0)
-        tokens = req.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
-        blocks = []
-        for i, h in enumerate(self._block_hashes(req)[:max_blocks]):
-            b = self.pool.lookup(h, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
-            if b is None:
-                break
-            blocks.append(b)
-        return ComputedBlocks(blocks, len(blocks) * self.block_size)
+            return NO_HIT
+        max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+        hashes = self.block_hashes(req)
+        hits = [g.find_longest_hit(hashes, req.all_token_ids, max_blocks) for g in self.groups]
+        n = min(len(h) for h in hits)
+        return ComputedBlocks(tuple(h[:n] for h in hits), n * self.block_size) if n else NO_HIT
 
-    def blocks_needed(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks) -> int:
-        """New blocks ``allocate_slots`` would take, beyond the table and the hit."""
+    def blocks_needed(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> int:
+        """New pages ``allocate_slots`` would take over all groups, beyond tables and hit."""
         total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
-        if self.allocator == "contiguous":
-            total = max(total, req.num_prompt_tokens + req.max_tokens)
-        held = len(self.block_tables.get(req.request_id, ())) + len(hit.blocks)
-        return max(0, -(-total // self.block_size) - held)
+        return sum(g.num_blocks_needed(req, total, len(_group_hit(hit, i)))
+                   for i, g in enumerate(self.groups))
 
-    def allocate_slots(self, req: CacheRequest, num_new_tokens: int,
-                       hit: ComputedBlocks = ComputedBlocks([], 0)) -> bool:
-        """Pin ``hit`` and allocate pages for ``num_new_tokens`` more tokens.
+    def allocate_slots(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> bool:
+        """Pin ``hit`` and allocate pages for ``num_new_tokens`` more tokens in every group.
 
-        Returns False, changing nothing, when the pool cannot supply them.
+        Returns False, changing nothing, when the pool cannot supply them all.
         """
-        need = self.blocks_needed(req, num_new_tokens, hit)
-        hit_evictable = sum(1 for b in hit.blocks if self.pool.ref_cnt[b] == 0)
-        if need > self.pool.num_available - hit_evictable:
+        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        needs = [g.num_blocks_needed(req, total, len(_group_hit(hit, i))) for i, g in enumerate(self.groups)]
+        hit_evictable = len({b for blocks in hit.blocks for b in blocks if self.pool.ref_cnt[b] == 0})
+        if sum(needs) > self.pool.num_available - hit_evictable:
             return False
-        table = self.block_tables.setdefault(req.request_id, [])
-        if not table and self.enable_prefix_caching:  # first allocation: count the lookup once
-            self.prefix_queries += len(req.all_token_ids)
+        if req.request_id not in self.groups[0].block_tables and self.enable_prefix_caching:
+            self.prefix_queries += len(req.all_token_ids)  # first allocation: count the lookup once
             self.prefix_hits += hit.num_tokens
-        if hit.blocks:
-            self.pool.touch(hit.blocks)
-            table.extend(hit.blocks)
-            self._num_published[req.request_id] = len(hit.blocks)
-        table.extend(self.pool.allocate(need))
+        for i, (g, need) in enumerate(zip(self.groups, needs)):
+            g.allocate(req.request_id, _group_hit(hit, i), need)
         return True
 
     def cache_full_blocks(self, req: CacheRequest, num_written_tokens: int) -> None:
         """Publish the blocks of ``req`` that are full once ``num_written_tokens`` tokens
         have their KV written. Call only after the step that writes them."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or num_written_tokens < self.block_size:
             return
-        start = self._num_published.get(req.request_id, 0)
-        end = num_written_tokens // self.block_size
-        if end <= start:
-            return
-        hashes, table, tokens = self._block_hashes(req), self.block_tables[req.request_id], req.all_token_ids
-        for i in range(start, end):
-            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            self.pool.cache_block(table[i], hashes[i], block_tokens)
-        self._num_published[req.request_id] = end
+        hashes = self.block_hashes(req)
+        for g in self.groups:
+            g.cache_full_blocks(req.request_id, hashes, req.all_token_ids, num_written_tokens)
 
     def free(self, request_id: str) -> None:
-        """Release every page of the request, tail first. Unknown ids are ignored."""
-        table = self.block_tables.pop(request_id, [])
-        self.pool.release(list(reversed(table)))
+        """Release every page of the request in every group, tail first. Unknown ids are ignored."""
+        for g in self.groups:
+            g.free(request_id)
         self._hashes.pop(request_id, None)
-        self._num_published.pop(request_id, None)
 
     def reset_prefix_cache(self) -> int:
-        for rid, table in self.block_tables.items():  # in-use blocks stay unpublished
-            self._num_published[rid] = len(table)
+        """Drop every cached prefix block (in-use blocks stay, unpublished). Returns the count."""
+        for g in self.groups:
+            g.freeze_published()
         return self.pool.reset_prefix_cache()
 
-    # ---- helpers --------------------------------------------------------------------
-    def _block_hashes(self, req: CacheRequest) -> list[BlockHash]:
+    # ---- tables ----------------------------------------------------------------------
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in each group (empty lists if it holds none)."""
+        return tuple(g.block_tables.get(request_id, []) for g in self.groups)
+
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Group 0's tables (the only group of a full-attention model), by request id."""
+        return self.groups[0].block_tables
+
+    def block_hashes(self, req: CacheRequest) -> list[BlockHash]:
         """Chained hashes of the request's full blocks, extended as it grows."""
         hashes = self._hashes.setdefault(req.request_id, [])
         if len(hashes) < len(req.all_token_ids) // self.block_size:
@@ -158,20 +161,23 @@ class KVCacheManager:
                                       start=len(hashes), parent=parent))
         return hashes
 
-    def slot(self, request_id: str, position: int) -> int:
-        """Flat cache slot of token ``position`` of the request."""
-        table = self.block_tables[request_id]
+    def slot(self, request_id: str, position: int, group: int = 0) -> int:
+        """Flat cache slot of token ``position`` of the request in ``group``'s layers."""
+        table = self.groups[group].block_tables[request_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
+    # ---- accounting ---------------------------------------------------------------------
     def slot_usage(self, num_written: dict[str, int]) -> tuple[int, int]:
-        """``(allocated, filled)`` token slots over blocks held by requests, shared blocks
-        counted once; ``num_written`` maps request id -> tokens whose KV is written.
-        KV memory waste is ``1 - filled / allocated``."""
+        """``(allocated, filled)`` token slots over pages held by requests in any group,
+        shared pages counted once; ``num_written`` maps request id -> tokens whose KV is
+        written. KV memory waste is ``1 - filled / allocated``."""
         filled: dict[int, int] = {}
-        for rid, table in self.block_tables.items():
-            n = num_written.get(rid, 0)
-            for i, b in enumerate(table):
-                filled[b] = max(filled.get(b, 0), min(self.block_size, max(0, n - i * self.block_size)))
+        for g in self.groups:
+            for rid, table in g.block_tables.items():
+                n = num_written.get(rid, 0)
+                for i, b in enumerate(table):
+                    if b != self.pool.null_block:
+                        filled[b] = max(filled.get(b, 0), min(self.block_size, max(0, n - i * self.block_size)))
         return len(filled) * self.block_size, sum(filled.values())
 
     def usage(self) -> KVUsage:
@@ -179,12 +185,18 @@ class KVCacheManager:
         return KVUsage(p.num_used, p.num_evictable, p.num_free, p.num_blocks)
 
     def check_invariants(self) -> None:
-        """Pool invariants plus: ref counts equal the number of tables holding each block."""
+        """Pool invariants plus: ref counts equal the number of tables (any group) holding
+        each page; the null page is held by no count."""
         self.pool.check_invariants()
-        held = Counter(b for table in self.block_tables.values() for b in table)
-        for b in range(self.pool.num_blocks):
+        null = self.pool.null_block
+        held = Counter(b for g in self.groups for t in g.block_tables.values() for b in t if b != null)
+        for b in self.pool.block_ids:
             assert self.pool.ref_cnt[b] == held[b], (
                 f"block {b}: ref count {self.pool.ref_cnt[b]} but held by {held[b]} tables")
+
+
+def _group_hit(hit: ComputedBlocks, group: int) -> list[int]:
+    return hit.blocks[group] if hit.blocks else []
 
 
 def _wants_prompt_logits(req) -> bool:

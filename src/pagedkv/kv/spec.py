@@ -36,6 +36,7 @@ QUANTIZED_DTYPES = frozenset({"fp8_e4m3", "fp8_e5m2", "int8", "int4"})
 SCALE_GRANULARITIES = ("per-tensor", "per-head", "per-token-head", "per-channel")
 TOKEN_SCALE_BYTES = 2   # bfloat16, per token and KV head
 STATIC_SCALE_BYTES = 4  # float32, per layer (and KV head)
+NULL_PAGES = 1          # page 0 of every pool: the null block
 
 
 @dataclass(frozen=True)
@@ -141,17 +142,24 @@ class KVCacheSpec:
         return self.scale_bytes_per_layer * self.num_layers
 
     def num_blocks_for(self, budget_bytes: int) -> int:
-        """Blocks that fit in ``budget_bytes`` (the engine's pool size for that budget).
+        """Usable blocks that fit in ``budget_bytes`` (the engine's pool size for that
+        budget): the budget also holds the static scales and the null page (page 0, which
+        block-table entries of freed pages point at; :mod:`pagedkv.kv.block_pool`).
 
         Raises:
-            ValueError: if not even one block fits.
+            ValueError: if not even one block fits beside the null page.
         """
-        n = (int(budget_bytes) - self.static_bytes) // self.page_size_bytes
+        n = (int(budget_bytes) - self.static_bytes) // self.page_size_bytes - NULL_PAGES
         if n < 1:
             raise ValueError(
                 f"KV cache budget of {int(budget_bytes)} bytes holds no block of "
-                f"{self.page_size_bytes} bytes (block_size={self.block_size})")
+                f"{self.page_size_bytes} bytes beside the null page (block_size={self.block_size})")
         return n
+
+    def cache_bytes(self, num_blocks: int) -> int:
+        """Bytes a pool of ``num_blocks`` usable blocks allocates: pages (null page
+        included) and static scales."""
+        return (num_blocks + NULL_PAGES) * self.page_size_bytes + self.static_bytes
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens holds (full attention)."""

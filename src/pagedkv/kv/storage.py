@@ -74,7 +74,8 @@ class KVCacheStorage:
     @property
     def nbytes(self) -> int:
         """Bytes held by all page and scale tensors
-        (``num_blocks * spec.page_size_bytes + spec.static_bytes``)."""
+        (``spec.cache_bytes(num_blocks)`` for a pool of ``num_blocks`` usable pages:
+        this storage holds ``num_pages = num_blocks + 1``, the null page included)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
 
     def layer(self, layer: int) -> LayerKV:

@@ -9,6 +9,8 @@ Computes in fp32; the KV storage dtype is the cache's own.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -104,12 +106,23 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCacheStorage,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm; ``input_ids``/``positions`` ``[T]``."""
+                meta: AttentionMetadata | Sequence[AttentionMetadata], kv_hooks=None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; ``input_ids``/``positions`` ``[T]``.
+
+        ``meta``: one attention metadata for every layer, or one per layer (layers of
+        different KV cache groups read different block tables). ``kv_hooks`` (a KV
+        connector's worker side, or None): ``wait_for_layer_load(i)`` before layer ``i``
+        reads its pages, ``save_kv_layer(i, kv, meta_i)`` after it wrote them.
+        """
+        metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         x = self.embed[input_ids]
         tables = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, i, positions, self.rope, kv, meta, tables)
+            if kv_hooks is not None:
+                kv_hooks.wait_for_layer_load(i)
+            x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables)
+            if kv_hooks is not None:
+                kv_hooks.save_kv_layer(i, kv, metas[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

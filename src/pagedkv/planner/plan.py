@@ -6,7 +6,7 @@ engine sizes its block pool with, so ``num_blocks`` here is the engine's
 
     usable       = device memory × gpu_memory_utilization
     cache budget = usable − weight bytes / tp        (or --kv-cache-memory)
-    num_blocks   = (budget − static scale bytes) // page bytes
+    num_blocks   = (budget − static scale bytes) // page bytes − 1 (the null page)
     max requests = (budget − static scale bytes) // paged bytes of one seq_len request
 """
 
@@ -109,7 +109,7 @@ def _capacity(c: _Inputs) -> dict:
                max_concurrent_requests=max_req, batch_fits=max_req >= c.batch)
     if c.dev:
         out.update(device_memory_bytes=c.dev.memory_bytes, usable_memory_bytes=usable,
-                   weights_fit=usable - weights_dev >= c.spec.page_size_bytes + c.spec.static_bytes,
+                   weights_fit=usable - weights_dev >= c.spec.cache_bytes(1),
                    min_tp_for_weights=_min_tp(c, 0), min_tp_for_batch=_min_tp(c, c.batch))
     return out
 

@@ -1,0 +1,92 @@
+"""EngineCore: token ids in, token ids out; a scheduler, a runner and a clock, all injected.
+
+    core = EngineCore(scheduler, runner, clock=time.perf_counter)
+    core.add_request(Request("r1", [1, 2, 3], SamplingParams(max_tokens=8)))
+    while core.has_unfinished_requests():
+        for out in core.step():          # EngineCoreOutput: new token ids, finish reason
+            ...
+
+No tokenizer and no wall clock of its own: the text side (:class:`~pagedkv.engine.engine.LLMEngine`)
+wraps it with tokenization, stop strings and incremental detokenization; the simulator
+passes a cost-model runner and a virtual clock. A runner is anything with
+``execute(SchedulerOutput) -> ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Protocol
+
+from pagedkv.engine.core_io import EngineCoreOutput
+from pagedkv.engine.request import Request
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.step_io import ModelRunnerOutput, SchedulerOutput
+
+
+class Runner(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    """One scheduler and one runner, stepped together.
+
+    Args:
+        scheduler: owns requests and pages.
+        runner: computes a step (the model, a cost model, or workers in other processes).
+        clock: seconds, read when a request arrives and after each step (default
+            ``time.perf_counter``; the simulator's virtual clock advances by its cost model).
+        debug_invariants: check the KV manager's invariants after every step.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, clock: Callable[[], float] = time.perf_counter,
+                 debug_invariants: bool = False) -> None:
+        self.scheduler, self.runner, self.clock = scheduler, runner, clock
+        self.debug_invariants = debug_invariants
+        self.peak_blocks_used = 0
+        self.num_steps = 0
+
+    def add_request(self, req: Request) -> None:
+        """Queue ``req`` (its arrival time is the clock's now unless already set)."""
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.arrival_time is None:
+            req.arrival_time = self.clock()
+        self.scheduler.add(req)
+
+    def abort_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[EngineCoreOutput]:
+        """End the given live requests and free their pages; unknown ids are ignored."""
+        outs = []
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish(rid, reason)
+                outs.append(EngineCoreOutput.of(req, [], []))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests waiting or running, or ended ones whose pages a KV connector still reads
+        (stepping on lets the connector report them done)."""
+        return self.scheduler.has_unfinished or self.scheduler.num_delayed_free > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute and apply one step; an output per request that got tokens.
+
+        If the runner raises, the step's requests are aborted (their KV writes are
+        incomplete) and the error propagates; the engine stays usable.
+        """
+        sched = self.scheduler.schedule()
+        if not (sched.num_scheduled_tokens or sched.finished_req_ids or sched.preempted_req_ids
+                or self.scheduler.num_delayed_free):
+            return []
+        try:
+            result = self.runner.execute(sched)
+        except Exception:
+            for rid in sched.req_ids:
+                self.scheduler.finish(rid, "abort")
+            raise
+        outputs = self.scheduler.update(sched, result, self.clock())
+        self.num_steps += 1
+        self.peak_blocks_used = max(self.peak_blocks_used, self.scheduler.kv.pool.num_used)
+        if self.debug_invariants:
+            self.scheduler.kv.check_invariants()
+        return outputs

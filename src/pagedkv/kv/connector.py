@@ -1,0 +1,98 @@
+"""The KV connector seam: where offload tiers and prefill/decode transfer plug in.
+
+A connector moves KV pages between this engine's pool and somewhere else (a CPU or disk
+tier, another engine). It has two halves, named as vLLM's KV connector v1 API:
+
+- the **scheduler side** (:class:`KVConnectorScheduler`) runs in the scheduler: it says
+  how many more prompt tokens it can supply beyond the local prefix hit
+  (``get_num_new_matched_tokens``), learns which pages were allocated for them
+  (``update_state_after_alloc``), says at a request's end whether it still needs the
+  pages (``request_finished``: a delayed free), and packs what the worker must do this
+  step into plain data (``build_connector_meta``, carried by the SchedulerOutput);
+- the **worker side** (:class:`KVConnectorWorker`) runs beside the model: it starts loads
+  before the forward (``start_load_kv``), blocks until a layer's pages are in
+  (``wait_for_layer_load``), saves a layer's pages after they are written
+  (``save_kv_layer``), waits for saves to end (``wait_for_save``) and reports finished
+  asynchronous transfers (``get_finished``) and pages whose load failed
+  (``get_block_ids_with_load_errors``).
+
+Step order::
+
+    scheduler: lookup local -> get_num_new_matched_tokens -> allocate -> update_state_after_alloc
+               -> build_connector_meta -> SchedulerOutput
+    worker:    bind_connector_metadata -> start_load_kv -> per layer: wait_for_layer_load,
+               attention, save_kv_layer -> wait_for_save -> get_finished -> clear
+    scheduler: update(ModelRunnerOutput): invalid pages -> LOAD_FAILURE_POLICY;
+               finished_sending -> free delayed pages
+
+Load failure policy ``recompute``: a request with a page whose load failed rolls back to
+the last block before that page; the tokens after it are computed again next step (its
+token sampled from bad KV is dropped). This module is plain Python: the base classes do
+nothing (no transfer), so an engine with the base connector behaves as one without.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+LOAD_FAILURE_POLICIES = ("recompute",)
+
+
+class KVConnectorScheduler:
+    """Scheduler side. The defaults: no external tokens, free at once, no metadata."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        """Tokens of ``request`` beyond its first ``num_computed_tokens`` (the local
+        prefix hit) that this connector can load. The scheduler allocates pages for
+        them and counts them as computed; it always leaves one token to compute. Called
+        again in a later step if the pages could not be allocated this time."""
+        return 0
+
+    def update_state_after_alloc(self, request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+        """``request``'s block table per KV group right after allocation; the pages for
+        its ``num_external_tokens`` loaded tokens follow its local hit."""
+
+    def request_finished(self, request, block_ids: tuple[list[int], ...]) -> bool:
+        """``request`` ended. Return True to keep its pages until the worker reports it in
+        ``finished_sending`` (e.g. a save or a send still reads them)."""
+        return False
+
+    def build_connector_meta(self, scheduler_output) -> object | None:
+        """Plain, picklable data the worker side needs this step."""
+        return None
+
+
+class KVConnectorWorker:
+    """Worker side. The defaults move nothing."""
+
+    def bind_connector_metadata(self, metadata) -> None:
+        self.metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self.metadata = None
+
+    def start_load_kv(self, storage) -> None:
+        """Start loading this step's pages into ``storage`` (may return before done)."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until ``layer``'s pages for this step are loaded."""
+
+    def save_kv_layer(self, layer: int, storage, attn_metadata) -> None:
+        """``layer``'s KV for this step is written to ``storage``: start saving it."""
+
+    def wait_for_save(self) -> None:
+        """Block until every save started this step is done."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """``(done_sending, done_recving)``: requests whose asynchronous transfers ended."""
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Pages whose load failed this step (handled by the load-failure policy)."""
+        return set()
+
+
+class KVConnector(NamedTuple):
+    """Both halves of one connector, as an engine takes them (``LLMEngine(kv_connector=...)``)."""
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker

@@ -1,0 +1,85 @@
+"""KV cache groups: layers that keep the same tokens share one block table per request.
+
+A model's layers are grouped by a frozen per-layer spec. Full-attention layers keep every
+token; a sliding-window layer keeps only its last ``W`` tokens, so its table can hand
+pages back early (the freed entries point at the null block). Each group gets its own
+block tables from a manager class chosen by the spec's type
+(:data:`pagedkv.kv.single_type.SPEC_MANAGER_MAP`), and all groups draw pages from one
+:class:`~pagedkv.kv.block_pool.BlockPool`::
+
+    layers   0  1  2  3  4  5          groups   0: full   (layers 0, 2, 4)
+    window   -  W  -  W  -  W                   1: W-slid (layers 1, 3, 5)
+    request r:  group 0 table [7, 3, 9]   group 1 table [0(null), 4, 8]
+
+A page is one block of ``block_size`` tokens for every layer of its group (the storage
+allocates page tensors per layer; a page id is valid in every layer of the group that
+holds it). Plain data only: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """Layers that attend to every previous token: a request holds
+    ``ceil(num_tokens / block_size)`` pages, taken as it grows."""
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if int(self.block_size) <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class ContiguousAttentionSpec(FullAttentionSpec):
+    """Full attention under the pre-paging allocator (FasterTransformer, Orca): a request
+    reserves pages for ``prompt + max_tokens`` tokens at admission. The benchmarks'
+    baseline; unused output slots are wasted by design."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Layers that attend to the last ``sliding_window`` tokens (Mistral, Gemma-2/3,
+    Qwen2's window layers). Its manager is the long-context work's; until then the engine
+    runs such models with full-attention groups."""
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if int(self.sliding_window) <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+
+
+KVLayerSpec = FullAttentionSpec  # the base of every per-layer spec
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers ``layer_ids`` (model order) that share block tables under ``spec``."""
+    spec: KVLayerSpec
+    layer_ids: tuple[int, ...]
+
+
+def group_layers(layer_specs: Sequence[KVLayerSpec]) -> tuple[KVCacheGroup, ...]:
+    """Group layers with equal specs, in order of each spec's first layer.
+
+    ``layer_specs[i]`` is layer ``i``'s spec. Raises ValueError if there are no layers or
+    the block sizes differ (one pool has one page size).
+    """
+    if not layer_specs:
+        raise ValueError("a KV cache needs at least one layer")
+    if len({s.block_size for s in layer_specs}) != 1:
+        raise ValueError(f"all KV groups must share one block size, got {sorted({s.block_size for s in layer_specs})}")
+    order: dict[KVLayerSpec, list[int]] = {}
+    for i, spec in enumerate(layer_specs):
+        order.setdefault(spec, []).append(i)
+    return tuple(KVCacheGroup(spec, tuple(ids)) for spec, ids in order.items())
+
+
+def single_group(num_layers: int, block_size: int, contiguous: bool = False) -> tuple[KVCacheGroup, ...]:
+    """Every layer in one full-attention group (``contiguous``: the baseline allocator)."""
+    spec = (ContiguousAttentionSpec if contiguous else FullAttentionSpec)(block_size)
+    return group_layers([spec] * num_layers)

@@ -1,0 +1,120 @@
+"""Per-group KV managers: the block tables of one KV cache group, one class per spec type.
+
+:class:`~pagedkv.kv.manager.KVCacheManager` owns one of these per group and calls them in
+the scheduler's order (lookup -> allocate -> publish -> free). Each decides, for its
+spec, how many pages a request needs, which cached pages count as a prefix hit and
+which pages it may give back early. The class comes from :data:`SPEC_MANAGER_MAP` by the
+spec's exact type, so a new attention kind is a new class and a table entry, not a flag::
+
+    FullAttentionSpec       -> FullAttentionManager    pages as the request grows
+    ContiguousAttentionSpec -> ContiguousManager       prompt + max_tokens at admission
+
+Prefix-cache entries are keyed ``(group_id, block_hash)``: two groups holding the same
+tokens hold different layers' KV and must never hit each other's pages. Plain ints only.
+"""
+
+from __future__ import annotations
+
+from pagedkv.kv.block_pool import BlockPool
+from pagedkv.kv.groups import ContiguousAttentionSpec, FullAttentionSpec, KVLayerSpec
+from pagedkv.kv.hashing import BlockHash
+
+
+class FullAttentionManager:
+    """Block tables of one full-attention group.
+
+    Args:
+        spec: the group's layer spec (its ``block_size``).
+        group_id: the group's index, part of every prefix-cache key.
+        pool: the shared page pool.
+    """
+
+    def __init__(self, spec: KVLayerSpec, group_id: int, pool: BlockPool) -> None:
+        self.spec, self.group_id, self.pool = spec, group_id, pool
+        self.block_size = spec.block_size
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_published: dict[str, int] = {}
+
+    # ---- sizing ---------------------------------------------------------------------
+    def tokens_to_hold(self, req, total_tokens: int) -> int:
+        """Tokens ``req`` must have slots for once ``total_tokens`` are computed."""
+        return total_tokens
+
+    def num_blocks_needed(self, req, total_tokens: int, num_hit_blocks: int) -> int:
+        """New pages an allocation for ``total_tokens`` takes beyond the table and the hit."""
+        held = len(self.block_tables.get(req.request_id, ())) + num_hit_blocks
+        return max(0, -(-self.tokens_to_hold(req, total_tokens) // self.block_size) - held)
+
+    # ---- prefix hits ----------------------------------------------------------------
+    def find_longest_hit(self, hashes: list[BlockHash], tokens: list[int], max_blocks: int) -> list[int]:
+        """Cached pages of the longest run of leading blocks, at most ``max_blocks``."""
+        bs, blocks = self.block_size, []
+        for i, h in enumerate(hashes[:max_blocks]):
+            b = self.pool.lookup((self.group_id, h), tuple(tokens[i * bs:(i + 1) * bs]))
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    # ---- allocation -----------------------------------------------------------------
+    def allocate(self, request_id: str, hit_blocks: list[int], num_new: int) -> list[int]:
+        """Pin ``hit_blocks`` (a new request's prefix hit), then append ``num_new`` fresh
+        pages; returns the pages added to the table (hit first)."""
+        table = self.block_tables.setdefault(request_id, [])
+        if hit_blocks:
+            self.pool.touch(hit_blocks)
+            table.extend(hit_blocks)
+            self.num_published[request_id] = len(hit_blocks)
+        new = self.pool.allocate(num_new)
+        table.extend(new)
+        return list(hit_blocks) + new
+
+    def cache_full_blocks(self, request_id: str, hashes: list[BlockHash], tokens: list[int],
+                          num_written_tokens: int) -> None:
+        """Publish the pages that are full once ``num_written_tokens`` have KV written."""
+        start = self.num_published.get(request_id, 0)
+        end = num_written_tokens // self.block_size
+        table, bs = self.block_tables[request_id], self.block_size
+        for i in range(start, end):
+            self.pool.cache_block(table[i], (self.group_id, hashes[i]), tuple(tokens[i * bs:(i + 1) * bs]))
+        self.num_published[request_id] = max(start, end)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's pages, tail first (so its tail is evicted first)."""
+        table = self.block_tables.pop(request_id, [])
+        self.pool.release([b for b in reversed(table) if b != self.pool.null_block])
+        self.num_published.pop(request_id, None)
+
+    def freeze_published(self) -> None:
+        """Mark every held page as published (after a prefix-cache reset: none is re-hashed)."""
+        for rid, table in self.block_tables.items():
+            self.num_published[rid] = len(table)
+
+
+class ContiguousManager(FullAttentionManager):
+    """Full attention under the pre-paging allocator: reserve ``prompt + max_tokens``
+    slots at admission (reads the request's ``num_prompt_tokens`` and ``max_tokens``)."""
+
+    def tokens_to_hold(self, req, total_tokens: int) -> int:
+        return max(total_tokens, req.num_prompt_tokens + req.max_tokens)
+
+
+#: The manager class of each layer spec type (exact type: a subclass needs its own entry).
+SPEC_MANAGER_MAP: dict[type, type[FullAttentionManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    ContiguousAttentionSpec: ContiguousManager,
+}
+
+
+def manager_for(spec: KVLayerSpec, group_id: int, pool: BlockPool) -> FullAttentionManager:
+    """A manager for ``spec``'s group.
+
+    Raises:
+        ValueError: for a spec type with no manager yet (sliding windows: the
+            long-context work adds theirs to :data:`SPEC_MANAGER_MAP`).
+    """
+    cls = SPEC_MANAGER_MAP.get(type(spec))
+    if cls is None:
+        raise ValueError(f"no KV manager for {type(spec).__name__} yet; "
+                                  f"known: {', '.join(t.__name__ for t in SPEC_MANAGER_MAP)}")
+    return cls(spec, group_id, pool)
