@@ -62,3 +62,22 @@ def test_prefix_hits_match_cold(smollm, prompts, solo):
     for n, o in zip(LENGTHS, outs):
         assert o.num_cached_tokens == (n - 1) // 16 * 16
     assert_same(outs, solo)
+
+
+@pytest.mark.slow
+def test_batch_of_16_logprobs_match_solo_bit_for_bit(smollm):
+    """Batch 1 vs 16 on the real model: token ids and every log-prob equal (each decode step
+    of the batch is one 16-row product; alone, a 1-row product padded to 16)."""
+    text = "Continuous batching lets sixteen requests share every decode step of the model. " * 3
+    ids = smollm.get_tokenizer()(text).input_ids
+    prompts = [{"prompt_token_ids": ids[:n]} for n in range(3, 51, 3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    smollm.reset_prefix_cache()
+    solo = []
+    for p in prompts:
+        solo.append(smollm.generate([p], params)[0])
+        smollm.reset_prefix_cache()
+    batch = smollm.generate(prompts, params)
+    assert len(prompts) == 16
+    for s, b in zip(solo, batch):
+        assert (b.token_ids, b.logprobs) == (s.token_ids, s.logprobs)
