@@ -9,7 +9,9 @@ physical RAM.
 
 The result is cached as JSON in ``$XDG_CACHE_HOME/pagedkv/cpu.json`` (else
 ``~/.cache/pagedkv/cpu.json``), keyed by host name, CPU count and torch thread
-count; delete the file to measure again.
+count; delete the file to measure again. :func:`pagedkv.planner.hardware.get_device`
+turns the measurement into a ``Device`` (this module knows nothing of devices, so the
+catalog can depend on it and not the other way round).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import os
 import platform
 import time
 from pathlib import Path
-
-from pagedkv.planner.hardware import Device
 
 READ_BYTES = 512 * 2**20   # 512 MiB: well past any CPU's last-level cache
 MATMUL_N = 1024
@@ -84,11 +84,3 @@ def load_or_measure(path: Path | None = None) -> dict:
         pass  # a read-only home still gets a plan, just not a cache
     return result
 
-
-def cpu_device() -> Device:
-    """This machine as a :class:`Device` (measured once, then cached)."""
-    m = load_or_measure()
-    return Device(name="cpu", label=f"this machine ({os.cpu_count()} CPUs, measured)",
-                  memory_bytes=int(m["memory_bytes"]), bandwidth=float(m["read_bandwidth_bytes_per_s"]),
-                  flops_16=float(m["fp32_flops"]), flops_fp8=None, host_link=None, pcie_gen=None,
-                  nvlink=None, source=f"measured {m['measured_at']} ({m['method']}); cached in {cache_path()}")

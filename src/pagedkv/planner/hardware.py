@@ -15,6 +15,7 @@ Units on :class:`Device`: bytes, bytes/s and FLOP/s (not GB or TFLOP/s).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -93,6 +94,18 @@ def nvme_read_bandwidth() -> float:
     return catalog_data()["storage"]["nvme"]["read_gbps"] * 1e9
 
 
+def cpu_device() -> Device:
+    """This machine as a :class:`Device`, from :mod:`pagedkv.planner.cpu`'s measurement
+    (measured once, then cached): fp32 matmul rate, read bandwidth, physical RAM."""
+    from pagedkv.planner.cpu import cache_path, load_or_measure
+
+    m = load_or_measure()
+    return Device(name="cpu", label=f"this machine ({os.cpu_count()} CPUs, measured)",
+                  memory_bytes=int(m["memory_bytes"]), bandwidth=float(m["read_bandwidth_bytes_per_s"]),
+                  flops_16=float(m["fp32_flops"]), flops_fp8=None, host_link=None, pcie_gen=None,
+                  nvlink=None, source=f"measured {m['measured_at']} ({m['method']}); cached in {cache_path()}")
+
+
 def get_device(name: str) -> Device:
     """A catalog device by name or alias (case-insensitive), or ``"cpu"`` for this machine.
 
@@ -101,7 +114,6 @@ def get_device(name: str) -> Device:
     """
     key = str(name).strip().lower()
     if key == "cpu":
-        from pagedkv.planner.cpu import cpu_device
         return cpu_device()
     data = catalog_data()
     if key in data["not_products"]:
