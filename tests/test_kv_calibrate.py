@@ -44,7 +44,7 @@ def test_set_static_scales_refuses_token_scales(tiny_llm_factory):
 
 def test_eval_uses_the_engines_calibration(tiny_llm_factory):
     """attn-error computes static scales from the same text as the engine, whatever its window."""
-    from pagedkv.kv.calibrate import layer_kv
+    from pagedkv.engine.calibrate import layer_kv
     from pagedkv.kv import quant
     from pagedkv.engine.setup import engine_calibration_ids
 

@@ -48,7 +48,7 @@ class EngineConfig:
         kv_cache_dtype: KV storage dtype; ``auto`` = the compute dtype (float32 on CPU);
             int8 / fp8_e4m3 / fp8_e5m2 store quantized pages with fp32 scales.
         kv_cache_scale: scale granularity of quantized pages: per-token-head (default),
-            per-head or per-tensor (static, calibrated at start on a fixed text: kv/calibrate.py),
+            per-head or per-tensor (static, calibrated at start on a fixed text: engine/calibrate.py),
             or per-channel (KIVI-style: static per-channel key scales, per-token-head values).
         kv_cache_memory: KV budget in bytes (default 4 GiB, like vLLM's CPU backend);
             ignored when ``num_blocks`` is set.

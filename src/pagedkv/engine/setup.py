@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from pagedkv.config import EngineConfig
-from pagedkv.kv.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
+from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
 from pagedkv.kv.groups import single_group
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec
@@ -51,7 +51,7 @@ def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
 
 
 def engine_calibration_ids(tokenizer, cfg: ModelConfig) -> list[int]:
-    """The calibration ids an engine uses for static KV scales (:mod:`pagedkv.kv.calibrate`):
+    """The calibration ids an engine uses for static KV scales (:mod:`pagedkv.engine.calibrate`):
     at most ``CALIBRATION_TOKENS``, fewer only if the model's own length limit is shorter
     (never the cache's, so every engine of a model gets the same scales)."""
     return calibration_ids(tokenizer, min(CALIBRATION_TOKENS, resolve_max_model_len(cfg, None)))

@@ -5,7 +5,7 @@ compound from layer to layer): q, k, v of a window are computed once; the float3
 causal attention over k, v as they are; a setting's output is the same attention over k, v
 stored and read back in that format (quantized with :mod:`pagedkv.kv.quant` exactly as the
 cache writes them: per-token-head scales per token, per-head / per-tensor scales from the
-engine's calibration text, :mod:`pagedkv.kv.calibrate`). The error of layer l is
+engine's calibration text, :mod:`pagedkv.engine.calibrate`). The error of layer l is
 
     ||O_setting - O_float32||_F / ||O_float32||_F    over all windows' rows and heads,
 
@@ -19,7 +19,7 @@ import torch
 
 from pagedkv.attention.paged import attend
 from pagedkv.eval.settings import KVSetting
-from pagedkv.kv.calibrate import layer_kv
+from pagedkv.engine.calibrate import layer_kv
 from pagedkv.kv import quant
 from pagedkv.kv.storage import TORCH_DTYPES
 

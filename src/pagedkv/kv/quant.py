@@ -10,7 +10,7 @@ int8, or cast to fp8) and read back as ``q * scale``. ``scale = amax / qmax`` ov
                     values: per-token-head (see :func:`key_value_granularities`).
 
 Static scales are calibrated once, at engine start, on a fixed text
-(:mod:`pagedkv.kv.calibrate`), and then fixed; later values beyond them saturate at
+(:mod:`pagedkv.engine.calibrate`), and then fixed; later values beyond them saturate at
 ``qmax`` (clamped). That is where a
 per-tensor scale loses: one outlier head sets the scale for all, the others keep few levels.
 

@@ -85,7 +85,7 @@ class KVCacheStorage:
 
     def set_static_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Fix a layer's per-head / per-tensor scales from sample keys and values
-        ``[T, kv_heads, head_dim]`` (the engine calibrates at start: :mod:`pagedkv.kv.calibrate`).
+        ``[T, kv_heads, head_dim]`` (the engine calibrates at start: :mod:`pagedkv.engine.calibrate`).
         A layer written before any call calibrates on its first write instead.
 
         Raises:
