@@ -10,9 +10,8 @@ import torch
 from pagedkv.attention.paged import AttentionMetadata, SeqAttention
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.storage import KVCacheStorage
-from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import LlamaModel
-from pagedkv.model.loader import load_state_dict
+from pagedkv.model.loader import load_model_config, load_state_dict
 
 from conftest import make_hf_folder
 
@@ -54,7 +53,7 @@ def schedules(n: int) -> dict[str, list[int]]:
 
 
 def check_model(folder, ids):
-    cfg = ModelConfig.from_json(folder / "config.json")
+    cfg = load_model_config(folder)
     model = LlamaModel(cfg, load_state_dict(folder))
     ref = hf_logits(folder, ids)
     for name, chunks in schedules(len(ids)).items():

@@ -137,9 +137,10 @@ def test_kv_bookkeeping_source_imports_no_torch(module):
 
 
 def test_kv_bookkeeping_loads_without_torch():
-    """The issue's own check, in a fresh interpreter."""
+    """The issue's own check, in a fresh interpreter; the shared config parser too."""
     code = ("import sys, pagedkv.kv.block_pool, pagedkv.kv.manager, pagedkv.kv.hashing, pagedkv.kv.spec; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+            "assert 'torch' not in sys.modules, 'torch was imported'; "
+            "import pagedkv.model.hf_config; assert 'torch' not in sys.modules, 'the config parser imported torch'")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -20,7 +20,7 @@ def test_bundled_config_loads_with_source(name):
     entry = bundled_entry(name)
     assert entry["source"].startswith("https://huggingface.co/") and entry["source"].endswith("config.json")
     m = load_model(name)
-    assert m.num_layers > 0 and m.head_dim > 0 and m.num_heads % m.num_kv_heads == 0
+    assert m.num_hidden_layers > 0 and m.head_dim > 0 and m.num_attention_heads % m.num_key_value_heads == 0
 
 
 def _transformers_count(name: str) -> int:
@@ -75,7 +75,7 @@ def test_config_json_path_and_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for where in (tmp_path, tmp_path / "config.json"):
         m = load_model(str(where))
-        assert m.num_kv_heads == 8 and count_params(m).total == count_params(load_model("llama-3-8b")).total
+        assert m.num_key_value_heads == 8 and count_params(m).total == count_params(load_model("llama-3-8b")).total
 
 
 @pytest.mark.parametrize("text, message", [

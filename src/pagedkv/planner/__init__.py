@@ -6,14 +6,16 @@ bounds of a decode and a prefill step. Its KV figures come from the engine's own
 :class:`pagedkv.kv.spec.KVCacheSpec`. The CLI is ``pagedkv plan`` (see
 :mod:`pagedkv.planner.cli`).
 
-Modules: ``models``/``hf_config`` (config.json -> shape), ``params`` (parameter
+Modules: ``models`` (bundled names or a config.json -> the engine's
+:class:`~pagedkv.model.config.ModelConfig`, through its one parser), ``params`` (parameter
 counts), ``hardware``/``cpu`` (device catalog, measured CPU), ``roofline`` (step
 bounds), ``plan``/``result``/``notes`` (the answer), ``report``/``plots``/``sweep``
 (text, PNG, models x GPUs table).
 """
 
+from pagedkv.model.config import ModelConfig
 from pagedkv.planner.hardware import Device, get_device
-from pagedkv.planner.models import ModelConfig, bundled_names, load_model
+from pagedkv.planner.models import bundled_names, load_model
 from pagedkv.planner.plan import plan
 from pagedkv.planner.result import PlanResult, SweepRow
 from pagedkv.planner.roofline import StepBound

@@ -15,8 +15,8 @@ def model_rows() -> list[dict]:
     for name in bundled_names():
         m = load_model(name)
         windows = sorted({w for w in m.layer_windows if w is not None})
-        rows.append(dict(name=name, attention=m.attention, layers=m.num_layers, heads=m.num_heads,
-                         kv_heads=None if m.mla else m.num_kv_heads, head_dim=m.head_dim,
+        rows.append(dict(name=name, attention=m.attention, layers=m.num_hidden_layers, heads=m.num_attention_heads,
+                         kv_heads=None if m.mla else m.num_key_value_heads, head_dim=m.head_dim,
                          sliding_window=windows[0] if windows else None, sliding_layers=m.sliding_layers,
                          bf16_bytes_per_token=m.kv_spec("bfloat16").bytes_per_token,
                          params=count_params(m).total, source=bundled_entry(name)["source"]))

@@ -5,7 +5,7 @@ caps, FP8 on parts without FP8 units)."""
 from __future__ import annotations
 
 from pagedkv.planner.hardware import Device
-from pagedkv.planner.models import ModelConfig
+from pagedkv.model.config import ModelConfig
 from pagedkv.planner.units import fmt_bytes
 
 
@@ -34,13 +34,13 @@ def _layout_notes(r, m: ModelConfig) -> list[str]:
                    f"in whole {r.block_size}-token blocks (a window straddles one extra block)")
     if m.mla and r.tp > 1:
         out.append("MLA's latent cache is not split by head: every TP device holds all of it")
-    elif not m.mla and r.tp > m.num_kv_heads:
-        out.append(f"--tp {r.tp} exceeds the {m.num_kv_heads} KV heads: each device holds 1 head, "
-                   f"so the cache is replicated {r.tp // m.num_kv_heads}x across the group")
+    elif not m.mla and r.tp > m.num_key_value_heads:
+        out.append(f"--tp {r.tp} exceeds the {m.num_key_value_heads} KV heads: each device holds 1 head, "
+                   f"so the cache is replicated {r.tp // m.num_key_value_heads}x across the group")
     if m.attention in ("GQA", "MQA"):
-        mha = r.bytes_per_token * m.num_heads // m.num_kv_heads
-        out.append(f"with MHA (--kv-heads {m.num_heads}) it would take {mha:,} B/token, "
-                   f"{m.num_heads // m.num_kv_heads}x this {m.attention} cache")
+        mha = r.bytes_per_token * m.num_attention_heads // m.num_key_value_heads
+        out.append(f"with MHA (--kv-heads {m.num_attention_heads}) it would take {mha:,} B/token, "
+                   f"{m.num_attention_heads // m.num_key_value_heads}x this {m.attention} cache")
     return out
 
 

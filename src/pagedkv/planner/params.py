@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.planner.models import ModelConfig
+from pagedkv.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,12 @@ def attention_params(m: ModelConfig) -> int:
     if m.mla:
         a = m.mla
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-        q = (h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * m.num_heads * qk
-             if a.q_lora_rank else h * m.num_heads * qk)
-        kv = h * a.latent_dim + a.kv_lora_rank + a.kv_lora_rank * m.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
-        return q + kv + m.num_heads * a.v_head_dim * h
-    q_out, kv_out = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        q = (h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * m.num_attention_heads * qk
+             if a.q_lora_rank else h * m.num_attention_heads * qk)
+        kv = (h * a.latent_dim + a.kv_lora_rank
+              + a.kv_lora_rank * m.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim))
+        return q + kv + m.num_attention_heads * a.v_head_dim * h
+    q_out, kv_out = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     weights = h * (q_out + 2 * kv_out) + q_out * h
     bias = (q_out + 2 * kv_out) if m.qkv_bias else 0
     return weights + bias + (h if m.attention_bias else 0)
@@ -66,9 +67,9 @@ def count_params(m: ModelConfig) -> ParamCount:
     embedding = m.vocab_size * m.hidden_size
     total = embedding + (0 if m.tie_word_embeddings else embedding) + norm_params(m)
     expert = mlp_params(m, m.moe.expert_intermediate_size) if m.moe else 0
-    moe_layers = sum(m.moe.is_moe_layer(i) for i in range(m.num_layers)) if m.moe else 0
+    moe_layers = sum(m.moe.is_moe_layer(i) for i in range(m.num_hidden_layers)) if m.moe else 0
     per_layer = attention_params(m) + m.norms_per_layer * norm_params(m)
-    total += m.num_layers * per_layer + (m.num_layers - moe_layers) * mlp_params(m, m.intermediate_size)
+    total += m.num_hidden_layers * per_layer + (m.num_hidden_layers - moe_layers) * mlp_params(m, m.intermediate_size)
     idle = 0
     if m.moe:
         e = m.moe

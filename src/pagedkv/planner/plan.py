@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from pagedkv.config import parse_size
 from pagedkv.kv.spec import SCALE_GRANULARITIES, KVCacheSpec
+from pagedkv.model.config import ModelConfig
 from pagedkv.planner import dtypes
 from pagedkv.planner.hardware import Device, get_device, nvme_read_bandwidth
-from pagedkv.planner.models import ModelConfig, load_model
+from pagedkv.planner.models import load_model
 from pagedkv.planner.notes import plan_notes
 from pagedkv.planner.params import ParamCount, count_params
 from pagedkv.planner.result import PlanResult, SweepRow
@@ -87,7 +88,8 @@ def _model_fields(c: _Inputs) -> dict:
         gpu_source=dev.source if dev else None, tp=c.tp, seq_len=c.seq_len, batch=c.batch,
         kv_cache_dtype=c.kv_dtype, weight_dtype=c.w_dtype, kv_scale_granularity=c.scale,
         block_size=spec.block_size, gpu_memory_utilization=c.util, attention=m.attention,
-        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=1 if m.mla else m.num_kv_heads,
+        num_layers=m.num_hidden_layers, num_heads=m.num_attention_heads,
+        num_kv_heads=1 if m.mla else m.num_key_value_heads,
         kv_heads_per_device=spec.num_kv_heads, head_dim=spec.head_dim, sliding_window_layers=len(windows),
         sliding_window=max(windows) if windows else None, max_position_embeddings=m.max_position_embeddings,
         bytes_per_token=whole.bytes_per_token, bytes_per_token_per_device=spec.bytes_per_token,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.planner.dtypes import WEIGHT_DTYPE_BYTES
 from pagedkv.planner.hardware import Device
-from pagedkv.planner.models import ModelConfig
+from pagedkv.model.config import ModelConfig
 from pagedkv.planner.params import decode_params_read, matmul_params, count_params
 
 MAX_SWEEP_BATCH = 4096
@@ -77,7 +77,7 @@ class Roofline:
 
     def _attn_flops(self, tokens_attended: list[int], absorbed: bool) -> float:
         dqk, dv = self._attn_dims(absorbed)
-        return 2.0 * self.model.num_heads * (dqk + dv) * sum(tokens_attended)
+        return 2.0 * self.model.num_attention_heads * (dqk + dv) * sum(tokens_attended)
 
     def weight_bytes_read(self, batch: int) -> float:
         """Weight bytes one decode step over ``batch`` sequences reads on one device."""
@@ -85,7 +85,7 @@ class Roofline:
 
     def decode(self, batch: int, context: int) -> StepBound:
         """One decode step: ``batch`` sequences, each attending to ``context`` tokens."""
-        held = [self.spec.tokens_held(context, i) for i in range(self.model.num_layers)]
+        held = [self.spec.tokens_held(context, i) for i in range(self.model.num_hidden_layers)]
         kv = batch * self.spec.bytes_for_tokens(context)
         flops = batch * (2.0 * matmul_params(self.model) + self._attn_flops(held, True)) / self.tp
         return self._bound(self.weight_bytes_read(batch) + kv, flops, batch)
@@ -93,7 +93,7 @@ class Roofline:
     def prefill(self, prompt: int, batch: int = 1) -> StepBound:
         """Prefill of ``batch`` prompts of ``prompt`` tokens (causal; weights read once, KV written)."""
         pairs = [_causal_pairs(prompt, self.spec.layer_windows[i] if self.spec.layer_windows else None)
-                 for i in range(self.model.num_layers)]
+                 for i in range(self.model.num_hidden_layers)]
         flops = batch * (2.0 * matmul_params(self.model) * prompt + self._attn_flops(pairs, False)) / self.tp
         nbytes = (count_params(self.model).total * WEIGHT_DTYPE_BYTES[self.weight_dtype] / self.tp
                   + batch * self.spec.bytes_for_tokens(prompt))

@@ -1,4 +1,7 @@
-"""Parse a Hugging Face ``config.json`` dict into a :class:`ModelConfig`.
+"""Parse a Hugging Face ``config.json`` into a :class:`~pagedkv.model.config.ModelConfig`.
+
+The one parser: the engine (:mod:`pagedkv.model.loader`) and the planner
+(:mod:`pagedkv.planner.models`) both read config.json through :func:`parse`.
 
 Key names differ across architectures (``num_hidden_layers`` / ``n_layer``,
 ``num_key_value_heads`` / ``num_kv_heads`` / ``multi_query``, ...); this module
@@ -11,12 +14,18 @@ Rules that calculators commonly get wrong and that this parser gets right:
 ``head_dim`` is the config's ``head_dim`` when present (Gemma 2: 256, not
 hidden/heads = 224); KV heads default to the query heads only when no KV-head key
 exists; ``sliding_window`` counts only when ``use_sliding_window`` is not false
-(Qwen2 configs carry a window they do not use).
+(Qwen2 configs carry a window they do not use), and only on the layers that slide
+(``layer_types``; Gemma 2's alternation; Gemma 3's ``sliding_window_pattern``;
+Qwen2's layers from ``max_window_layers`` on). Rope settings are read from
+``rope_theta``/``rope_scaling`` or, as transformers >= 5 writes them, ``rope_parameters``.
 """
 
 from __future__ import annotations
 
-from pagedkv.planner.models import MLAConfig, ModelConfig, MoEConfig
+import json
+from pathlib import Path
+
+from pagedkv.model.config import MLAConfig, ModelConfig, MoEConfig
 
 _TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True, "falcon": True}
 _MAX_POS_DEFAULT = {"falcon": 2048}
@@ -24,6 +33,9 @@ _NON_GATED_MLP = {"falcon", "gpt2", "gpt_neox", "gpt_bigcode", "opt", "bloom", "
 _QKV_BIAS = {"qwen2", "qwen2_moe"}
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "falcon": 1}
 _NORM_BIAS = {"falcon", "gpt2", "gpt_neox", "opt", "bloom", "phi"}
+#: sizes checked to be positive integers wherever present
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+          "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 def _get(cfg: dict, keys: tuple[str, ...], default=None, required: str | None = None):
@@ -86,32 +98,58 @@ def _moe(cfg: dict, intermediate: int) -> MoEConfig | None:
         router_bias=cfg.get("topk_method") == "noaux_tc")
 
 
-def parse(cfg: dict, name: str, source: str) -> ModelConfig:
-    """Build a :class:`ModelConfig` from config.json contents.
+def _rope(cfg: dict) -> dict:
+    """``rope_theta`` and ``rope_scaling``; transformers >= 5 keeps both in ``rope_parameters``,
+    where ``rope_type: default`` means no scaling."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (None if params.get("rope_type", "default") == "default" else dict(params))
+    return dict(rope_theta=cfg.get("rope_theta", params.get("rope_theta", 10000.0)), rope_scaling=scaling)
 
-    Raises:
-        ValueError: on a missing or non-positive size, or heads that do not divide.
-    """
-    mt = str(cfg.get("model_type", ""))
-    layers = _positive_int(_get(cfg, ("num_hidden_layers", "n_layer", "num_layers"), required=name),
-                           "num_hidden_layers", name)
-    hidden = _positive_int(_get(cfg, ("hidden_size", "n_embd", "d_model"), required=name), "hidden_size", name)
-    heads = _positive_int(_get(cfg, ("num_attention_heads", "n_head"), required=name), "num_attention_heads", name)
+
+def _tokens(cfg: dict) -> dict:
+    eos = cfg.get("eos_token_id")
+    return dict(bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
+
+
+def _sizes(cfg: dict, name: str) -> dict:
+    """Layers, widths and head counts, each checked positive. Raises ValueError."""
+    for key in _SIZES:
+        if cfg.get(key) is not None:
+            _positive_int(cfg[key], key, name)
+    pos = lambda key, keys: _positive_int(_get(cfg, keys, required=name), key, name)  # noqa: E731
+    layers = pos("num_hidden_layers", ("num_hidden_layers", "n_layer", "num_layers"))
+    hidden = pos("hidden_size", ("hidden_size", "n_embd", "d_model"))
+    heads = pos("num_attention_heads", ("num_attention_heads", "n_head"))
     kv = _positive_int(_kv_heads(cfg, heads), "num_key_value_heads", name)
     mla_qk = (cfg.get("qk_nope_head_dim") or 0) + (cfg.get("qk_rope_head_dim") or 0) if cfg.get("kv_lora_rank") else 0
-    head_dim = _positive_int(cfg.get("head_dim") or mla_qk or hidden // heads, "head_dim", name)
-    vocab = _positive_int(_get(cfg, ("vocab_size",), required=name), "vocab_size", name)
-    inter = _get(cfg, ("intermediate_size", "ffn_hidden_size", "n_inner"), 4 * hidden)
     if heads % kv:
         raise ValueError(f"config.json of {name}: {kv} KV heads do not divide {heads} query heads")
-    windows = layer_windows(cfg, layers, mt)
-    if windows and len(windows) != layers:
-        raise ValueError(f"config.json of {name}: layer_types has {len(windows)} entries for {layers} layers")
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=_positive_int(cfg.get("head_dim") or mla_qk or hidden // heads, "head_dim", name),
+                vocab_size=pos("vocab_size", ("vocab_size",)),
+                intermediate_size=_get(cfg, ("intermediate_size", "ffn_hidden_size", "n_inner"), 4 * hidden))
+
+
+def parse(cfg: dict, name: str = "", source: str = "") -> ModelConfig:
+    """Build a :class:`ModelConfig` from config.json contents; ``name``/``source`` label it.
+
+    Raises:
+        ValueError: for a non-object, a missing or non-positive size, heads that do not
+            divide, or a ``layer_types`` list of the wrong length.
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config.json of {name} must hold a JSON object, got {type(cfg).__name__}")
+    mt = str(cfg.get("model_type", ""))
+    sizes = _sizes(cfg, name)
+    windows = layer_windows(cfg, sizes["num_hidden_layers"], mt)
+    if windows and len(windows) != sizes["num_hidden_layers"]:
+        raise ValueError(f"config.json of {name}: layer_types has {len(windows)} entries for "
+                         f"{sizes['num_hidden_layers']} layers")
     quant = cfg.get("quantization_config") or {}
     return ModelConfig(
-        name=name, source=source, model_type=mt, num_layers=layers, hidden_size=hidden,
-        num_heads=heads, num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter,
-        vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _TIED_DEFAULT.get(mt, False))),
+        **sizes, name=name, source=source, model_type=mt, architecture=(cfg.get("architectures") or [""])[0],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _TIED_DEFAULT.get(mt, False))),
         max_position_embeddings=_get(cfg, ("max_position_embeddings", "n_positions"), _MAX_POS_DEFAULT.get(mt)),
         layer_windows=windows, torch_dtype=_get(cfg, ("torch_dtype", "dtype")),
         quant_method=quant.get("quant_method") if isinstance(quant, dict) else None,
@@ -119,4 +157,27 @@ def parse(cfg: dict, name: str, source: str) -> ModelConfig:
         attention_bias=bool(cfg.get("attention_bias")) or bool(cfg.get("bias")),
         gated_mlp=mt not in _NON_GATED_MLP,
         norms_per_layer=2 if cfg.get("new_decoder_architecture") else _NORMS_PER_LAYER.get(mt, 2),
-        norm_bias=mt in _NORM_BIAS, mla=_mla(cfg), moe=_moe(cfg, inter))
+        norm_bias=mt in _NORM_BIAS, mla=_mla(cfg), moe=_moe(cfg, sizes["intermediate_size"]),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), **_rope(cfg), **_tokens(cfg))
+
+
+def read_json(path: str | Path) -> dict:
+    """The object in a config.json file.
+
+    Raises:
+        ValueError: for an unreadable file, invalid JSON, or a top level that is not an object.
+    """
+    path = Path(path)
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path} as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} is not a config.json: top level is not a JSON object")
+    return cfg
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Parse the config.json at ``path``, named after its folder. Raises ValueError (see :func:`parse`)."""
+    path = Path(path)
+    return parse(read_json(path), path.parent.name or str(path), str(path))
