@@ -10,8 +10,9 @@ import pytest
 
 from pagedkv.bench import report
 from pagedkv.bench.metrics import RequestRecord, WasteSamples, distribution, percentile, summarize_requests
-from pagedkv.bench.roofline import Machine, ModelCost, StepWork, bound, causal_pairs, ideal_offline_steps, step_terms
+from pagedkv.bench.roofline import Machine
 from pagedkv.kv.groups import single_group
+from pagedkv.planner.roofline import ModelCost, StepWork, bound, causal_pairs, ideal_offline_steps, step_terms
 from pagedkv.kv.manager import KVCacheManager
 
 
@@ -182,3 +183,22 @@ def test_load_meter_counts_own_cpu():
     r = m.result()
     assert 0 < r["own_cpu_share"] <= 1.05
     assert r["others_cpu_share"] is None or 0 <= r["others_cpu_share"] <= 1.05
+
+
+def test_causal_pairs_with_a_window_is_the_planner_prefill_count():
+    assert causal_pairs(0, 10, window=4) == 1 + 2 + 3 + 4 * 7
+    assert causal_pairs(6, 3, window=4) == 4 * 3 and causal_pairs(2, 2, window=4) == 3 + 4
+    assert causal_pairs(5, 3, window=None) == causal_pairs(5, 3)
+
+
+def test_engine_cost_agrees_with_the_planner_parameter_count(tiny_llm_factory):
+    """bench counts the loaded tensors, the planner counts from config.json: same model."""
+    from pagedkv.bench.roofline import model_cost
+    from pagedkv.planner.params import count_params, matmul_params
+
+    engine = tiny_llm_factory().engine
+    cfg, cost = engine.parts.files.config, model_cost(engine)
+    norms = cfg.hidden_size * (2 * cfg.num_hidden_layers + 1)
+    assert cost.weight_bytes == 4 * count_params(cfg).total              # fp32 on CPU
+    assert cost.layer_matmul_params + cost.lm_head_params == matmul_params(cfg) - norms
+    assert cost.kv_bytes_per_token == cfg.kv_spec("float32").bytes_per_token

@@ -7,7 +7,8 @@ and every throughput as a fraction of this machine's measured roofline.
   sampling KV waste, blocks and running requests after every step.
 - :mod:`~pagedkv.bench.baselines` HF static batches, HF continuous batching, llama.cpp.
 - :mod:`~pagedkv.bench.metrics` percentiles, TTFT/TPOT/ITL/e2e, waste.
-- :mod:`~pagedkv.bench.roofline` bytes and FLOPs per step -> lower bounds.
+- :mod:`~pagedkv.bench.roofline` measured ceilings and the loaded model's cost, priced by
+  the planner's cost model (:mod:`pagedkv.planner.roofline`) -> lower bounds.
 - :mod:`~pagedkv.bench.suite` / :mod:`~pagedkv.bench.prefix` the commands;
   :mod:`~pagedkv.bench.report` JSON, medians, ratios, goals, plot; :mod:`~pagedkv.bench.cli`.
 """

@@ -23,7 +23,7 @@ import time
 import torch
 
 from pagedkv.bench.metrics import RequestRecord
-from pagedkv.bench.roofline import StepWork, causal_pairs
+from pagedkv.planner.roofline import StepWork, causal_pairs
 from pagedkv.bench.workloads import BenchRequest
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedkv.bench.metrics import RequestRecord, WasteSamples, summarize_requests
-from pagedkv.bench.roofline import StepWork, causal_pairs
+from pagedkv.planner.roofline import StepWork, causal_pairs
 from pagedkv.bench.workloads import BenchRequest
 from pagedkv.engine.sampling_params import SamplingParams
 

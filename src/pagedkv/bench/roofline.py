@@ -1,25 +1,26 @@
-"""Roofline bounds of a benchmark run on this machine (Williams et al., CACM 2009).
+"""This machine's ceilings and the loaded model's cost, for the roofline of a benchmark run.
 
-Every step of a run is counted from what it did: ``tokens`` computed, ``sampled`` rows
-sent through the LM head, ``kv_tokens`` of KV read by attention (each sequence reads its
-whole context once) and ``attn_pairs`` query-key pairs. Then::
+The cost model itself is the planner's (:mod:`pagedkv.planner.roofline`, Williams et al.,
+CACM 2009): every step of a run is counted as a :class:`~pagedkv.planner.roofline.StepWork`
+and priced with :func:`~pagedkv.planner.roofline.bound`. This module supplies its two
+inputs as a benchmark sees them:
 
-    bytes   = weight bytes (LM head only if a row samples) + kv_tokens * KV bytes/token
-    flops   = 2 * layer matmul params * tokens + 2 * vocab * hidden * sampled
-              + 2 * num_layers * num_heads * 2 * head_dim * attn_pairs
-    bound_s = max(bytes / read bandwidth, flops / fp32 matmul rate)
+- :class:`Machine`: read bandwidth and fp32 matmul rate measured in the same run with
+  :func:`pagedkv.planner.cpu.measure`, once at the start and again before every run; the
+  bound uses the best of all those measurements (the least disturbed);
+- :func:`model_cost`: bytes and FLOPs per token counted from the engine's loaded tensors.
 
-and a run's bound is the sum over its steps. Its ``limited_by`` names the term that makes
-up most of the bound: ``weight-read`` (small batches), ``kv-read`` (long contexts) or
-``compute`` (large batches, prefill). Read bandwidth and matmul rate are measured in the
-same run with :func:`pagedkv.planner.cpu.measure`, once at the start and again before every
-run; the bound uses the best of all those measurements (the least disturbed). Not counted: activations, KV writes,
-Python and kernel overheads; a real step is slower, so fraction = bound / measured <= 1.
+A run's ``limited_by`` names the term that makes up most of the bound: ``weight-read``
+(small batches), ``kv-read`` (long contexts) or ``compute`` (large batches, prefill). Not
+counted: activations, KV writes, Python and kernel overheads; a real step is slower, so
+fraction = bound / measured <= 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from pagedkv.planner.roofline import ModelCost
 
 
 @dataclass(frozen=True)
@@ -47,86 +48,26 @@ class Machine:
         method = self.method if self.method.startswith(prefix) else f"{prefix} ({self.method})"
         return Machine(max(self.read_bandwidth, other.read_bandwidth), max(self.fp32_flops, other.fp32_flops), method)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @property
+    def bandwidth(self) -> float:
+        """Read bandwidth, bytes/s (the planner's device field name)."""
+        return self.read_bandwidth
 
-
-@dataclass(frozen=True)
-class ModelCost:
-    """Bytes and FLOPs of the model per token, from its loaded tensors and config."""
-    weight_bytes: int          # every weight tensor, each counted once (tied LM head = embedding)
-    lm_head_bytes: int
-    layer_matmul_params: int   # q, k, v, o, gate, up, down over all layers
-    lm_head_params: int        # vocab * hidden
-    kv_bytes_per_token: int
-    attn_flops_per_pair: int   # 2 * layers * heads * (d_qk + d_v)
-
-    @classmethod
-    def from_engine(cls, engine) -> "ModelCost":
-        m, cfg = engine.model, engine.model.cfg
-        mm = sum(t.numel() for layer in m.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        head = m.lm_head.numel()
-        return cls(m.weight_bytes, head * m.lm_head.element_size(), mm, head,
-                   engine.parts.spec.bytes_per_token,
-                   2 * cfg.num_hidden_layers * cfg.num_attention_heads * 2 * cfg.head_dim)
+    def matmul_rate(self, weight_dtype: str = "float32") -> float:
+        """FLOP/s: the measured fp32 rate (the engine computes in fp32 whatever the weights)."""
+        return self.fp32_flops
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class StepWork:
-    """What one step computed (tokens, sampled rows, KV tokens read, query-key pairs)."""
-    tokens: int
-    sampled: int
-    kv_tokens: int
-    attn_pairs: int
-
-
-def causal_pairs(start: int, n: int) -> int:
-    """Query-key pairs of ``n`` causal queries at positions ``start .. start+n-1``."""
-    return n * start + n * (n + 1) // 2
-
-
-def step_terms(w: StepWork, cost: ModelCost, machine: Machine) -> dict[str, float]:
-    """Seconds of each bound term of one step: weight-read, kv-read, compute."""
-    weights = cost.weight_bytes - (0 if w.sampled else cost.lm_head_bytes)
-    flops = (2 * cost.layer_matmul_params * w.tokens + 2 * cost.lm_head_params * w.sampled
-             + cost.attn_flops_per_pair * w.attn_pairs)
-    return {"weight-read": weights / machine.read_bandwidth,
-            "kv-read": w.kv_tokens * cost.kv_bytes_per_token / machine.read_bandwidth,
-            "compute": flops / machine.fp32_flops}
-
-
-def bound(steps: list[StepWork], cost: ModelCost, machine: Machine) -> dict:
-    """Lower bound in seconds of running ``steps``, and the term that limits it most.
-
-    Each step costs ``max(memory, compute)`` with memory = weight-read + kv-read; the
-    bound's seconds are credited to the larger of the three terms of each step.
-    """
-    total, by_term = 0.0, {"weight-read": 0.0, "kv-read": 0.0, "compute": 0.0}
-    for w in steps:
-        t = step_terms(w, cost, machine)
-        mem = t["weight-read"] + t["kv-read"]
-        s = max(mem, t["compute"])
-        total += s
-        by_term["compute" if t["compute"] >= mem else max(("weight-read", "kv-read"), key=t.get)] += s
-    return {"bound_s": total, "steps": len(steps), "seconds_by_limit": by_term,
-            "limited_by": max(by_term, key=by_term.get) if steps else None}
-
-
-def ideal_offline_steps(prompt_lens: list[int], output_lens: list[int]) -> list[StepWork]:
-    """The cheapest schedule of an offline batch: every prompt in one prefill step (which
-    samples each first token), then one decode step per further token over every request
-    still running."""
-    steps = [StepWork(sum(prompt_lens), len(prompt_lens), sum(prompt_lens),
-                      sum(causal_pairs(0, p) for p in prompt_lens))]
-    for t in range(1, max(output_lens, default=0)):
-        live = [p + t for p, o in zip(prompt_lens, output_lens) if o > t]
-        steps.append(StepWork(len(live), len(live), sum(live), sum(live)))
-    return steps
-
-
-def weight_read_tokens_per_s(cost: ModelCost, machine: Machine) -> float:
-    """Single-stream decode bound, tokens/s: one full weight read per token."""
-    return machine.read_bandwidth / cost.weight_bytes
+def model_cost(engine) -> ModelCost:
+    """The cost of ``engine``'s loaded model (an :class:`~pagedkv.engine.engine.LLMEngine`),
+    counted from its tensors: weight bytes as stored, matmul parameters of every layer,
+    the LM head, KV bytes per token of its cache spec and attention FLOPs per query-key pair."""
+    m, cfg = engine.model, engine.model.cfg
+    mm = sum(t.numel() for layer in m.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = m.lm_head.numel()
+    return ModelCost(m.weight_bytes, head * m.lm_head.element_size(), mm, head,
+                     engine.parts.spec.bytes_per_token,
+                     2 * cfg.num_hidden_layers * cfg.num_attention_heads * 2 * cfg.head_dim)

@@ -24,8 +24,9 @@ from pathlib import Path
 from pagedkv.bench import baselines, report
 from pagedkv.bench.driver import drive, warm_up
 from pagedkv.bench.load import LoadMeter
-from pagedkv.bench.roofline import Machine, ModelCost, bound, ideal_offline_steps
+from pagedkv.bench.roofline import Machine, model_cost
 from pagedkv.bench.workloads import BenchRequest, build_workload, with_poisson_arrivals, workload_summary
+from pagedkv.planner.roofline import ModelCost, bound, ideal_offline_steps
 
 ENGINE_SYSTEMS = {"pagedkv": "paged", "contiguous": "contiguous"}
 SYSTEMS = ("pagedkv", "contiguous", "hf", "hf-cb", "llama-cpp")
@@ -119,7 +120,7 @@ def make_engine(ctx: Context, **overrides):
 
     engine = LLMEngine(EngineConfig(**(ctx.settings.engine | overrides)))
     if ctx.cost is None:
-        ctx.cost = ModelCost.from_engine(engine)
+        ctx.cost = model_cost(engine)
     warm_up(engine)
     return engine
 
@@ -298,7 +299,7 @@ def latency(settings: Settings) -> dict:
     """Single-stream decode, one request at a time: TPOT against the weight-read bound
     (weight bytes / measured read bandwidth per token)."""
     from pagedkv.bench.metrics import summarize_requests
-    from pagedkv.bench.roofline import weight_read_tokens_per_s
+    from pagedkv.planner.roofline import weight_read_tokens_per_s
 
     settings.systems = tuple(s for s in settings.systems if s in ("pagedkv", "hf")) or ("pagedkv",)
     settings.hf_batch_size = 1

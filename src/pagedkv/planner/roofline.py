@@ -15,11 +15,26 @@ token and layer are ``2 * heads * (d_qk + d_v) * tokens held`` (window-capped);
 MLA decode uses the absorbed form (``d_qk = kv_lora_rank + rope``, ``d_v =
 kv_lora_rank``). Not counted: activations, all-reduce traffic, kernel launch
 overheads; a real step is slower. Units: seconds, bytes, FLOPs.
+
+The same model prices a *counted* schedule, step by step (``pagedkv bench`` on the
+steps a run actually took, and the simulator's cost clock): a :class:`StepWork` says
+what one step computed (tokens, sampled rows, KV tokens read, query-key pairs), a
+:class:`ModelCost` what the model costs per unit of each, and a device (anything with
+``bandwidth`` and ``matmul_rate(dtype)``: a catalog :class:`Device` or a machine measured
+in the same run) the ceilings::
+
+    bytes   = weight bytes (LM head only if a row samples) + kv_tokens * KV bytes/token
+    flops   = 2 * layer matmul params * tokens + 2 * vocab * hidden * sampled
+              + attention FLOPs per pair * attn_pairs
+    bound_s = max(bytes / bandwidth, flops / matmul rate)
+
+and a schedule's bound is the sum over its steps (:func:`bound`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.planner.dtypes import WEIGHT_DTYPE_BYTES
@@ -92,7 +107,7 @@ class Roofline:
 
     def prefill(self, prompt: int, batch: int = 1) -> StepBound:
         """Prefill of ``batch`` prompts of ``prompt`` tokens (causal; weights read once, KV written)."""
-        pairs = [_causal_pairs(prompt, self.spec.layer_windows[i] if self.spec.layer_windows else None)
+        pairs = [causal_pairs(0, prompt, self.spec.layer_windows[i] if self.spec.layer_windows else None)
                  for i in range(self.model.num_hidden_layers)]
         flops = batch * (2.0 * matmul_params(self.model) * prompt + self._attn_flops(pairs, False)) / self.tp
         nbytes = (count_params(self.model).total * WEIGHT_DTYPE_BYTES[self.weight_dtype] / self.tp
@@ -136,8 +151,91 @@ def sweep_batches(batch: int, max_batch: int | None) -> list[int]:
     return sorted(set(out))
 
 
-def _causal_pairs(n: int, window: int | None) -> int:
-    """Query-key pairs of causal attention over ``n`` tokens, each seeing at most ``window`` keys."""
+def causal_pairs(start: int, n: int, window: int | None = None) -> int:
+    """Query-key pairs of ``n`` causal queries at positions ``start .. start+n-1``, each
+    seeing at most ``window`` keys (``None``: all before it and itself)."""
+    return _pairs_before(start + n, window) - _pairs_before(start, window)
+
+
+def _pairs_before(n: int, window: int | None) -> int:
+    """Pairs of the first ``n`` queries: ``sum(min(p + 1, window) for p in range(n))``."""
     if window is None or n <= window:
         return n * (n + 1) // 2
     return window * (window + 1) // 2 + (n - window) * window
+
+
+# ---- counted schedules: one step at a time -----------------------------------------------
+class Ceilings(Protocol):
+    """What bounds a step: memory read bandwidth (bytes/s) and matrix rate (FLOP/s)."""
+    bandwidth: float
+
+    def matmul_rate(self, weight_dtype: str) -> float: ...
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one step computed: ``tokens`` through the layers, ``sampled`` rows through the
+    LM head, ``kv_tokens`` of KV read by attention (each sequence reads its whole context
+    once) and ``attn_pairs`` query-key pairs."""
+    tokens: int
+    sampled: int
+    kv_tokens: int
+    attn_pairs: int
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Bytes and FLOPs of a model per unit of :class:`StepWork`."""
+    weight_bytes: int          # every weight tensor, each counted once (tied LM head = embedding)
+    lm_head_bytes: int
+    layer_matmul_params: int   # q, k, v, o, gate, up, down over all layers
+    lm_head_params: int        # vocab * hidden
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int   # 2 * layers * heads * (d_qk + d_v)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_terms(w: StepWork, cost: ModelCost, device: Ceilings, compute_dtype: str = "float32") -> dict[str, float]:
+    """Seconds of each bound term of one step: weight-read, kv-read, compute."""
+    weights = cost.weight_bytes - (0 if w.sampled else cost.lm_head_bytes)
+    flops = (2 * cost.layer_matmul_params * w.tokens + 2 * cost.lm_head_params * w.sampled
+             + cost.attn_flops_per_pair * w.attn_pairs)
+    return {"weight-read": weights / device.bandwidth,
+            "kv-read": w.kv_tokens * cost.kv_bytes_per_token / device.bandwidth,
+            "compute": flops / device.matmul_rate(compute_dtype)}
+
+
+def bound(steps: list[StepWork], cost: ModelCost, device: Ceilings, compute_dtype: str = "float32") -> dict:
+    """Lower bound in seconds of running ``steps``, and the term that limits it most.
+
+    Each step costs ``max(memory, compute)`` with memory = weight-read + kv-read; the
+    bound's seconds are credited to the larger of the three terms of each step.
+    """
+    total, by_term = 0.0, {"weight-read": 0.0, "kv-read": 0.0, "compute": 0.0}
+    for w in steps:
+        t = step_terms(w, cost, device, compute_dtype)
+        mem = t["weight-read"] + t["kv-read"]
+        s = max(mem, t["compute"])
+        total += s
+        by_term["compute" if t["compute"] >= mem else max(("weight-read", "kv-read"), key=t.get)] += s
+    return {"bound_s": total, "steps": len(steps), "seconds_by_limit": by_term,
+            "limited_by": max(by_term, key=by_term.get) if steps else None}
+
+
+def ideal_offline_steps(prompt_lens: list[int], output_lens: list[int]) -> list[StepWork]:
+    """The cheapest schedule of an offline batch: every prompt in one prefill step (which
+    samples each first token), then one decode step per further token over every request
+    still running."""
+    steps = [StepWork(sum(prompt_lens), len(prompt_lens), sum(prompt_lens),
+                      sum(causal_pairs(0, p) for p in prompt_lens))]
+    for t in range(1, max(output_lens, default=0)):
+        live = [p + t for p, o in zip(prompt_lens, output_lens) if o > t]
+        steps.append(StepWork(len(live), len(live), sum(live), sum(live)))
+    return steps
+
+
+def weight_read_tokens_per_s(cost: ModelCost, device: Ceilings) -> float:
+    """Single-stream decode bound, tokens/s: one full weight read per token."""
+    return device.bandwidth / cost.weight_bytes
