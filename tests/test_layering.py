@@ -117,7 +117,6 @@ def test_graph_sees_function_level_and_relative_imports():
     assert {"pagedkv.planner.cli", "pagedkv.server.cli"} <= graph["pagedkv.cli"]
 
 
-@pytest.mark.xfail(strict=True, reason="cli <-> subcommands and planner.models <-> hf_config: broken in the next commits")
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
 

@@ -1,6 +1,8 @@
 """The ``pagedkv`` command: ``generate``, ``plan`` and friends.
 
-Every command exits 0 on success and 2 with a one-line ``error: ...`` on bad input.
+Every command exits 0 on success and 2 with a one-line ``error: ...`` on bad input. The
+engine flags and the parser class come from :mod:`pagedkv.cli_common`, which the
+subcommand modules (bench, eval, serve) import too.
 """
 
 from __future__ import annotations
@@ -10,47 +12,15 @@ import os
 import sys
 from pathlib import Path
 
+from pagedkv.cli_common import OneLineErrorParser as _Parser
+from pagedkv.cli_common import add_engine_args, engine_kwargs
+
 GENERATE_EXAMPLES = """examples:
   pagedkv generate "What is the capital of France?"
   pagedkv generate --json --temperature 0 --max-tokens 32 "What is the capital of France?"
   pagedkv generate --no-chat --max-tokens 40 "Once upon a time"
   pagedkv generate --prompts-file prompts.jsonl --kv-cache-memory 256MiB --json > out.jsonl
 """
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM's engine arguments."""
-    from pagedkv.config import DEFAULT_MODEL, KV_CACHE_DTYPES, KV_CACHE_SCALES
-
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf path or HF folder (default: %(default)s)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV storage dtype")
-    g.add_argument("--kv-cache-scale", default="per-token-head", choices=KV_CACHE_SCALES,
-                   help="scale granularity of int8/fp8 pages; per-channel = static per-channel keys, "
-                        "per-token values (KIVI-style) (default: %(default)s)")
-    g.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget, e.g. 512MiB (default: %(default)s)")
-    g.add_argument("--num-blocks", type=int, default=None, help="exact number of KV pages (overrides --kv-cache-memory)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share KV pages of equal prompt prefixes (default: on)")
-    g.add_argument("--kv-allocator", default="paged", choices=("paged", "contiguous"),
-                   help="contiguous = reserve prompt + max_tokens slots at admission (baseline)")
-    g.add_argument("--seed", type=int, default=0, help="engine sampling seed")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="bit-identical outputs whatever the batching (every matrix product in 16-row tiles; slower "
-                        "single-stream decode on CPU; same as PAGEDKV_BATCH_INVARIANT=1)")
-
-
-def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(model=a.model, block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
-                kv_cache_scale=a.kv_cache_scale,
-                kv_cache_memory=a.kv_cache_memory, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                enable_prefix_caching=a.enable_prefix_caching, kv_allocator=a.kv_allocator, seed=a.seed,
-                batch_invariant=a.batch_invariant)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,13 +42,6 @@ def sampling_params(a: argparse.Namespace):
     return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                           seed=a.sampling_seed, stop=a.stop, stop_token_ids=a.stop_token_ids,
                           ignore_eos=a.ignore_eos)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake as one ``error: ...`` line (exit 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
+KV_ALLOCATORS = ("paged", "contiguous")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -42,28 +43,34 @@ def parse_size(text: str | int) -> int:
 class EngineConfig:
     """Engine settings. Every default lives here.
 
+    Each field is also a ``pagedkv`` flag (``block_size`` -> ``--block-size``): the entries
+    below are its help text (:mod:`pagedkv.cli_common`), so they speak of other fields as
+    flags would and state a default only where it is not the field's own.
+
     Attributes:
         model: model name, ``.gguf`` path or Hugging Face folder.
-        block_size: token slots per KV page.
-        kv_cache_dtype: KV storage dtype; ``auto`` = the compute dtype (float32 on CPU);
-            int8 / fp8_e4m3 / fp8_e5m2 store quantized pages with fp32 scales.
-        kv_cache_scale: scale granularity of quantized pages: per-token-head (default),
-            per-head or per-tensor (static, calibrated at start on a fixed text: engine/calibrate.py),
-            or per-channel (KIVI-style: static per-channel key scales, per-token-head values).
-        kv_cache_memory: KV budget in bytes (default 4 GiB, like vLLM's CPU backend);
-            ignored when ``num_blocks`` is set.
+        block_size: tokens per KV page.
+        kv_cache_dtype: KV storage dtype: auto (the compute dtype, float32 on CPU), a float
+            type, or int8 / fp8 (= fp8_e4m3) / fp8_e5m2: quantized pages, scaled as
+            ``kv_cache_scale`` says.
+        kv_cache_scale: scale granularity of int8/fp8 pages: per-token-head, per-head or
+            per-tensor (static, calibrated at start on a fixed text), or per-channel
+            (KIVI-style: static per-channel keys, per-token values).
+        kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
+            KB/MB/GB of 10); ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-        max_model_len: longest sequence (prompt + output) in tokens; ``None`` = the model's.
-        enable_prefix_caching: share full blocks across requests with equal prefixes.
-        kv_allocator: ``paged`` (default) or ``contiguous`` (reserve prompt + max_tokens
-            slots per request at admission: the pre-paging baseline for benchmarks).
-        seed: seed of the sampler's default generator.
+        max_model_len: longest sequence (prompt + output) in tokens (default: the model's limit).
+        enable_prefix_caching: share the KV pages of equal prompt prefixes across requests.
+        kv_allocator: paged, or contiguous: reserve prompt + max_tokens slots per request at
+            admission, the pre-paging baseline for benchmarks.
+        seed: seed of the engine's sampler, for requests without their own seed.
         debug_invariants: check the KV manager's invariants after every step.
         batch_invariant: bit-identical results whatever the batching: every matrix product
-            in fixed 16-row tiles (see :mod:`pagedkv.numerics`); also on for every engine
-            when ``PAGEDKV_BATCH_INVARIANT=1`` is set.
+            in fixed 16-row tiles (slower single-stream decode on CPU; see
+            :mod:`pagedkv.numerics`); also on for every engine when ``PAGEDKV_BATCH_INVARIANT=1``
+            is set.
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """
@@ -72,7 +79,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     kv_cache_scale: str = "per-token-head"
-    kv_cache_memory: int | str = 4 * 2**30
+    kv_cache_memory: int | str = "4GiB"  # 4 GiB, like vLLM's CPU backend
     num_blocks: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -94,7 +101,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.model, str):
             self.model = str(self.model)  # a pathlib.Path names a model too
-        if self.kv_allocator not in ("paged", "contiguous"):
+        if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
         if self.kv_cache_scale not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")

@@ -70,7 +70,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_common(c: argparse.ArgumentParser, name: str) -> None:
-    from pagedkv.cli import add_engine_args
+    from pagedkv.cli_common import add_engine_args
     from pagedkv.bench.workloads import DATASETS
 
     dataset, prompts, cap, max_tokens, systems = DEFAULTS[name]
@@ -110,7 +110,7 @@ def _add_common(c: argparse.ArgumentParser, name: str) -> None:
 
 def settings_from_args(a: argparse.Namespace):
     """Validated :class:`Settings`. Raises ValueError on a bad value (before any loading)."""
-    from pagedkv.cli import engine_kwargs
+    from pagedkv.cli_common import engine_kwargs
     from pagedkv.bench.suite import SYSTEMS, Settings
     from pagedkv.config import EngineConfig
 
@@ -190,10 +190,10 @@ def text_report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pagedkv.bench ...`` until ``pagedkv bench`` is wired into the main CLI."""
-    from pagedkv.cli import _Parser
+    from pagedkv.cli_common import OneLineErrorParser
 
-    parser = _Parser(prog="pagedkv")
-    add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    parser = OneLineErrorParser(prog="pagedkv")
+    add_parser(parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

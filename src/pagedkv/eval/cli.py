@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _sub(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
-    from pagedkv.cli import add_engine_args
+    from pagedkv.cli_common import add_engine_args
 
     p = sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,7 +74,7 @@ def _text_ids(a, tokenizer) -> list[int]:
 
 def _llm(a, setting, **extra):
     from pagedkv import LLM
-    from pagedkv.cli import engine_kwargs
+    from pagedkv.cli_common import engine_kwargs
 
     return LLM(**(engine_kwargs(a) | setting.engine_args() | extra))
 

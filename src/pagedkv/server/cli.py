@@ -38,7 +38,7 @@ abort the rest, exit 0.
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` on an ``argparse`` subparsers object; ``func`` returns an exit code."""
-    from pagedkv.cli import add_engine_args
+    from pagedkv.cli_common import add_engine_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
                               description="Serve the engine over the OpenAI API: /v1/completions, "
@@ -78,7 +78,7 @@ def run_serve(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from pagedkv.cli import engine_kwargs
+    from pagedkv.cli_common import engine_kwargs
     from pagedkv.config import EngineConfig, parse_size
 
     if not 0 <= a.port <= 65535:
