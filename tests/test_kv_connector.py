@@ -43,7 +43,7 @@ class DictScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
         bs, hashes = self.engine.kv.block_size, self.engine.kv.block_hashes(request)
-        first = self._local.pop(request.request_id) // bs
+        first = self._local.pop(request.request_id, 0) // bs  # not asked: a prompt-logprobs request
         for k in range(first, first + num_external_tokens // bs):
             self._loads.append((block_ids[0][k], hashes[k]))
 
@@ -156,3 +156,49 @@ def test_delayed_free_holds_pages_until_the_worker_reports(tiny_model_dir, cold)
     assert held[-1] == (0, 0)             # reported done on the next step, then freed
     engine.kv.check_invariants()
 
+
+
+def test_an_id_whose_pages_the_connector_holds_cannot_be_reused(tiny_model_dir):
+    engine, _, _ = make(tiny_model_dir, delay_free=True)
+    engine.add_request({"prompt_token_ids": PROMPT}, PARAMS, request_id="A")
+    while "A" in engine.requests:
+        engine.step()
+    assert engine.scheduler.num_delayed_free == 1
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request({"prompt_token_ids": PROMPT[:20]}, PARAMS, request_id="A")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request({"prompt_token_ids": PROMPT[:20]}, PARAMS, request_id="A")  # released: fine now
+
+
+def test_prompt_logprobs_requests_are_not_served_by_the_connector(tiny_model_dir):
+    engine, _, worker = make(tiny_model_dir)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)
+    rid = engine.add_request({"prompt_token_ids": PROMPT}, params).request_id
+    first = None
+    while engine.has_unfinished_requests():
+        first = next((o for o in engine.step() if o.request_id == rid and o.finished), first)
+    engine.reset_prefix_cache()
+    rid = engine.add_request({"prompt_token_ids": PROMPT}, params).request_id
+    again = None
+    while engine.has_unfinished_requests():
+        again = next((o for o in engine.step() if o.request_id == rid and o.finished), again)
+    assert worker.events == [] and again.num_cached_tokens == 0
+    assert again.prompt_logprobs == first.prompt_logprobs and again.prompt_logprobs.count(None) == 1
+
+
+def test_a_failed_load_does_not_shift_a_seeded_request(tiny_model_dir):
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    engine, _, worker = make(tiny_model_dir)
+
+    def go():
+        rid = engine.add_request({"prompt_token_ids": PROMPT}, seeded).request_id
+        out = None
+        while engine.has_unfinished_requests():
+            out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+        engine.reset_prefix_cache()
+        return out.token_ids
+
+    cold = go()
+    worker.corrupt = {hash_blocks(PROMPT, 16, encode_extra_keys(engine.kv.extra_keys))[1]}
+    assert go() == cold and engine.scheduler.num_kv_load_failures == 1

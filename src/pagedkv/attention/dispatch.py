@@ -52,7 +52,8 @@ def _kernel_or_none(mode: str):
             _warned.append(str(e))
             warnings.warn(f"pagedkv: the fused CPU paged-attention kernel is unavailable ({e}); "
                           "using the pure-torch reference (set PAGEDKV_ATTENTION=reference to "
-                          "skip the build)", RuntimeWarning, stacklevel=3)
+                          "skip the build; batch-invariant mode then covers the linear layers only)",
+                          RuntimeWarning, stacklevel=3)
         return None
 
 

@@ -44,10 +44,11 @@ class EngineCore:
         self.debug_invariants = debug_invariants
         self.peak_blocks_used = 0
         self.num_steps = 0
+        self.failed_outputs: list[EngineCoreOutput] = []  # the requests a failed step ended
 
     def add_request(self, req: Request) -> None:
         """Queue ``req`` (its arrival time is the clock's now unless already set)."""
-        if req.request_id in self.scheduler.requests:
+        if self.scheduler.is_id_in_use(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.arrival_time is None:
             req.arrival_time = self.clock()
@@ -80,9 +81,12 @@ class EngineCore:
             return []
         try:
             result = self.runner.execute(sched)
-        except Exception:
-            for rid in sched.req_ids:
-                self.scheduler.finish(rid, "abort")
+        except Exception as e:
+            reqs = [self.scheduler.requests[rid] for rid in sched.req_ids]
+            for r in reqs:
+                r.error = f"the engine step failed: {type(e).__name__}: {e}"
+            self.scheduler.step_failed(sched)
+            self.failed_outputs = [EngineCoreOutput.of(r, [], []) for r in reqs]
             raise
         outputs = self.scheduler.update(sched, result, self.clock())
         self.num_steps += 1

@@ -30,6 +30,15 @@ class IncrementalDetokenizer:
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
 
+    def finish(self) -> str:
+        """The request ended: the full decode of every pushed id (shows a character the
+        output cut in two as U+FFFD, as ``decode`` does, instead of holding it back);
+        returns the text it added."""
+        full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        piece = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text = full
+        return piece
+
     def push(self, token_id: int) -> str:
         """Add one token; returns the text it completed (may be empty: a partial character)."""
         self._ids.append(token_id)

@@ -94,8 +94,10 @@ class LLMEngine:
             ValueError: empty prompt, token ids outside the vocabulary, a duplicate id,
                 or a request that can never fit (the message names the numbers).
         """
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rid = request_id if request_id is not None else self._new_id()
         try:
+            if not isinstance(rid, str) or not rid:
+                raise ValueError(f"a request id is a non-empty string, got {rid!r}")
             if not isinstance(params or SamplingParams(), SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
             params = params or SamplingParams()
@@ -112,8 +114,14 @@ class LLMEngine:
         self._texts[rid] = TextRequest(rid, text, ids, params, req.arrival_time, self.tokenizer)
         return req
 
+    def _new_id(self) -> str:
+        """``req-N`` for the next N not in use (a caller may have used such an id itself)."""
+        while self.core.scheduler.is_id_in_use(rid := f"req-{next(self._ids)}"):
+            pass
+        return rid
+
     def _validate(self, rid: str, ids: list[int]) -> None:
-        if rid in self.requests:
+        if self.core.scheduler.is_id_in_use(rid):
             raise ValueError(f"request id {rid!r} is already in use")
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
@@ -160,7 +168,8 @@ class LLMEngine:
         try:
             core_outputs = self.core.step()
         except Exception:
-            self._forget_failed()
+            for o in self.core.failed_outputs:  # they end as "abort" with the error
+                self._process(o)
             raise
         return [self._process(o) for o in core_outputs]
 
@@ -180,13 +189,6 @@ class LLMEngine:
         self._ended[t.request_id] = t
         while len(self._ended) > ENDED_KEPT:
             self._ended.pop(next(iter(self._ended)))
-
-    def _forget_failed(self) -> None:
-        """Text state of requests the core dropped without an output (a failed step)."""
-        for rid in [r for r in self._texts if r not in self.requests]:
-            t = self._texts[rid]
-            t.apply(EngineCoreOutput(rid, [], finish_reason="abort"))
-            self._end(t)
 
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> EngineStats:

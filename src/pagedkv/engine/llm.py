@@ -59,8 +59,7 @@ class LLM:
         Raises:
             ValueError: naming the prompt's index and the reason.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         return self._add_all(prompts, params, cache_salt)
 

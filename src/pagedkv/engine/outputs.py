@@ -85,14 +85,16 @@ class TextRequest:
         return self.finish_reason is not None
 
     def apply(self, out: EngineCoreOutput) -> None:
-        """Append the core's news; a stop token's own text is left out of the text."""
+        """Append the core's news. The text of a token that stopped the request (EOS or
+        a stop token id) is left out, as vLLM does; at the end the text is the full decode."""
         for i, tok in enumerate(out.new_token_ids):
             self.token_ids.append(tok)
             self.token_times.append(out.token_time)
-            stop_tok = i == len(out.new_token_ids) - 1 and out.finish_reason == "stop" and out.stop_reason == tok \
-                and tok in self.params.stop_token_ids
-            if not stop_tok:
+            # the core stops with "stop" on EOS or a stop token id: that token's text is left out
+            if not (i == len(out.new_token_ids) - 1 and out.finish_reason == "stop"):
                 self.detok.push(tok)
+        if out.finished:
+            self.detok.finish()
         self.logprobs.extend(out.new_logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs or {}

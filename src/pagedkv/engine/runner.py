@@ -73,6 +73,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 tuple(list(g) for g in new.block_ids), new.num_computed_tokens)
+            if not new.resumed:
+                self.generators.pop(new.req_id, None)
             if new.sampling_params.seed is not None and new.req_id not in self.generators:
                 self.generators[new.req_id] = torch.Generator().manual_seed(new.sampling_params.seed)
         c = out.scheduled_cached_reqs
@@ -118,10 +120,19 @@ class ModelRunner:
         hidden = self.model.forward(ids, positions, self.storage, [metas[g] for g in self.layer_group], hooks)
         self._finish_connector(out, result)
         result.prompt_logprobs = prompt_logprobs(self.model, hidden, self._chunks(out))
-        samplers = [rid for rid in out.req_ids if self._samples(rid, out)]
+        bad = self._read_failed_loads(out, result.invalid_block_ids)  # recomputed next step
+        samplers = [rid for rid in out.req_ids if self._samples(rid, out) and rid not in bad]
         if samplers:
             result.sampled = self._sample(samplers, hidden[rows])
         return result
+
+    def _read_failed_loads(self, out: SchedulerOutput, invalid: set[int]) -> set[str]:
+        """Requests of this step that read a page whose load failed (not sampled, so a
+        seeded generator does not advance for a token that is thrown away)."""
+        if not invalid:
+            return set()
+        return {rid for rid in out.req_ids
+                if any(b in invalid for table in self.requests[rid].block_ids for b in table)}
 
     def _samples(self, rid: str, out: SchedulerOutput) -> bool:
         st = self.requests[rid]

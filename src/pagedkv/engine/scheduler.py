@@ -117,8 +117,8 @@ class Scheduler:
 
     def _external_hit(self, req: Request, local_tokens: int) -> int:
         """Tokens the connector can load beyond the local hit (always leaving one to compute)."""
-        if self.connector is None:
-            return 0
+        if self.connector is None or req.sampling_params.prompt_logprobs is not None:
+            return 0  # prompt log-probs need every prompt position computed here
         n = self.connector.get_num_new_matched_tokens(req, local_tokens)
         return max(0, min(n, req.num_tokens - 1 - local_tokens))
 
@@ -131,7 +131,7 @@ class Scheduler:
         if sent is None:
             out.scheduled_new_reqs.append(NewRequestData(
                 rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
-                tuple(list(g) for g in blocks), req.num_computed_tokens))
+                tuple(list(g) for g in blocks), req.num_computed_tokens, resumed=rid in self._sent))
         else:
             out.scheduled_cached_reqs.add(rid, req.all_token_ids[sent[0]:],
                                           tuple(g[k:] for g, k in zip(blocks, sent[1])),
@@ -231,6 +231,18 @@ class Scheduler:
         for rid in result.finished_sending & self._delayed_free:
             self._delayed_free.discard(rid)
             self.kv.free(rid)
+
+    def step_failed(self, sched: SchedulerOutput) -> None:
+        """The runner raised on ``sched``: tell it again next step which requests ended
+        (it may never have read them), and end the step's requests (their KV writes are
+        incomplete)."""
+        self._finished_ids = list(sched.finished_req_ids) + self._finished_ids
+        for rid in sched.req_ids:
+            self.finish(rid, "abort")
+
+    def is_id_in_use(self, request_id: str) -> bool:
+        """Live, or ended with pages a KV connector still holds."""
+        return request_id in self.requests or request_id in self._delayed_free
 
     @property
     def num_delayed_free(self) -> int:

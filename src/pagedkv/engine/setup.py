@@ -7,8 +7,10 @@ The pool is sized by :meth:`KVCacheSpec.num_blocks_for` on ``kv_cache_memory`` (
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
+from pagedkv.attention.dispatch import attention_mode
 from pagedkv.config import EngineConfig
 from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
 from pagedkv.kv.groups import single_group
@@ -98,7 +100,12 @@ def build_parts(config: EngineConfig) -> EngineParts:
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
     state = load_state_dict(files.folder)
     check_weights(cfg, state)
-    model = LlamaModel(cfg, state, batch_invariant=config.batch_invariant or env_requests_invariance())
+    invariant = config.batch_invariant or env_requests_invariance()
+    if invariant and attention_mode() == "reference":
+        warnings.warn("pagedkv: batch-invariant mode with PAGEDKV_ATTENTION=reference: the reference "
+                      "attention's products change shape with the chunk, so log-probs can differ in "
+                      "the last bits with batching; the fused kernel is batch-invariant", RuntimeWarning)
+    model = LlamaModel(cfg, state, batch_invariant=invariant)
     tokenizer = load_tokenizer(files.folder)
     storage = KVCacheStorage(spec, kv.pool.num_pages)  # page 0 is the null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":

@@ -35,7 +35,9 @@ class NewRequestData:
 
     ``token_ids`` are all its known tokens (prompt + output so far); ``block_ids`` its
     whole block table per group; ``num_computed_tokens`` counts tokens whose KV is in the
-    pages already (a prefix hit), where this step's chunk starts.
+    pages already (a prefix hit), where this step's chunk starts. ``resumed``: it was
+    preempted, so the runner keeps what it had of it beyond pages and tokens (its seeded
+    generator); otherwise any state under this id belongs to an ended request.
     """
     req_id: str
     token_ids: list[int]
@@ -43,6 +45,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: BlockIds
     num_computed_tokens: int
+    resumed: bool = False
 
 
 @dataclass
