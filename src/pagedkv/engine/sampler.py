@@ -55,8 +55,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # greedy rows: one batched argmax (same first-maximum rule as per row, ~3x cheaper at 64 rows)
     greedy = finite = None
     if any(p.greedy for p in params):
-        greedy = torch.argmax(logits, dim=-1).tolist()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        best = torch.argmax(logits, dim=-1)  # a NaN wins argmax, so a bad row's pick is non-finite
+        greedy = best.tolist()
+        finite = torch.isfinite(logits.gather(1, best.unsqueeze(1))).squeeze(1).tolist()
     for i, (row, p, g) in enumerate(zip(logits, params, generators)):
         try:
             if p.greedy and not finite[i]:
