@@ -57,6 +57,7 @@ class LLMEngine:
         self.core = EngineCore(scheduler, runner, debug_invariants=self.config.debug_invariants)
         self._texts: dict[str, TextRequest] = {}
         self._ended: dict[str, TextRequest] = {}   # recently ended, for final_output
+        self._kept: dict[str, TextRequest | None] = {}  # ended records kept past the cap, by id
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_rejected = 0
@@ -154,9 +155,20 @@ class LLMEngine:
         return self._process(outs[0]) if outs else None
 
     def final_output(self, request_id: str) -> RequestOutput | None:
-        """Output of a recently ended request (e.g. aborted outside ``step``), if known."""
-        t = self._ended.get(request_id)
+        """Output of a recently ended request (e.g. aborted outside ``step``), if known:
+        the last ``ENDED_KEPT`` ended ones, and any whose ids are kept."""
+        t = self._kept.get(request_id) or self._ended.get(request_id)
         return t.output() if t is not None else None
+
+    def keep_final_outputs(self, request_ids) -> None:
+        """Keep the final outputs of ``request_ids`` for ``final_output`` however many other
+        requests end, until ``release_final_outputs``."""
+        for rid in request_ids:
+            self._kept.setdefault(rid, self._ended.get(rid))
+
+    def release_final_outputs(self, request_ids) -> None:
+        for rid in request_ids:
+            self._kept.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -187,6 +199,8 @@ class LLMEngine:
     def _end(self, t: TextRequest) -> None:
         self._texts.pop(t.request_id, None)
         self._ended[t.request_id] = t
+        if t.request_id in self._kept:
+            self._kept[t.request_id] = t
         while len(self._ended) > ENDED_KEPT:
             self._ended.pop(next(iter(self._ended)))
 

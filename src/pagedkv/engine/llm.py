@@ -65,16 +65,39 @@ class LLM:
 
     def run(self, request_ids: list[str],
             on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
-        """Step the engine until it is idle; the finished outputs of ``request_ids``, in order."""
-        results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    if on_output:
-                        on_output(out)
-        # a request aborted while we ran (e.g. from on_output) reports as aborted
-        return [results.get(i) or self.engine.final_output(i) for i in request_ids]
+        """Step the engine until every one of ``request_ids`` has ended; their final
+        outputs, in order. ``on_output`` sees each of them (and no other request) as it ends.
+
+        Other requests in the engine make progress in the same steps but are not run to the
+        end. If this call exits with an exception (``on_output`` raised, Ctrl-C, a failed
+        step), its own unfinished requests are aborted, so none keeps KV pages.
+        """
+        own, results = list(request_ids), {}
+        pending = set(own)
+        self.engine.keep_final_outputs(own)  # an abort outside step() must not be forgotten
+        try:
+            while pending and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if on_output:
+                            on_output(out)
+                pending -= self._ended_outside_step(pending, results)
+        finally:
+            for rid in pending:
+                self.engine.abort_request(rid)
+            self._ended_outside_step(pending, results)
+            self.engine.release_final_outputs(own)
+        return [results.get(i) for i in own]
+
+    def _ended_outside_step(self, pending: set[str], results: dict) -> set[str]:
+        """Ids of ``pending`` that ended without a step output (aborted, e.g. from
+        ``on_output``); their final outputs go into ``results``."""
+        ended = {rid for rid in pending if rid not in self.engine.requests}
+        for rid in ended:
+            results[rid] = self.engine.final_output(rid)
+        return ended
 
     def _add_all(self, prompts, params, cache_salt) -> list[str]:
         ids: list[str] = []

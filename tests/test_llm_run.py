@@ -1,0 +1,51 @@
+"""LLM.run owns its requests: an exception leaves none of them running, callbacks see only
+the call's own requests, and its results survive any number of other endings."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv import SamplingParams
+
+SHORT = SamplingParams(max_tokens=1, temperature=0.0)
+LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+def test_an_exception_in_on_output_aborts_the_calls_other_requests(tiny_llm_factory):
+    llm = tiny_llm_factory()
+
+    def boom(out):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        llm.generate(["short", "a much longer prompt here"], [SHORT, LONG], on_output=boom)
+    assert not llm.engine.requests and llm.engine.kv.usage().used == 0
+    seen, steps = [], llm.engine.core.num_steps
+    outs = llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                        on_output=seen.append)
+    assert [o.request_id for o in seen] == [outs[0].request_id]
+    assert llm.engine.core.num_steps - steps <= 3  # the aborted 30-token request was not run on
+
+
+def test_a_run_neither_finishes_nor_reports_other_callers_requests(tiny_llm_factory):
+    llm = tiny_llm_factory()
+    other = llm.add_requests(["left waiting"], LONG)
+    seen = []
+    mine = llm.generate(["mine"], SHORT, on_output=seen.append)
+    assert [o.request_id for o in seen] == [mine[0].request_id] and other[0] in llm.engine.requests
+    assert llm.run(other)[0].finish_reason == "length"
+
+
+def test_own_results_survive_more_than_a_thousand_other_endings(tiny_llm_factory):
+    llm = tiny_llm_factory(num_blocks=256, max_num_seqs=8)
+    prompts = [{"prompt_token_ids": [100 + i % 50, 7]} for i in range(1100)]
+    ids = llm.add_requests(prompts, SHORT)
+
+    def abort_the_rest(out):
+        for rid in ids:
+            llm.engine.abort_request(rid)
+
+    outs = llm.run(ids, on_output=abort_the_rest)
+    assert all(o is not None for o in outs) and len(outs) == 1100
+    assert sum(o.finish_reason == "abort" for o in outs) >= 1090
+    assert llm.engine.kv.usage().used == 0
