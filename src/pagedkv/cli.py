@@ -27,13 +27,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (default: 1.0, off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default: 0, off)")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-ids", type=int, action="append", default=[], metavar="ID",
                    help="token id that ends generation (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def sampling_params(a: argparse.Namespace):
