@@ -221,6 +221,8 @@ def _int_list(ids) -> list[int]:
     """
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    if any(isinstance(t, bool) for t in ids):
+        raise ValueError("prompt_token_ids must be a list of integers, not booleans")
     try:
         return [operator.index(t) for t in ids]
     except TypeError:

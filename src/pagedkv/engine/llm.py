@@ -133,14 +133,17 @@ class LLM:
     def chat_prompt(self, messages: list[dict]) -> dict:
         """``{"prompt_token_ids", "prompt"}`` of one conversation under the chat template.
 
+        A message's content is a string or, as in OpenAI's API, a list of
+        ``{"type": "text", "text": str}`` parts (joined).
+
         Raises:
-            ValueError: a message that is not ``{"role": str, "content": str}``, or a
-                model without a chat template.
+            ValueError: a message that is not ``{"role": str, "content": ...}``, text that is
+                not valid Unicode (e.g. a lone surrogate), or a model without a chat template.
         """
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ValueError('messages must be a non-empty list of {"role": str, "content": str}')
+        messages = [{**m, "content": _content_text(m.get("content"))} for m in messages]
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
@@ -156,3 +159,21 @@ class LLM:
 
     def stats(self):
         return self.engine.stats()
+
+
+def _content_text(content) -> str:
+    """A chat message's text: a string, or the joined texts of ``{"type": "text"}`` parts.
+
+    Raises:
+        ValueError: any other shape, or text with a lone surrogate (not valid Unicode).
+    """
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError('a message\'s content is a string or a list of {"type": "text", "text": str} parts')
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a message's content is not valid Unicode (a lone surrogate?)") from None
+    return content

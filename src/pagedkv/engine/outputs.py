@@ -53,13 +53,21 @@ def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | 
 def hold_back(text: str, stops: list[str]) -> str:
     """Drop a trailing partial match of a stop string, so streamed text never shows
     the start of a stop string that later completes."""
-    cut = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                cut = max(cut, k)
-                break
+    cut = max((_partial_match(text, s) for s in stops), default=0)
     return text[:len(text) - cut] if cut else text
+
+
+def _partial_match(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of ``stop`` that ``text`` ends with. Only
+    prefixes ending in ``text``'s last character can match, so only those are compared."""
+    if not text:
+        return 0
+    best, i = 0, stop.find(text[-1], 0, len(stop) - 1)
+    while i >= 0:
+        if i + 1 <= len(text) and text.endswith(stop[:i + 1]):
+            best = i + 1
+        i = stop.find(text[-1], i + 1, len(stop) - 1)
+    return best
 
 
 class TextRequest:

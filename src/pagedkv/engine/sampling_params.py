@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 SAMPLING_EPS = 1e-5
 
 
+MAX_STOP_STRINGS = 32   # stop strings per request (OpenAI's API takes 4)
+MAX_STOP_CHARS = 1000   # characters per stop string
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping settings.
@@ -19,7 +22,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 = all.
         top_p: keep the smallest set of tokens whose probability reaches p; 1 = all.
         seed: per-request generator seed (reproducible sampling); ``None`` = engine's generator.
-        stop: strings that end generation; the matched string is not in the text.
+        stop: strings that end generation; the matched string is not in the text. At most
+            ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_CHARS`` characters each (each new
+            token is checked against the text's tail that it can complete).
         stop_token_ids: token ids that end generation (in ``token_ids``, not in the text).
         ignore_eos: keep generating past the model's end-of-sequence token.
         logprobs: number of top log-probabilities to return per generated token (0 = only
@@ -56,6 +61,9 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = [s for s in self.stop if s]
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_CHARS} characters each")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)

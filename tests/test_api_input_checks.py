@@ -1,0 +1,50 @@
+"""Issue 19 items 8 and 10 on the Python side: bounded stop strings whose tail check is
+exact, booleans refused as token ids, chat content as text parts, lone surrogates refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedkv import SamplingParams
+from pagedkv.engine.outputs import hold_back
+from pagedkv.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+
+def _brute_hold_back(text: str, stops: list[str]) -> str:
+    cut = max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+              default=0)
+    return text[:len(text) - cut]
+
+
+def test_hold_back_equals_the_brute_force_on_random_texts():
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("aab c") for _ in range(rng.randrange(0, 12)))
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))]
+        assert hold_back(text, stops) == _brute_hold_back(text, stops), (text, stops)
+
+
+def test_stop_strings_are_bounded():
+    SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS)
+    with pytest.raises(ValueError, match="at most"):
+        SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(ValueError, match="at most"):
+        SamplingParams(stop=["x" * (MAX_STOP_CHARS + 1)])
+
+
+def test_booleans_are_not_token_ids(tiny_llm_factory):
+    with pytest.raises(ValueError, match="booleans"):
+        tiny_llm_factory().generate([{"prompt_token_ids": [True, 2]}])
+
+
+def test_chat_takes_text_parts_and_refuses_lone_surrogates(tiny_llm_factory):
+    llm = tiny_llm_factory()
+    plain = llm.chat_prompt([{"role": "user", "content": "Hello there"}])
+    parts = llm.chat_prompt([{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                                           {"type": "text", "text": "there"}]}])
+    assert parts == plain
+    for bad in ("a\ud800", [{"type": "image_url", "image_url": "x"}], 5):
+        with pytest.raises(ValueError, match="content"):
+            llm.chat([{"role": "user", "content": bad}])
