@@ -49,3 +49,14 @@ def test_own_results_survive_more_than_a_thousand_other_endings(tiny_llm_factory
     assert all(o is not None for o in outs) and len(outs) == 1100
     assert sum(o.finish_reason == "abort" for o in outs) >= 1090
     assert llm.engine.kv.usage().used == 0
+
+
+def test_priority_policy_orders_admission(tiny_llm_factory):
+    llm = tiny_llm_factory(scheduling_policy="priority", max_num_seqs=1)
+    order = []
+    outs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2, temperature=0.0), priority=[2, 0, 1],
+                        on_output=lambda o: order.append(o.request_id))
+    ids = [o.request_id for o in outs]
+    assert order == [ids[1], ids[2], ids[0]]
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate(["a", "b"], priority=[1])

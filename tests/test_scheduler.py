@@ -188,3 +188,37 @@ def test_outputs_pickle():
     result = runner.execute(out)
     assert pickle.loads(pickle.dumps(out)) == out
     assert pickle.loads(pickle.dumps(result)) == result
+
+
+def _prio(rid: str, n: int, priority: int, arrival: float, first: int = 100) -> Request:
+    r = req(rid, n, first=first)
+    r.priority, r.arrival_time = priority, arrival
+    return r
+
+
+def test_priority_policy_admits_lower_values_first_and_preempts_the_highest():
+    kv = KVCacheManager(3, BS, False)
+    s = Scheduler(kv, 4, 4, max_model_len=64, policy="priority")
+    runner = FakeRunner(s)
+    s.add(_prio("late-low", 4, 5, 0.0))
+    s.add(_prio("urgent", 2, -1, 1.0, first=200))
+    s.add(_prio("normal", 2, 0, 2.0, first=300))
+    assert [r.request_id for r in s.waiting] == ["urgent", "normal", "late-low"]
+    out, _ = step(s, runner)  # budget 4: urgent (2) + normal (2); late-low waits
+    assert list(out.num_scheduled_tokens) == ["urgent", "normal"]
+    out, _ = step(s, runner)  # decodes + late-low's first 2 tokens
+    assert out.num_scheduled_tokens == {"urgent": 1, "normal": 1, "late-low": 2}
+    s.requests["urgent"].priority = 9  # now the least urgent: served last, first to go
+    out, _ = step(s, runner)
+    assert list(out.num_scheduled_tokens.items()) == [("normal", 1), ("late-low", 2), ("urgent", 1)]
+    out, _ = step(s, runner)  # every request needs a 2nd page and none is free
+    assert out.preempted_req_ids == ["urgent", "late-low"] and out.num_scheduled_tokens == {"normal": 1}
+    assert [r.request_id for r in s.waiting] == ["late-low", "urgent"]  # by priority again
+
+
+def test_fcfs_policy_keeps_arrival_order_whatever_the_priority():
+    s, runner = make()
+    s.add(_prio("a", 2, 5, 0.0))
+    s.add(_prio("b", 2, -1, 1.0, first=200))
+    out, _ = step(s, runner)
+    assert list(out.num_scheduled_tokens) == ["a", "b"]

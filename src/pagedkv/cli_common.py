@@ -20,7 +20,7 @@ import inspect
 import re
 import typing
 
-from pagedkv.config import KV_ALLOCATORS, KV_CACHE_DTYPES, KV_CACHE_SCALES, EngineConfig
+from pagedkv.config import KV_ALLOCATORS, KV_CACHE_DTYPES, KV_CACHE_SCALES, SCHEDULING_POLICIES, EngineConfig
 
 #: argparse options per field beyond type, default and help; fields absent here are
 #: plain typed flags. ``None`` marks a field that is not a flag.
@@ -28,6 +28,7 @@ FLAG_OPTIONS: dict[str, dict | None] = {
     "kv_cache_dtype": {"choices": KV_CACHE_DTYPES},
     "kv_cache_scale": {"choices": KV_CACHE_SCALES},
     "kv_allocator": {"choices": KV_ALLOCATORS},
+    "scheduling_policy": {"choices": SCHEDULING_POLICIES},
     "debug_invariants": None,  # a testing aid, set from Python (tests, benchmarks)
 }
 

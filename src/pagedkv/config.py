@@ -15,6 +15,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8
 KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -66,6 +67,9 @@ class EngineConfig:
         kv_allocator: paged, or contiguous: reserve prompt + max_tokens slots per request at
             admission, the pre-paging baseline for benchmarks.
         seed: seed of the engine's sampler, for requests without their own seed.
+        scheduling_policy: fcfs (first come, first served), or priority: waiting requests
+            are admitted by their ``priority`` (lower first; ties by arrival), and a
+            preemption takes the running request of the highest value (as vLLM's).
         debug_invariants: check the KV manager's invariants after every step.
         batch_invariant: bit-identical results whatever the batching: every matrix product
             in fixed 16-row tiles (slower single-stream decode on CPU; see
@@ -87,6 +91,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_allocator: str = "paged"
     seed: int = 0
+    scheduling_policy: str = "fcfs"
     debug_invariants: bool = False
     batch_invariant: bool = False
 
@@ -101,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.model, str):
             self.model = str(self.model)  # a pathlib.Path names a model too
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
         if self.kv_cache_scale not in KV_CACHE_SCALES:

@@ -50,7 +50,8 @@ class LLMEngine:
         self.max_model_len, self.eos_token_ids = parts.max_model_len, parts.eos_token_ids
         scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, self.eos_token_ids,
-                              kv_connector.scheduler if kv_connector else None)
+                              kv_connector.scheduler if kv_connector else None,
+                              self.config.scheduling_policy)
         runner = ModelRunner(self.model, parts.storage, self.kv.kv_groups,
                              torch.Generator().manual_seed(self.config.seed),
                              kv_connector.worker if kv_connector else None)
@@ -88,8 +89,10 @@ class LLMEngine:
         raise ValueError("a prompt is a string or a dict with 'prompt_token_ids' or 'prompt'")
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
-        """Queue a request; ``arrival_time`` (the core clock's seconds) defaults to now.
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> Request:
+        """Queue a request; ``arrival_time`` (the core clock's seconds) defaults to now;
+        ``priority`` orders admission under ``scheduling_policy="priority"`` (lower first).
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, a duplicate id,
@@ -99,6 +102,8 @@ class LLMEngine:
         try:
             if not isinstance(rid, str) or not rid:
                 raise ValueError(f"a request id is a non-empty string, got {rid!r}")
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise ValueError(f"priority must be an integer, got {priority!r}")
             if not isinstance(params or SamplingParams(), SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
             params = params or SamplingParams()
@@ -110,7 +115,8 @@ class LLMEngine:
             raise
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = str(prompt["cache_salt"])  # vLLM's per-prompt salt
-        req = Request(rid, ids, params, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time)
+        req = Request(rid, ids, params, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
+                      priority=priority)
         self.core.add_request(req)
         self._texts[rid] = TextRequest(rid, text, ids, params, req.arrival_time, self.tokenizer)
         return req

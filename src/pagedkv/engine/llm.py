@@ -39,29 +39,34 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_output: Callable[[RequestOutput], None] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
         for all or one per prompt. ``on_output`` sees each request's output when it finishes.
+        ``priority``: one per prompt, used with ``scheduling_policy="priority"`` (lower first).
 
         Raises:
             ValueError: if any prompt is invalid or can never fit (naming its index and the
                 numbers); then no prompt of this call is run.
         """
-        return self.run(self.add_requests(prompts, sampling_params, cache_salt), on_output)
+        return self.run(self.add_requests(prompts, sampling_params, cache_salt, priority), on_output)
 
     def add_requests(self, prompts: Prompt | Sequence[Prompt],
                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                     cache_salt: str | None = None) -> list[str]:
+                     cache_salt: str | None = None, priority: Sequence[int] | None = None) -> list[str]:
         """Queue every prompt, or none: on the first invalid one, abort those already queued.
 
         Raises:
-            ValueError: naming the prompt's index and the reason.
+            ValueError: naming the prompt's index and the reason, or a ``priority`` list
+                whose length is not the number of prompts.
         """
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        return self._add_all(prompts, params, cache_salt)
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._add_all(prompts, params, cache_salt, priority)
 
     def run(self, request_ids: list[str],
             on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
@@ -99,12 +104,12 @@ class LLM:
             results[rid] = self.engine.final_output(rid)
         return ended
 
-    def _add_all(self, prompts, params, cache_salt) -> list[str]:
+    def _add_all(self, prompts, params, cache_salt, priority) -> list[str]:
         ids: list[str] = []
         try:
-            for i, (p, sp) in enumerate(zip(prompts, params)):
+            for i, (p, sp, prio) in enumerate(zip(prompts, params, priority)):
                 try:
-                    ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt).request_id)
+                    ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt, priority=prio).request_id)
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"prompt {i}: {e}") from None
         except BaseException:

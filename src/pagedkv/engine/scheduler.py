@@ -25,6 +25,7 @@ from collections import deque
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedkv.engine.core_io import EngineCoreOutput, check_stop
+from pagedkv.engine.policy import SCHEDULING_POLICY_MAP
 from pagedkv.kv.connector import KVConnectorScheduler
 from pagedkv.kv.manager import KVCacheManager
 
@@ -39,17 +40,19 @@ class Scheduler:
         max_model_len: a request stops (``length``) when it reaches this many tokens.
         eos_token_ids: ids that end a request unless its params say ``ignore_eos``.
         connector: the scheduler side of a KV connector, or None.
+        policy: ``fcfs`` or ``priority`` (:mod:`pagedkv.engine.policy`).
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None, policy: str = "fcfs") -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.connector = connector
+        self.policy = SCHEDULING_POLICY_MAP[policy]()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -63,7 +66,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.policy.add(self.waiting, req)
 
     @property
     def has_unfinished(self) -> bool:
@@ -81,6 +84,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.policy.order_running(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -146,7 +150,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.policy.requeue(self.waiting, req)
 
     # ---- update -----------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput, now: float) -> list[EngineCoreOutput]:
