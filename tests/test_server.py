@@ -280,6 +280,24 @@ BAD = [  # (path, body, status, param or None, code or None)
      "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
      "max_completion_tokens", "invalid_value"),
+    # issue 19 item 3: these were 500s. Seeds must fit SamplingParams' signed 64 bits, also seed + n - 1
+    ("/v1/completions", {"prompt": "x", "seed": 2**63}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64 - 1}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed", "invalid_value"),
+    # a lone surrogate (raw bytes: httpx cannot encode one) wherever request text goes
+    ("/v1/completions", b'{"prompt": "a\\ud800"}', 400, "prompt", "invalid_value"),
+    ("/v1/completions", b'{"prompt": ["ok", "a\\ud800"]}', 400, "prompt", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "x", "model": "a\\ud800"}', 400, "model", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\udc00"]}', 400, "stop", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "x", "user": "\\udfff"}', 400, "user", "invalid_value"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400,
+     "messages[0].content", "invalid_value"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     400, "messages[0].content", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, 400, "messages[0].role",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": {"a": 1}, "content": "x"}]}, 400, "messages[0].role",
+     "invalid_value"),
 ]
 
 
@@ -291,6 +309,25 @@ def test_bad_input_gets_4xx_with_openai_error(server, path, body, status, param,
     err = r.json()["error"]
     assert isinstance(err["message"], str) and err["message"] and "Traceback" not in r.text
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
+
+
+def test_an_unexpected_exception_is_a_500_json_logged_once(server, no_server_errors):
+    """Any exception escaping a route: a 500 OpenAI-style body, no traceback in it, and one
+    log record (Starlette's last-resort handler re-raised, so uvicorn logged it again)."""
+    state = server.server.config.app.state.server
+
+    def boom(p):
+        raise RuntimeError("secret internal detail")
+    state.completion_prompt = boom
+    try:
+        r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    finally:
+        del state.completion_prompt
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    assert [rec.getMessage() for rec in no_server_errors.records] == ["unhandled error on POST /v1/completions"]
+    no_server_errors.records.clear()  # the one expected error
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 def test_never_fits_counts_as_rejected(server):
