@@ -206,6 +206,30 @@ def test_seeded_sampling_and_n_and_prompt_lists(server):
     assert r.choices[0].text == r.choices[1].text  # greedy: both samples of prompt 0 agree
 
 
+def test_usage_counts_each_prompt_once_whatever_n(server):
+    """Issue 19 item 4: n samples of one prompt bill its tokens (and cached tokens) once."""
+    c = client(server)
+    prompt = "Usage is counted per prompt, not per sample, as OpenAI and vLLM count it. " * 3
+    one = c.completions.create(prompt=prompt, max_tokens=2, **GREEDY).usage   # also warms the cache
+    four = c.completions.create(prompt=prompt, max_tokens=2, n=4, **GREEDY).usage
+    assert one.prompt_tokens > 16 and four.prompt_tokens == one.prompt_tokens
+    assert four.completion_tokens == 8 and four.total_tokens == one.prompt_tokens + 8
+    assert 16 <= four.prompt_tokens_details.cached_tokens < four.prompt_tokens
+    two = c.completions.create(prompt=["one", "two words"], max_tokens=1, n=3, **GREEDY).usage
+    singles = [c.completions.create(prompt=p, max_tokens=1, **GREEDY).usage.prompt_tokens
+               for p in ("one", "two words")]
+    assert two.prompt_tokens == sum(singles) and two.completion_tokens == 6
+    msgs = [{"role": "user", "content": "Count me once"}]
+    chat1 = c.chat.completions.create(messages=msgs, max_tokens=1, **GREEDY).usage.prompt_tokens
+    assert c.chat.completions.create(messages=msgs, max_tokens=1, n=3, **GREEDY).usage.prompt_tokens == chat1
+    last = list(c.chat.completions.create(messages=msgs, max_tokens=1, n=3, stream=True,
+                                          stream_options={"include_usage": True}, **GREEDY))[-1]
+    assert last.usage.prompt_tokens == chat1 and last.usage.completion_tokens == 3
+    last = list(c.completions.create(prompt=prompt, max_tokens=1, n=4, stream=True,
+                                     stream_options={"include_usage": True}, **GREEDY))[-1]
+    assert last.usage.prompt_tokens == one.prompt_tokens and last.usage.completion_tokens == 4
+
+
 def test_models_health_and_served_aliases(server):
     ids = [m.id for m in client(server).models.list().data]
     assert ids == [MODEL, "tiny-alias"]

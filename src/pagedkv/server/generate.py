@@ -138,7 +138,7 @@ def _body(job: Job, outs: list[RequestOutput]) -> dict:
                 if job.req.params.logprobs is not None else None
             choices.append({"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason})
     make = R.chat_body if job.chat else R.completion_body
-    return make(job.rid, job.created, job.model, choices, outs)
+    return make(job.rid, job.created, job.model, choices, outs, job.req.n)
 
 
 # ---- streaming -----------------------------------------------------------------------
@@ -184,7 +184,7 @@ async def _events(job: Job) -> AsyncIterator[str]:
             left -= out.finished
     if job.req.include_usage:
         obj = "chat.completion.chunk" if job.chat else "text_completion"
-        yield _sse(R.usage_chunk(job.rid, job.created, job.model, obj, [s.last for s in states]))
+        yield _sse(R.usage_chunk(job.rid, job.created, job.model, obj, [s.last for s in states], job.req.n))
     yield "data: [DONE]\n\n"
 
 
