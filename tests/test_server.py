@@ -479,6 +479,54 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server):
 
 
 # ---- engine failure -------------------------------------------------------------------
+def test_top_p_below_fp32_resolution_is_greedy_not_an_abort(server):
+    """Issue 19 item 6: top_p 1e-300 is 0 in fp32; every token was dropped and the client
+    got 503 "shutting down" (streamed: finish_reason abort). Now it keeps the top token."""
+    c = client(server)
+    greedy = c.completions.create(prompt="Tiny top_p", max_tokens=6, **GREEDY).choices[0]
+    kw = dict(model=MODEL, prompt="Tiny top_p", max_tokens=6, temperature=1.0, top_p=1e-300, seed=3)
+    r = c.completions.create(**kw).choices[0]
+    assert (r.text, r.finish_reason) == (greedy.text, greedy.finish_reason)
+    chunks = list(c.completions.create(**kw, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == greedy.text
+    assert chunks[-1].choices[0].finish_reason == greedy.finish_reason
+
+
+def _fail_sampling_when_top_k_is(marker: int, monkeypatch) -> None:
+    """Rows with ``top_k == marker`` fail to sample, as non-finite logits do."""
+    from pagedkv.engine import runner
+    from pagedkv.engine.sampler import SampledToken, sample
+
+    def failing(logits, params, generators):
+        out = sample(logits, params, generators)
+        return [SampledToken(-1, None, "the model produced non-finite logits") if p.top_k == marker else t
+                for t, p in zip(out, params)]
+    monkeypatch.setattr(runner, "sample", failing)
+
+
+def test_an_engine_error_reaches_the_client_as_500_not_shutdown(server, monkeypatch):
+    """Issue 19 item 6: a request the engine ends with ``RequestOutput.error`` is a 500 with
+    that message (streamed: an error event), not 503 "shutting down" or a silent abort."""
+    _fail_sampling_when_top_k_is(7, monkeypatch)
+    body = {"model": MODEL, "prompt": "fail me", "max_tokens": 4, "top_k": 7}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "engine_error" and "non-finite" in err["message"]
+    with pytest.raises(openai.APIError, match="non-finite"):
+        list(client(server).completions.create(model=MODEL, prompt="fail me", max_tokens=4, stream=True,
+                                               extra_body={"top_k": 7}))
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                               "max_tokens": 4, "top_k": 7, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and events[-1]["error"]["code"] == "engine_error"
+    assert all(ch["choices"][0]["finish_reason"] is None for ch in events[:-1])
+    assert r.text.endswith("data: [DONE]\n\n")
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "fine", "max_tokens": 2, "top_k": 3})
+    assert r.status_code == 200  # other requests go on
+    wait_idle(server)
+
+
 def test_engine_failure_is_503_not_a_hang(tiny_model_dir, one_thread, no_server_errors):
     srv = _serve(tiny_model_dir)
     engine = srv.server.config.app.state.server.loop.engine
