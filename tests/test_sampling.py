@@ -140,6 +140,16 @@ def test_top_p_keeps_smallest_set_reaching_p(top_p, kept):
     assert set(got) == kept
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+def test_top_p_below_fp32_resolution_keeps_the_top_token(top_p):
+    """Issue 19 item 6: 1e-300 is 0 in fp32, so "cum - p >= top_p" dropped every token and
+    the request aborted. The top token always stays: greedy-within-top-1."""
+    row = nucleus_logits()
+    filt = _filter_top_k_top_p(row, 0, top_p)
+    assert torch.isfinite(filt).nonzero().flatten().tolist() == [3]
+    assert set(draws(row, SamplingParams(temperature=1.0, top_p=top_p), seed=1, n=50)) == {3}
+
+
 def test_top_p_one_keeps_all():
     row = nucleus_logits()
     assert torch.equal(_filter_top_k_top_p(row, 0, 1.0), row)

@@ -206,6 +206,30 @@ def test_seeded_sampling_and_n_and_prompt_lists(server):
     assert r.choices[0].text == r.choices[1].text  # greedy: both samples of prompt 0 agree
 
 
+def test_usage_counts_each_prompt_once_whatever_n(server):
+    """Issue 19 item 4: n samples of one prompt bill its tokens (and cached tokens) once."""
+    c = client(server)
+    prompt = "Usage is counted per prompt, not per sample, as OpenAI and vLLM count it. " * 3
+    one = c.completions.create(prompt=prompt, max_tokens=2, **GREEDY).usage   # also warms the cache
+    four = c.completions.create(prompt=prompt, max_tokens=2, n=4, **GREEDY).usage
+    assert one.prompt_tokens > 16 and four.prompt_tokens == one.prompt_tokens
+    assert four.completion_tokens == 8 and four.total_tokens == one.prompt_tokens + 8
+    assert 16 <= four.prompt_tokens_details.cached_tokens < four.prompt_tokens
+    two = c.completions.create(prompt=["one", "two words"], max_tokens=1, n=3, **GREEDY).usage
+    singles = [c.completions.create(prompt=p, max_tokens=1, **GREEDY).usage.prompt_tokens
+               for p in ("one", "two words")]
+    assert two.prompt_tokens == sum(singles) and two.completion_tokens == 6
+    msgs = [{"role": "user", "content": "Count me once"}]
+    chat1 = c.chat.completions.create(messages=msgs, max_tokens=1, **GREEDY).usage.prompt_tokens
+    assert c.chat.completions.create(messages=msgs, max_tokens=1, n=3, **GREEDY).usage.prompt_tokens == chat1
+    last = list(c.chat.completions.create(messages=msgs, max_tokens=1, n=3, stream=True,
+                                          stream_options={"include_usage": True}, **GREEDY))[-1]
+    assert last.usage.prompt_tokens == chat1 and last.usage.completion_tokens == 3
+    last = list(c.completions.create(prompt=prompt, max_tokens=1, n=4, stream=True,
+                                     stream_options={"include_usage": True}, **GREEDY))[-1]
+    assert last.usage.prompt_tokens == one.prompt_tokens and last.usage.completion_tokens == 4
+
+
 def test_models_health_and_served_aliases(server):
     ids = [m.id for m in client(server).models.list().data]
     assert ids == [MODEL, "tiny-alias"]
@@ -280,6 +304,24 @@ BAD = [  # (path, body, status, param or None, code or None)
      "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
      "max_completion_tokens", "invalid_value"),
+    # issue 19 item 3: these were 500s. Seeds must fit SamplingParams' signed 64 bits, also seed + n - 1
+    ("/v1/completions", {"prompt": "x", "seed": 2**63}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64 - 1}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed", "invalid_value"),
+    # a lone surrogate (raw bytes: httpx cannot encode one) wherever request text goes
+    ("/v1/completions", b'{"prompt": "a\\ud800"}', 400, "prompt", "invalid_value"),
+    ("/v1/completions", b'{"prompt": ["ok", "a\\ud800"]}', 400, "prompt", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "x", "model": "a\\ud800"}', 400, "model", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\udc00"]}', 400, "stop", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "x", "user": "\\udfff"}', 400, "user", "invalid_value"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400,
+     "messages[0].content", "invalid_value"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     400, "messages[0].content", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, 400, "messages[0].role",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": {"a": 1}, "content": "x"}]}, 400, "messages[0].role",
+     "invalid_value"),
 ]
 
 
@@ -291,6 +333,25 @@ def test_bad_input_gets_4xx_with_openai_error(server, path, body, status, param,
     err = r.json()["error"]
     assert isinstance(err["message"], str) and err["message"] and "Traceback" not in r.text
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
+
+
+def test_an_unexpected_exception_is_a_500_json_logged_once(server, no_server_errors):
+    """Any exception escaping a route: a 500 OpenAI-style body, no traceback in it, and one
+    log record (Starlette's last-resort handler re-raised, so uvicorn logged it again)."""
+    state = server.server.config.app.state.server
+
+    def boom(p):
+        raise RuntimeError("secret internal detail")
+    state.completion_prompt = boom
+    try:
+        r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    finally:
+        del state.completion_prompt
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    assert [rec.getMessage() for rec in no_server_errors.records] == ["unhandled error on POST /v1/completions"]
+    no_server_errors.records.clear()  # the one expected error
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 def test_never_fits_counts_as_rejected(server):
@@ -418,6 +479,54 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server):
 
 
 # ---- engine failure -------------------------------------------------------------------
+def test_top_p_below_fp32_resolution_is_greedy_not_an_abort(server):
+    """Issue 19 item 6: top_p 1e-300 is 0 in fp32; every token was dropped and the client
+    got 503 "shutting down" (streamed: finish_reason abort). Now it keeps the top token."""
+    c = client(server)
+    greedy = c.completions.create(prompt="Tiny top_p", max_tokens=6, **GREEDY).choices[0]
+    kw = dict(model=MODEL, prompt="Tiny top_p", max_tokens=6, temperature=1.0, top_p=1e-300, seed=3)
+    r = c.completions.create(**kw).choices[0]
+    assert (r.text, r.finish_reason) == (greedy.text, greedy.finish_reason)
+    chunks = list(c.completions.create(**kw, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == greedy.text
+    assert chunks[-1].choices[0].finish_reason == greedy.finish_reason
+
+
+def _fail_sampling_when_top_k_is(marker: int, monkeypatch) -> None:
+    """Rows with ``top_k == marker`` fail to sample, as non-finite logits do."""
+    from pagedkv.engine import runner
+    from pagedkv.engine.sampler import SampledToken, sample
+
+    def failing(logits, params, generators):
+        out = sample(logits, params, generators)
+        return [SampledToken(-1, None, "the model produced non-finite logits") if p.top_k == marker else t
+                for t, p in zip(out, params)]
+    monkeypatch.setattr(runner, "sample", failing)
+
+
+def test_an_engine_error_reaches_the_client_as_500_not_shutdown(server, monkeypatch):
+    """Issue 19 item 6: a request the engine ends with ``RequestOutput.error`` is a 500 with
+    that message (streamed: an error event), not 503 "shutting down" or a silent abort."""
+    _fail_sampling_when_top_k_is(7, monkeypatch)
+    body = {"model": MODEL, "prompt": "fail me", "max_tokens": 4, "top_k": 7}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "engine_error" and "non-finite" in err["message"]
+    with pytest.raises(openai.APIError, match="non-finite"):
+        list(client(server).completions.create(model=MODEL, prompt="fail me", max_tokens=4, stream=True,
+                                               extra_body={"top_k": 7}))
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                               "max_tokens": 4, "top_k": 7, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and events[-1]["error"]["code"] == "engine_error"
+    assert all(ch["choices"][0]["finish_reason"] is None for ch in events[:-1])
+    assert r.text.endswith("data: [DONE]\n\n")
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "fine", "max_tokens": 2, "top_k": 3})
+    assert r.status_code == 200  # other requests go on
+    wait_idle(server)
+
+
 def test_engine_failure_is_503_not_a_hang(tiny_model_dir, one_thread, no_server_errors):
     srv = _serve(tiny_model_dir)
     engine = srv.server.config.app.state.server.loop.engine

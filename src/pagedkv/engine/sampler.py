@@ -23,14 +23,18 @@ class SampledToken:
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / top-p set to -inf. ``logits`` ``[V]`` fp32."""
+    """Set logits outside the top-k / top-p set to -inf. ``logits`` ``[V]`` fp32.
+
+    The most likely token is always kept: a ``top_p`` below fp32's smallest positive
+    (``1e-300`` is 0 there) means greedy-within-top-1, not "drop every token"."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # keep the token that crosses p
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses p
+        drop[0] = False                           # and always the top one
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
     return logits

@@ -6,7 +6,8 @@
 Security defaults: with API keys configured, ``/v1/*`` needs ``Authorization: Bearer
 <key>`` (401 otherwise) and each key gets its own prefix cache (``cache_salt`` = a hash
 of the key), so one tenant's timings cannot reveal another's prompts. Bodies over
-``max_body_bytes`` get 413 before they are read in full. Errors never carry stack traces.
+``max_body_bytes`` get 413 before they are read in full. Errors never carry stack traces:
+an exception a route lets escape becomes a 500 JSON body and one log record.
 """
 
 from __future__ import annotations
@@ -186,7 +187,42 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     _add_error_handlers(app, server)
+    app.add_middleware(CatchAll)
     return app
+
+
+class ErrorJSON(JSONResponse):
+    """An error body as ASCII JSON, so a message quoting request text (even a lone
+    surrogate) always encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class CatchAll:
+    """ASGI middleware: an exception that escapes a route becomes a 500 JSON body (or, once
+    a response has started, ends it), logged once. Starlette's own last-resort handler
+    re-raises after answering, so the server logged every such traceback twice."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # noqa: BLE001 - the last resort: answer, log once, go on
+            log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=e)
+            if not started:
+                body = APIError(500, "internal server error", type="server_error").body()
+                await ErrorJSON(body, status_code=500)(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI, server: Server) -> None:
@@ -194,19 +230,14 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
     async def api_error(request: Request, e: APIError) -> Response:
         if e.count and 400 <= e.status < 500:
             server.metrics.reject("unauthorized" if e.status == 401 else "invalid")
-        return JSONResponse(e.body(), status_code=e.status)
+        return ErrorJSON(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+        return ErrorJSON(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
+                         headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientDisconnect)
     async def gone(request: Request, e: ClientDisconnect) -> Response:
         return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, e: Exception) -> Response:
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=e)
-        return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)

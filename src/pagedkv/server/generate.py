@@ -80,12 +80,25 @@ async def respond(loop: EngineLoop, job: Job, request: Request) -> Response:
         outs = await _until_disconnect(request, _collect(job))
         if outs is None:
             return Response(status_code=499)
+        failed = next((e for o in outs if (e := _engine_error(o)) is not None), None)
+        if failed is not None:
+            raise failed
         if any(o.finish_reason == "abort" for o in outs):
             raise APIError(503, "the request was aborted: the server is shutting down",
                            type="server_error", code="aborted")
         return JSONResponse(_body(job, outs))
     finally:
         loop.abort(job.request_ids)
+
+
+def _engine_error(out: RequestOutput) -> APIError | None:
+    """A 500 carrying ``out.error`` if the engine ended this request because it failed
+    (e.g. non-finite logits), else None. An abort without an error is a shutdown or a
+    client abort, not a failure."""
+    if out.finish_reason != "abort" or not out.error:
+        return None
+    return APIError(500, f"the engine failed this request: {out.error}", type="server_error",
+                    code="engine_error")
 
 
 async def _collect(job: Job) -> list[RequestOutput]:
@@ -138,7 +151,7 @@ def _body(job: Job, outs: list[RequestOutput]) -> dict:
                 if job.req.params.logprobs is not None else None
             choices.append({"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason})
     make = R.chat_body if job.chat else R.completion_body
-    return make(job.rid, job.created, job.model, choices, outs)
+    return make(job.rid, job.created, job.model, choices, outs, job.req.n)
 
 
 # ---- streaming -----------------------------------------------------------------------
@@ -178,13 +191,17 @@ async def _events(job: Job) -> AsyncIterator[str]:
                 return
             if states[tag].last is not None and states[tag].last.finished:
                 continue
+            if (failed := _engine_error(out)) is not None:  # an error event, not a silent abort
+                yield _sse(failed.body())
+                yield "data: [DONE]\n\n"
+                return
             chunk = _chunk(job, tag, states[tag], out)
             if chunk is not None:
                 yield _sse(chunk)
             left -= out.finished
     if job.req.include_usage:
         obj = "chat.completion.chunk" if job.chat else "text_completion"
-        yield _sse(R.usage_chunk(job.rid, job.created, job.model, obj, [s.last for s in states]))
+        yield _sse(R.usage_chunk(job.rid, job.created, job.model, obj, [s.last for s in states], job.req.n))
     yield "data: [DONE]\n\n"
 
 

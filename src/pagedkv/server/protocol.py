@@ -20,7 +20,7 @@ MAX_N = 8                  # choices per request
 MAX_PROMPTS = 64           # prompts in one /v1/completions request
 MAX_STOP = 16              # stop strings
 MAX_LOGPROBS = 20
-SEED_RANGE = (-2**63, 2**64 - 1)   # what torch.Generator.manual_seed accepts
+SEED_RANGE = (-2**63, 2**63 - 1)   # what SamplingParams accepts: a signed 64-bit integer
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -40,6 +40,16 @@ class APIError(Exception):
 
 def bad(param: str | None, message: str, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def _unicode(s: str, where: str) -> str:
+    """``s`` if it is valid Unicode. Raises APIError 400 on a lone surrogate (JSON's
+    ``"\\ud800"`` decodes to one; no tokenizer or UTF-8 encoder accepts it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(where, f"'{where}' is not valid Unicode: a lone surrogate at character {e.start}") from None
+    return s
 
 
 @dataclass
@@ -112,7 +122,7 @@ def _str(body: dict, name: str, default: str | None = None) -> str | None:
         return default
     if not isinstance(v, str):
         raise bad(name, f"'{name}' must be a string, got {type(v).__name__}", "invalid_type")
-    return v
+    return _unicode(v, name)
 
 
 def _stop(body: dict) -> list[str]:
@@ -125,7 +135,7 @@ def _stop(body: dict) -> list[str]:
         raise bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
     if len(v) > MAX_STOP:
         raise bad("stop", f"'stop' takes at most {MAX_STOP} strings, got {len(v)}")
-    return v
+    return [_unicode(s, "stop") for s in v]
 
 
 def _token_ids(body: dict, name: str) -> list[int]:
@@ -174,16 +184,34 @@ def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: i
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad("stream_options", "'stream_options' must be an object", "invalid_type")
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-        top_k=_int(body, "top_k", 0, lo=-1), seed=_int(body, "seed", None, *SEED_RANGE),
-        stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"),
-        ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
-        skip_special_tokens=_bool(body, "skip_special_tokens", True))
-    return dict(model=model, params=params, max_tokens_given=given, n=_int(body, "n", 1, 1, MAX_N),
+    n = _int(body, "n", 1, 1, MAX_N)
+    params = _params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                     top_k=_int(body, "top_k", 0, lo=-1), seed=_seed(body, n),
+                     stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"),
+                     ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
+                     skip_special_tokens=_bool(body, "skip_special_tokens", True))
+    return dict(model=model, params=params, max_tokens_given=given, n=n,
                 stream=_bool(body, "stream", False),
                 include_usage=_bool(stream_options or {}, "include_usage", False),
                 user=_str(body, "user"), cache_salt=_str(body, "cache_salt"))
+
+
+def _seed(body: dict, n: int) -> int | None:
+    """The seed of choice 0; choice ``j`` gets ``seed + j``, so all ``n`` must fit in 64 bits."""
+    seed = _int(body, "seed", None, *SEED_RANGE)
+    if seed is not None and seed + n - 1 > SEED_RANGE[1]:
+        raise bad("seed", f"'seed' + n - 1 must be <= {SEED_RANGE[1]} (choice j samples with seed + j), "
+                  f"got seed {seed} with n {n}")
+    return seed
+
+
+def _params(**kw) -> SamplingParams:
+    """SamplingParams from checked fields. Raises APIError 400 if it still refuses them
+    (a check this module missed must not become a 500)."""
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise bad(None, str(e)) from None
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -207,6 +235,7 @@ def _prompts(v) -> list:
         if isinstance(p, str):
             if not p:
                 raise bad("prompt", "the prompt is empty")
+            _unicode(p, "prompt")
         elif isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
             pass
         elif isinstance(p, list) and not p:
@@ -238,7 +267,7 @@ def _messages(v) -> list[dict]:
         if not isinstance(m, dict):
             raise bad(where, f"{where} must be an object", "invalid_type")
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or dict is unhashable
             raise bad(f"{where}.role", f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content(m.get("content"), f"{where}.content")})
@@ -251,12 +280,12 @@ def _content(c, where: str) -> str:
     if c is None:
         return ""
     if isinstance(c, str):
-        return c
+        return _unicode(c, where)
     if isinstance(c, list):
         parts = []
         for p in c:
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                 raise bad(where, f"{where}: only text content parts are supported", "unsupported_parameter")
-            parts.append(p["text"])
+            parts.append(_unicode(p["text"], where))
         return "".join(parts)
     raise bad(where, f"{where} must be a string or a list of text parts", "invalid_type")

@@ -58,11 +58,14 @@ def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finished else None
 
 
-def usage(outs: list[RequestOutput]) -> dict:
-    """OpenAI ``usage``, summed over choices (a prompt counted once per distinct request)."""
-    prompt = sum(o.num_prompt_tokens for o in outs)
+def usage(outs: list[RequestOutput], n: int) -> dict:
+    """OpenAI ``usage`` of choices ``outs`` (choice ``i * n + j`` is prompt ``i``'s ``j``-th
+    sample). Completion tokens are summed over choices; each prompt counts once, as OpenAI
+    and vLLM count it, with the cached tokens of its least-cached sample."""
+    samples = [outs[i:i + n] for i in range(0, len(outs), n)]
+    prompt = sum(s[0].num_prompt_tokens for s in samples)
+    cached = sum(min(o.num_cached_tokens for o in s) for s in samples)
     completion = sum(len(o.token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -110,9 +113,9 @@ def _ranked(lp: dict[int, float]) -> list[tuple[int, float]]:
 
 
 # ---- bodies --------------------------------------------------------------------------
-def completion_body(rid: str, created: int, model: str, choices: list[dict], outs) -> dict:
+def completion_body(rid: str, created: int, model: str, choices: list[dict], outs, n: int) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(outs)}
+            "choices": choices, "usage": usage(outs, n)}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
@@ -121,9 +124,9 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
 
 
-def chat_body(rid: str, created: int, model: str, choices: list[dict], outs) -> dict:
+def chat_body(rid: str, created: int, model: str, choices: list[dict], outs, n: int) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(outs)}
+            "choices": choices, "usage": usage(outs, n)}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
@@ -132,5 +135,6 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, outs) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outs)}
+def usage_chunk(rid: str, created: int, model: str, obj: str, outs, n: int) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(outs, n)}
