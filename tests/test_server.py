@@ -71,7 +71,7 @@ def _serve(model_dir, **cfg):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, one_thread):
-    srv = _serve(tiny_model_dir, max_body_bytes=64 * 1024)
+    srv = _serve(tiny_model_dir, max_body_bytes=64 * 1024, allowed_hosts=["gpu-box.lan"])
     yield srv
     srv.stop()
 
@@ -109,7 +109,12 @@ def wait_idle(srv, timeout=10.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+JSON_TYPE = {"Content-Type": "application/json"}
+
+
 def post(srv, path, body=None, content=None, headers=None) -> httpx.Response:
+    """``body`` is sent as JSON; raw ``content`` is declared JSON unless ``headers`` say otherwise."""
+    headers = (JSON_TYPE if content is not None else {}) | (headers or {})
     return httpx.post(srv.url + path, json=body, content=content, headers=headers, timeout=30)
 
 
@@ -307,7 +312,7 @@ def test_body_over_limit_is_413(server):
     def chunked():  # no Content-Length: the limit is enforced while reading
         for _ in range(100):
             yield b" " * 1024
-    r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30)
+    r = httpx.post(server.url + "/v1/completions", content=chunked(), headers=JSON_TYPE, timeout=30)
     assert r.status_code == 413
 
 
@@ -349,6 +354,57 @@ def test_bad_input_never_disturbs_a_running_request(server):
     t.join(30)
     assert result == {"text": ref, "finish": "length"}
     wait_idle(server)
+
+
+# ---- browsers: content type, Host, Origin ----------------------------------------------
+ONE = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize("headers", [{"Content-Type": "text/plain"}, {"Content-Type": ""},
+                                     {"Content-Type": "application/x-www-form-urlencoded"},
+                                     {"Content-Type": "multipart/form-data; boundary=x"},
+                                     JSON_TYPE | {"Content-Encoding": "gzip"}])
+def test_post_bodies_must_be_plain_json(server, headers):
+    """A page can POST text/plain or a form cross-site with no CORS preflight: refuse them."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = post(server, path, content=ONE, headers=headers)
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+    r = post(server, "/v1/completions", content=ONE, headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.2", "", "[::1"])
+def test_unknown_host_is_refused_without_a_key(server, host):
+    """DNS rebinding: the attacker's page reaches 127.0.0.1 under its own name."""
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                         ("GET", "/health")):
+        r = httpx.request(method, server.url + path, content=ONE, headers=JSON_TYPE | {"Host": host})
+        assert r.status_code == 403, (path, r.text)
+        assert r.json()["error"]["code"] == "host_not_allowed"
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1", "127.0.0.1:80", "[::1]:8000", "gpu-box.lan:8000"])
+def test_loopback_and_allowed_hosts_are_served(server, host):
+    r = post(server, "/v1/completions", content=ONE, headers={"Host": host})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("origin,status", [("http://evil.example", 403), ("null", 403), ("file://", 403),
+                                           ("https://127.0.0.1.evil.example", 403),
+                                           ("http://localhost:3000", 200), ("http://[::1]:8000", 200),
+                                           ("https://gpu-box.lan", 200)])
+def test_cross_origin_browser_requests_are_refused(server, origin, status):
+    r = post(server, "/v1/completions", content=ONE, headers={"Origin": origin})
+    assert r.status_code == status, r.text
+    if status == 403:
+        assert r.json()["error"]["code"] == "origin_not_allowed"
+
+
+def test_with_a_key_any_host_is_served(keyed_server):
+    r = post(keyed_server, "/v1/completions", content=ONE,
+             headers={"Host": "api.example.com", "Authorization": f"Bearer {KEYS[0]}"})
+    assert r.status_code == 200, r.text
 
 
 # ---- auth and prefix-cache isolation ---------------------------------------------------

@@ -27,7 +27,7 @@ def _run(args, timeout=60) -> subprocess.CompletedProcess:
 def test_help_has_examples():
     r = _run(["--help"])
     assert r.returncode == 0
-    for text in ("examples:", "--api-key", "--host", "--served-model-name", "--max-body-bytes",
+    for text in ("examples:", "--api-key", "--host", "--allowed-hosts", "--served-model-name", "--max-body-bytes",
                  "--kv-cache-memory", "curl http://127.0.0.1:8000"):
         assert text in r.stdout
 
@@ -37,6 +37,8 @@ def test_help_has_examples():
     (["--max-body-bytes", "lots"], "cannot parse size"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     (["--torch-threads", "0"], "--torch-threads must be >= 1"),
+    (["--allowed-hosts", " , "], "--allowed-hosts takes comma-separated host names"),
+    (["--allowed-hosts", "a.lan,[::1"], "--allowed-hosts takes comma-separated host names"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     assert serve_main(args) == 2

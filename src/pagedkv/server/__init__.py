@@ -8,6 +8,7 @@
 - :mod:`responses` — response and chunk bodies, text deltas, logprobs.
 - :mod:`metrics` — the Prometheus registry behind ``/metrics``.
 - :mod:`app` — the FastAPI routes, auth, body limit, error handlers.
+- :mod:`host_guard` — Host/Origin checks against browsers when no API key is set.
 - :mod:`cli` — the ``serve`` subcommand.
 """
 

@@ -26,6 +26,7 @@ SERVE_EXAMPLES = """examples:
   PAGEDKV_API_KEY=sk-mine pagedkv serve          # Bearer auth (the env var keeps the key out of ps)
   pagedkv serve --api-key sk-team-a --api-key sk-team-b   # two tenants, one prefix cache each
   pagedkv serve --host 0.0.0.0 --api-key sk-mine # listen on every interface (use a key!)
+  pagedkv serve --allowed-hosts gpu-box.lan      # no key: also accept Host gpu-box.lan
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
@@ -49,6 +50,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000, help="TCP port; 0 = any free one (default: %(default)s)")
     g.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also $PAGEDKV_API_KEY)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="without an API key, Host names accepted besides localhost, 127.0.0.1 and [::1], "
+                   "comma-separated ('*' = any); browser requests from other origins get 403")
     g.add_argument("--served-model-name", action="append", default=None,
                    help="model name(s) clients use; the first is reported (default: --model)")
     g.add_argument("--max-body-bytes", default="1MiB", help="largest request body, e.g. 4MiB (default: %(default)s)")
@@ -89,11 +93,12 @@ def _serve(a: argparse.Namespace) -> int:
     keys = list(a.api_key or []) + ([os.environ["PAGEDKV_API_KEY"]] if os.environ.get("PAGEDKV_API_KEY") else [])
     if any(not k.strip() for k in keys):
         raise ValueError("an API key must not be empty")
+    allowed_hosts = parse_allowed_hosts(a.allowed_hosts)
     sock = bind_socket(a.host, a.port)
     host, port = sock.getsockname()[:2]
     if not keys and not _is_loopback(a.host):
-        print(f"warning: listening on {a.host} without --api-key: anyone who can reach it can use it",
-              file=sys.stderr)
+        print(f"warning: listening on {a.host} without --api-key: anyone who can reach it can use it "
+              "(requests must name a loopback host or one in --allowed-hosts)", file=sys.stderr)
 
     import uvicorn
 
@@ -109,7 +114,7 @@ def _serve(a: argparse.Namespace) -> int:
     print(f"pagedkv: loading {a.model} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
     names = a.served_model_name or [a.model]
-    app = build_app(engine, ServerConfig(names, keys, max_body, not a.shared_prefix_cache))
+    app = build_app(engine, ServerConfig(names, keys, max_body, not a.shared_prefix_cache, allowed_hosts))
     s = engine.stats()
     shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv: serving {names[0]} on http://{shown}:{port} ({s.num_blocks} KV blocks of "
@@ -119,6 +124,17 @@ def _serve(a: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=a.shutdown_timeout + HARD_STOP_MARGIN_S, lifespan="on")
     graceful_server(config, app.state.server.loop.abort_all, a.shutdown_timeout).run(sockets=[sock])
     return 0
+
+
+def parse_allowed_hosts(text: str) -> list[str]:
+    """``'a.lan, 10.0.0.5,[fe80::1]'`` -> the names. Raises ValueError naming a bad one."""
+    from pagedkv.server.host_guard import host_name
+
+    names = [h.strip() for h in text.split(",") if h.strip()]
+    bad = [h for h in names if h != "*" and host_name(h) is None]
+    if bad or (text.strip() and not names):
+        raise ValueError(f"--allowed-hosts takes comma-separated host names, got {text!r}")
+    return names
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
