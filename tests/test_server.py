@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.server import ServerConfig, build_app
+from pagedkv.server.http_limits import HTTPLimits
 from pagedkv.server.live import LiveServer
 from pagedkv.server.loadtest import run_load
 
@@ -63,10 +65,11 @@ def no_server_errors():
     assert not handler.records, [r.getMessage() for r in handler.records]
 
 
-def _serve(model_dir, **cfg):
+def _serve(model_dir, live=None, **cfg):
+    """``live``: LiveServer keywords (limits, shutdown_timeout); ``cfg``: ServerConfig's."""
     engine = LLMEngine(model=str(model_dir), num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
                        debug_invariants=True)
-    return LiveServer(build_app(engine, ServerConfig([MODEL, "tiny-alias"], **cfg))).start()
+    return LiveServer(build_app(engine, ServerConfig([MODEL, "tiny-alias"], **cfg)), **(live or {})).start()
 
 
 @pytest.fixture(scope="module")
@@ -471,6 +474,93 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server):
                    timeout=httpx.Timeout(30, read=0.05))
     wait_idle(server)
     assert _aborts(server) == before + 1
+
+
+# ---- slow clients ------------------------------------------------------------------------
+FAST = HTTPLimits(header_timeout_s=0.5, body_timeout_s=1.0, limit_concurrency=4)
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_model_dir, one_thread):
+    srv = _serve(tiny_model_dir, live={"limits": FAST})
+    yield srv
+    srv.stop()
+
+
+def _raw(srv, data: bytes = b"") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    s.sendall(data)
+    return s
+
+
+def _closed_within(s: socket.socket, seconds: float) -> bool:
+    """True if the server closes ``s`` (EOF; what it sends before is skipped) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            if s.recv(4096) == b"":
+                return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("data", [b"", b"POST /v1/compl", HEAD,
+                                  HEAD + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "x"'],
+                         ids=["silent", "partial-line", "partial-headers", "partial-body"])
+def test_stalled_client_is_disconnected(strict_server, data):
+    t0 = time.monotonic()
+    assert _closed_within(_raw(strict_server, data), 5.0)
+    assert time.monotonic() - t0 < 3.0
+    assert httpx.get(strict_server.url + "/health").status_code == 200
+
+
+def test_stalled_second_request_on_a_kept_alive_connection(strict_server):
+    s = _raw(strict_server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.sendall(b"GET /health HTTP/1.1\r\n")  # and nothing more: keep-alive's timer is off now
+    assert _closed_within(s, 5.0)
+
+
+def test_slow_but_steady_upload_within_the_deadline_is_served(strict_server):
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    s = _raw(strict_server, HEAD + f"Content-Length: {len(body)}\r\n\r\n".encode())
+    for i in range(0, len(body), 10):
+        time.sleep(0.05)
+        s.sendall(body[i:i + 10])
+    s.settimeout(10)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.close()
+
+
+def test_connections_over_the_limit_get_503(strict_server):
+    idle = [_raw(strict_server) for _ in range(FAST.limit_concurrency)]
+    try:
+        time.sleep(0.1)
+        assert httpx.get(strict_server.url + "/health").status_code == 503
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 5
+    while httpx.get(strict_server.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_shutdown_keeps_its_timeout_with_a_client_stuck_mid_upload(tiny_model_dir, one_thread):
+    srv = _serve(tiny_model_dir, live={"shutdown_timeout": 1.0, "limits": HTTPLimits(body_timeout_s=60)})
+    stuck = _raw(srv, HEAD + b"Content-Length: 100\r\n\r\n{")
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    srv.stop(timeout=15)
+    took = time.monotonic() - t0
+    stuck.close()
+    assert not srv._thread.is_alive() and took < 2.5, took
 
 
 # ---- engine failure -------------------------------------------------------------------
