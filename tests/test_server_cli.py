@@ -28,7 +28,8 @@ def _run(args, timeout=60) -> subprocess.CompletedProcess:
 def test_help_has_examples():
     r = _run(["--help"])
     assert r.returncode == 0
-    for text in ("examples:", "--api-key", "--host", "--allowed-hosts", "--limit-concurrency", "--served-model-name", "--max-body-bytes",
+    for text in ("examples:", "--api-key", "--host", "--allowed-hosts", "--limit-concurrency",
+                 "--served-model-name", "--max-body-bytes",
                  "--kv-cache-memory", "curl http://127.0.0.1:8000"):
         assert text in r.stdout
 
