@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.server import ServerConfig, build_app
+from pagedkv.server.http_limits import HTTPLimits
 from pagedkv.server.live import LiveServer
 from pagedkv.server.loadtest import run_load
 
@@ -63,15 +65,16 @@ def no_server_errors():
     assert not handler.records, [r.getMessage() for r in handler.records]
 
 
-def _serve(model_dir, **cfg):
+def _serve(model_dir, live=None, **cfg):
+    """``live``: LiveServer keywords (limits, shutdown_timeout); ``cfg``: ServerConfig's."""
     engine = LLMEngine(model=str(model_dir), num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
                        debug_invariants=True)
-    return LiveServer(build_app(engine, ServerConfig([MODEL, "tiny-alias"], **cfg))).start()
+    return LiveServer(build_app(engine, ServerConfig([MODEL, "tiny-alias"], **cfg)), **(live or {})).start()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, one_thread):
-    srv = _serve(tiny_model_dir, max_body_bytes=64 * 1024)
+    srv = _serve(tiny_model_dir, max_body_bytes=64 * 1024, allowed_hosts=["gpu-box.lan"])
     yield srv
     srv.stop()
 
@@ -109,7 +112,12 @@ def wait_idle(srv, timeout=10.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+JSON_TYPE = {"Content-Type": "application/json"}
+
+
 def post(srv, path, body=None, content=None, headers=None) -> httpx.Response:
+    """``body`` is sent as JSON; raw ``content`` is declared JSON unless ``headers`` say otherwise."""
+    headers = (JSON_TYPE if content is not None else {}) | (headers or {})
     return httpx.post(srv.url + path, json=body, content=content, headers=headers, timeout=30)
 
 
@@ -368,7 +376,7 @@ def test_body_over_limit_is_413(server):
     def chunked():  # no Content-Length: the limit is enforced while reading
         for _ in range(100):
             yield b" " * 1024
-    r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30)
+    r = httpx.post(server.url + "/v1/completions", content=chunked(), headers=JSON_TYPE, timeout=30)
     assert r.status_code == 413
 
 
@@ -410,6 +418,57 @@ def test_bad_input_never_disturbs_a_running_request(server):
     t.join(30)
     assert result == {"text": ref, "finish": "length"}
     wait_idle(server)
+
+
+# ---- browsers: content type, Host, Origin ----------------------------------------------
+ONE = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize("headers", [{"Content-Type": "text/plain"}, {"Content-Type": ""},
+                                     {"Content-Type": "application/x-www-form-urlencoded"},
+                                     {"Content-Type": "multipart/form-data; boundary=x"},
+                                     JSON_TYPE | {"Content-Encoding": "gzip"}])
+def test_post_bodies_must_be_plain_json(server, headers):
+    """A page can POST text/plain or a form cross-site with no CORS preflight: refuse them."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = post(server, path, content=ONE, headers=headers)
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+    r = post(server, "/v1/completions", content=ONE, headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.2", "", "[::1"])
+def test_unknown_host_is_refused_without_a_key(server, host):
+    """DNS rebinding: the attacker's page reaches 127.0.0.1 under its own name."""
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                         ("GET", "/health")):
+        r = httpx.request(method, server.url + path, content=ONE, headers=JSON_TYPE | {"Host": host})
+        assert r.status_code == 403, (path, r.text)
+        assert r.json()["error"]["code"] == "host_not_allowed"
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1", "127.0.0.1:80", "[::1]:8000", "gpu-box.lan:8000"])
+def test_loopback_and_allowed_hosts_are_served(server, host):
+    r = post(server, "/v1/completions", content=ONE, headers={"Host": host})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("origin,status", [("http://evil.example", 403), ("null", 403), ("file://", 403),
+                                           ("https://127.0.0.1.evil.example", 403),
+                                           ("http://localhost:3000", 200), ("http://[::1]:8000", 200),
+                                           ("https://gpu-box.lan", 200)])
+def test_cross_origin_browser_requests_are_refused(server, origin, status):
+    r = post(server, "/v1/completions", content=ONE, headers={"Origin": origin})
+    assert r.status_code == status, r.text
+    if status == 403:
+        assert r.json()["error"]["code"] == "origin_not_allowed"
+
+
+def test_with_a_key_any_host_is_served(keyed_server):
+    r = post(keyed_server, "/v1/completions", content=ONE,
+             headers={"Host": "api.example.com", "Authorization": f"Bearer {KEYS[0]}"})
+    assert r.status_code == 200, r.text
 
 
 # ---- auth and prefix-cache isolation ---------------------------------------------------
@@ -476,6 +535,93 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server):
                    timeout=httpx.Timeout(30, read=0.05))
     wait_idle(server)
     assert _aborts(server) == before + 1
+
+
+# ---- slow clients ------------------------------------------------------------------------
+FAST = HTTPLimits(header_timeout_s=0.5, body_timeout_s=1.0, limit_concurrency=4)
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_model_dir, one_thread):
+    srv = _serve(tiny_model_dir, live={"limits": FAST})
+    yield srv
+    srv.stop()
+
+
+def _raw(srv, data: bytes = b"") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    s.sendall(data)
+    return s
+
+
+def _closed_within(s: socket.socket, seconds: float) -> bool:
+    """True if the server closes ``s`` (EOF; what it sends before is skipped) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            if s.recv(4096) == b"":
+                return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("data", [b"", b"POST /v1/compl", HEAD,
+                                  HEAD + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "x"'],
+                         ids=["silent", "partial-line", "partial-headers", "partial-body"])
+def test_stalled_client_is_disconnected(strict_server, data):
+    t0 = time.monotonic()
+    assert _closed_within(_raw(strict_server, data), 5.0)
+    assert time.monotonic() - t0 < 3.0
+    assert httpx.get(strict_server.url + "/health").status_code == 200
+
+
+def test_stalled_second_request_on_a_kept_alive_connection(strict_server):
+    s = _raw(strict_server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.sendall(b"GET /health HTTP/1.1\r\n")  # and nothing more: keep-alive's timer is off now
+    assert _closed_within(s, 5.0)
+
+
+def test_slow_but_steady_upload_within_the_deadline_is_served(strict_server):
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    s = _raw(strict_server, HEAD + f"Content-Length: {len(body)}\r\n\r\n".encode())
+    for i in range(0, len(body), 10):
+        time.sleep(0.05)
+        s.sendall(body[i:i + 10])
+    s.settimeout(10)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.close()
+
+
+def test_connections_over_the_limit_get_503(strict_server):
+    idle = [_raw(strict_server) for _ in range(FAST.limit_concurrency)]
+    try:
+        time.sleep(0.1)
+        assert httpx.get(strict_server.url + "/health").status_code == 503
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 5
+    while httpx.get(strict_server.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_shutdown_keeps_its_timeout_with_a_client_stuck_mid_upload(tiny_model_dir, one_thread):
+    srv = _serve(tiny_model_dir, live={"shutdown_timeout": 1.0, "limits": HTTPLimits(body_timeout_s=60)})
+    stuck = _raw(srv, HEAD + b"Content-Length: 100\r\n\r\n{")
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    srv.stop(timeout=15)
+    took = time.monotonic() - t0
+    stuck.close()
+    assert not srv._thread.is_alive() and took < 2.5, took
 
 
 # ---- engine failure -------------------------------------------------------------------

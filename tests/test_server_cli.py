@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -27,7 +28,8 @@ def _run(args, timeout=60) -> subprocess.CompletedProcess:
 def test_help_has_examples():
     r = _run(["--help"])
     assert r.returncode == 0
-    for text in ("examples:", "--api-key", "--host", "--served-model-name", "--max-body-bytes",
+    for text in ("examples:", "--api-key", "--host", "--allowed-hosts", "--limit-concurrency",
+                 "--served-model-name", "--max-body-bytes",
                  "--kv-cache-memory", "curl http://127.0.0.1:8000"):
         assert text in r.stdout
 
@@ -37,6 +39,9 @@ def test_help_has_examples():
     (["--max-body-bytes", "lots"], "cannot parse size"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     (["--torch-threads", "0"], "--torch-threads must be >= 1"),
+    (["--limit-concurrency", "-1"], "--limit-concurrency must be >= 0"),
+    (["--allowed-hosts", " , "], "--allowed-hosts takes comma-separated host names"),
+    (["--allowed-hosts", "a.lan,[::1"], "--allowed-hosts takes comma-separated host names"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     assert serve_main(args) == 2
@@ -115,3 +120,37 @@ def test_real_model_chat_and_graceful_sigterm():
     assert results["short"][0] == "length"    # finished within the drain time
     assert results["long"][0] == "abort"      # cut at the drain time, ended cleanly with [DONE]
     assert "Traceback" not in "".join(srv.lines)
+
+
+def _connect_when_listening(port: int, timeout: float = 60) -> socket.socket:
+    """The socket is bound (and the URL printed) before uvicorn listens on it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=10)
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_sigterm_exits_within_the_shutdown_timeout_with_a_client_stuck_mid_upload(tiny_model_dir):
+    """A client that stalls mid-body must not hold the exit past --shutdown-timeout, and
+    the exit logs no traceback (uvicorn used to cancel the handler after a margin)."""
+    srv = ServeProcess("--model", str(tiny_model_dir), "--num-blocks", "16", "--shutdown-timeout", "1",
+                       "--log-level", "warning")
+    port = int(srv.url.rsplit(":", 1)[1])
+    try:
+        stuck = _connect_when_listening(port)
+        stuck.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, "".join(srv.lines)
+        took = time.monotonic() - t0
+        stuck.close()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+    assert took < 3.0, took
+    assert "Traceback" not in "".join(srv.lines) and "Cancel" not in "".join(srv.lines)

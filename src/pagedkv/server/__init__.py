@@ -8,6 +8,8 @@
 - :mod:`responses` — response and chunk bodies, text deltas, logprobs.
 - :mod:`metrics` — the Prometheus registry behind ``/metrics``.
 - :mod:`app` — the FastAPI routes, auth, body limit, error handlers.
+- :mod:`host_guard` — Host/Origin checks against browsers when no API key is set.
+- :mod:`http_limits` — read deadlines and a connection cap against slow clients.
 - :mod:`cli` — the ``serve`` subcommand.
 """
 

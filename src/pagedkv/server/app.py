@@ -5,9 +5,12 @@
 
 Security defaults: with API keys configured, ``/v1/*`` needs ``Authorization: Bearer
 <key>`` (401 otherwise) and each key gets its own prefix cache (``cache_salt`` = a hash
-of the key), so one tenant's timings cannot reveal another's prompts. Bodies over
-``max_body_bytes`` get 413 before they are read in full. Errors never carry stack traces:
-an exception a route lets escape becomes a 500 JSON body and one log record.
+of the key), so one tenant's timings cannot reveal another's prompts. Without keys,
+:class:`~pagedkv.server.host_guard.HostGuard` accepts only loopback (or ``allowed_hosts``)
+Host names and refuses cross-origin browser requests (403). POST bodies must be
+uncompressed ``application/json`` (415 otherwise); bodies over ``max_body_bytes`` get 413
+before they are read in full. Errors never carry stack traces: an exception a route lets
+escape becomes a 500 JSON body and one log record.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.loader import load_tokenizer
 from pagedkv.server import generate
 from pagedkv.server.engine_loop import EngineLoop
+from pagedkv.server.host_guard import HostGuard
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import APIError, parse_chat, parse_completion
 from pagedkv.server.responses import TokenText
@@ -39,12 +43,15 @@ DEFAULT_MAX_BODY_BYTES = 2**20
 
 @dataclass
 class ServerConfig:
-    """``served_model_names[0]`` is the name responses carry; any of them is accepted."""
+    """``served_model_names[0]`` is the name responses carry; any of them is accepted.
+    ``allowed_hosts``: Host names accepted besides loopback when ``api_keys`` is empty
+    (``"*"``: any)."""
 
     served_model_names: list[str]
     api_keys: list[str] = field(default_factory=list)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     isolate_prefix_cache: bool = True
+    allowed_hosts: list[str] = field(default_factory=list)
 
 
 class Server:
@@ -78,6 +85,9 @@ class Server:
         return "key:" + hashlib.sha256(key_b).hexdigest()[:32]
 
     async def read_json(self, request: Request) -> dict:
+        """The body as a JSON object. Raises APIError 415 (not uncompressed JSON), 413 (over
+        ``max_body_bytes``) or 400 (not a JSON object)."""
+        _require_json(request.headers)
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -153,6 +163,19 @@ class Server:
              "max_model_len": self.max_model_len} for name in self.config.served_model_names]}
 
 
+def _require_json(headers) -> None:
+    """Raises APIError 415 unless the body is declared ``application/json`` and not encoded:
+    a browser page can send ``text/plain`` cross-site without a CORS preflight, never JSON."""
+    media = headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, f"the body must be sent with 'Content-Type: application/json', not "
+                       f"{media or 'none'!r}", code="unsupported_media_type")
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                       code="unsupported_media_type")
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -187,7 +210,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     _add_error_handlers(app, server)
-    app.add_middleware(CatchAll)
+    app.add_middleware(CatchAll)  # innermost: an escaped exception is logged once
+    if not config.api_keys:
+        app.add_middleware(HostGuard, allowed_hosts=config.allowed_hosts,
+                           on_refuse=lambda: server.metrics.reject("unauthorized"))
     return app
 
 

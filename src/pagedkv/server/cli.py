@@ -2,8 +2,9 @@
 
 The socket is bound before the model loads, so a busy port fails in a second, not after
 the load. SIGINT/SIGTERM shut down gracefully: no new connections, in-flight requests get
-``--shutdown-timeout`` seconds to finish, then what is left is aborted (its blocks freed)
-and the command exits 0.
+``--shutdown-timeout`` seconds to finish, then what is left is aborted (its blocks freed),
+connections still uploading a request are closed, and the command exits 0. Slow clients
+get read deadlines and a connection cap (:mod:`pagedkv.server.http_limits`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ SERVE_EXAMPLES = """examples:
   PAGEDKV_API_KEY=sk-mine pagedkv serve          # Bearer auth (the env var keeps the key out of ps)
   pagedkv serve --api-key sk-team-a --api-key sk-team-b   # two tenants, one prefix cache each
   pagedkv serve --host 0.0.0.0 --api-key sk-mine # listen on every interface (use a key!)
+  pagedkv serve --allowed-hosts gpu-box.lan      # no key: also accept Host gpu-box.lan
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
@@ -49,6 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000, help="TCP port; 0 = any free one (default: %(default)s)")
     g.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also $PAGEDKV_API_KEY)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="without an API key, Host names accepted besides localhost, 127.0.0.1 and [::1], "
+                   "comma-separated ('*' = any); browser requests from other origins get 403")
     g.add_argument("--served-model-name", action="append", default=None,
                    help="model name(s) clients use; the first is reported (default: --model)")
     g.add_argument("--max-body-bytes", default="1MiB", help="largest request body, e.g. 4MiB (default: %(default)s)")
@@ -58,6 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
                    "aborted (default: %(default)s)")
+    g.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="most open connections (and requests) at once; past it, new requests get 503; "
+                   "0 = no limit (default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). On a small, shared CPU, 1 "
                    "makes batched decoding much faster: the per-sequence attention ops are tiny")
@@ -85,20 +93,22 @@ def _serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     if a.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {a.shutdown_timeout}")
+    if a.limit_concurrency < 0:
+        raise ValueError(f"--limit-concurrency must be >= 0, got {a.limit_concurrency}")
     max_body = parse_size(a.max_body_bytes)
     keys = list(a.api_key or []) + ([os.environ["PAGEDKV_API_KEY"]] if os.environ.get("PAGEDKV_API_KEY") else [])
     if any(not k.strip() for k in keys):
         raise ValueError("an API key must not be empty")
+    allowed_hosts = parse_allowed_hosts(a.allowed_hosts)
     sock = bind_socket(a.host, a.port)
     host, port = sock.getsockname()[:2]
     if not keys and not _is_loopback(a.host):
-        print(f"warning: listening on {a.host} without --api-key: anyone who can reach it can use it",
-              file=sys.stderr)
-
-    import uvicorn
+        print(f"warning: listening on {a.host} without --api-key: anyone who can reach it can use it "
+              "(requests must name a loopback host or one in --allowed-hosts)", file=sys.stderr)
 
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.server.app import ServerConfig, build_app
+    from pagedkv.server.http_limits import HTTPLimits
 
     if a.torch_threads is not None:
         if a.torch_threads < 1:
@@ -109,16 +119,38 @@ def _serve(a: argparse.Namespace) -> int:
     print(f"pagedkv: loading {a.model} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
     names = a.served_model_name or [a.model]
-    app = build_app(engine, ServerConfig(names, keys, max_body, not a.shared_prefix_cache))
+    app = build_app(engine, ServerConfig(names, keys, max_body, not a.shared_prefix_cache, allowed_hosts))
     s = engine.stats()
     shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv: serving {names[0]} on http://{shown}:{port} ({s.num_blocks} KV blocks of "
           f"{s.block_size} tokens = {s.num_blocks * s.block_size} tokens, {s.kv_cache_bytes / 2**20:.0f} MiB; "
           f"max_model_len {engine.max_model_len}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level=a.log_level, access_log=a.access_log,
-                            timeout_graceful_shutdown=a.shutdown_timeout + HARD_STOP_MARGIN_S, lifespan="on")
-    graceful_server(config, app.state.server.loop.abort_all, a.shutdown_timeout).run(sockets=[sock])
+    limits = HTTPLimits(limit_concurrency=a.limit_concurrency or None)
+    uvicorn_server(app, a.shutdown_timeout, limits, log_level=a.log_level,
+                   access_log=a.access_log).run(sockets=[sock])
     return 0
+
+
+def uvicorn_server(app, drain_s: float, limits, **config):
+    """The uvicorn Server for ``app`` (built by ``build_app``): ``limits`` (an
+    :class:`~pagedkv.server.http_limits.HTTPLimits`) on every connection, and the graceful
+    shutdown of :func:`graceful_server`. ``config``: more ``uvicorn.Config`` keywords."""
+    import uvicorn
+
+    config = uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=drain_s + HARD_STOP_MARGIN_S,
+                            **limits.uvicorn_kwargs(), **config)
+    return graceful_server(config, app.state.server.loop.abort_all, drain_s)
+
+
+def parse_allowed_hosts(text: str) -> list[str]:
+    """``'a.lan, 10.0.0.5,[fe80::1]'`` -> the names. Raises ValueError naming a bad one."""
+    from pagedkv.server.host_guard import host_name
+
+    names = [h.strip() for h in text.split(",") if h.strip()]
+    bad = [h for h in names if h != "*" and host_name(h) is None]
+    if bad or (text.strip() and not names):
+        raise ValueError(f"--allowed-hosts takes comma-separated host names, got {text!r}")
+    return names
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -149,13 +181,21 @@ def graceful_server(config, abort_all, drain_s: float):
     seconds and then calls ``abort_all`` (streams end with finish_reason 'abort' and
     ``[DONE]``, waiting non-streaming calls get 503), instead of cutting connections. It
     does not re-raise the caught signal afterwards (that would turn a clean SIGTERM stop
-    into death by signal). uvicorn is imported lazily: other commands do not pay for it."""
+    into death by signal). At ``drain_s`` it also closes connections whose client is still
+    sending its request (a stalled upload would otherwise hold the exit until uvicorn
+    cancels its task). uvicorn is imported lazily: other commands do not pay for it."""
     import uvicorn
+
+    from pagedkv.server.http_limits import cut_uploads
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            asyncio.get_running_loop().call_later(drain_s, abort_all)
+            asyncio.get_running_loop().call_later(drain_s, self.end_drain)
             await super().shutdown(sockets)
+
+        def end_drain(self) -> None:
+            abort_all()
+            cut_uploads(self.server_state.connections)
 
         @contextlib.contextmanager
         def capture_signals(self):

@@ -11,11 +11,14 @@ from __future__ import annotations
 import threading
 import time
 
-from pagedkv.server.cli import bind_socket
+from pagedkv.server.cli import bind_socket, uvicorn_server
+from pagedkv.server.http_limits import HTTPLimits
 
 
 class LiveServer:
-    """Serves ``app`` on ``host:port`` (0 = a free port) until ``stop()`` or the ``with`` ends.
+    """Serves ``app`` (from ``build_app``) on ``host:port`` (0 = a free port) until ``stop()``
+    or the ``with`` ends, as ``pagedkv serve`` does: ``limits`` on each connection, and a
+    stop drains for ``shutdown_timeout`` seconds, then aborts what is left.
 
     Raises:
         OSError: the address cannot be bound.
@@ -23,13 +26,11 @@ class LiveServer:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 start_timeout: float = 30.0) -> None:
-        import uvicorn
-
+                 start_timeout: float = 30.0, shutdown_timeout: float = 10.0,
+                 limits: HTTPLimits = HTTPLimits()) -> None:
         self.sock = bind_socket(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn_server(app, shutdown_timeout, limits, log_level=log_level)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="pagedkv-live-server", daemon=True)
         self.start_timeout = start_timeout

@@ -1,0 +1,93 @@
+"""Slow clients: deadlines on reading a request, and a cap on connections.
+
+uvicorn's h11 protocol waits forever for a request's headers (its keep-alive timeout only
+runs between requests) and for its body, so a client that sends a few bytes and stalls
+holds a connection, and at shutdown holds the process. Per connection:
+
+    connect / last response done --(headers, header_timeout_s)--> request --(body, body_timeout_s)--> app
+         ^ idle between requests: timeout_keep_alive_s
+
+A deadline that passes with the client still sending closes the connection (the app
+sees a disconnect: 499, nothing to abort). ``limit_concurrency`` connections or
+requests in flight make uvicorn answer further requests 503. At shutdown,
+:func:`cut_uploads` closes connections still sending a request, so the drain time holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """Seconds for each read deadline; ``limit_concurrency`` in connections (None: no cap)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    timeout_keep_alive_s: float = 5.0
+    limit_concurrency: int | None = 1024
+
+    def uvicorn_kwargs(self) -> dict:
+        """What ``uvicorn.Config`` takes to enforce these limits."""
+        protocol = type("LimitedH11Protocol", (DeadlineH11Protocol,), {"limits": self})
+        return {"http": protocol, "timeout_keep_alive": self.timeout_keep_alive_s,
+                "limit_concurrency": self.limit_concurrency}
+
+
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header deadline and a body deadline (``limits``)."""
+
+    limits: HTTPLimits = HTTPLimits()
+    _deadline = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s)
+
+    def handle_events(self) -> None:
+        was = self.cycle
+        super().handle_events()
+        if self.cycle is not was and self.cycle is not None:  # a request's headers arrived
+            self._arm(self.limits.body_timeout_s)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.still_reading() == "headers":
+            self._arm(self.limits.header_timeout_s)
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def still_reading(self) -> str | None:
+        """'headers' or 'body' while the client is still sending that part of a request."""
+        if self.transport is None or self.transport.is_closing():
+            return None
+        if self.cycle is None or self.cycle.response_complete:
+            return "headers"
+        return "body" if self.conn.their_state is h11.SEND_BODY else None
+
+    def cut_if_reading(self) -> None:
+        """Close the connection if the client is still sending a request."""
+        if self.still_reading() is not None:
+            self.transport.close()
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self.cut_if_reading)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+
+def cut_uploads(connections) -> None:
+    """Close each connection whose client is still sending a request (shutdown: the drain
+    time is over, and a request not yet received can never be answered)."""
+    for conn in list(connections):
+        if isinstance(conn, DeadlineH11Protocol):
+            conn.cut_if_reading()
