@@ -176,9 +176,9 @@ def _content_text(content) -> str:
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
-        raise ValueError('a message\'s content is a string or a list of {"type": "text", "text": str} parts')
+        raise ValueError('messages: each content is a string or a list of {"type": "text", "text": str} parts')
     try:
         content.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError("a message's content is not valid Unicode (a lone surrogate?)") from None
+        raise ValueError("messages: a content is not valid Unicode (a lone surrogate?)") from None
     return content
