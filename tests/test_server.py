@@ -298,7 +298,7 @@ BAD = [  # (path, body, status, param or None, code or None)
     ("/v1/completions", {"prompt": []}, 400, "prompt", "invalid_type"),
     ("/v1/completions", {"prompt": ["ok", ""]}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {}, 400, "prompt", "missing_required_parameter"),
-    ("/v1/completions", {"prompt": [[1, 2], [10**9]]}, 400, None, None),  # outside the vocabulary
+    ("/v1/completions", {"prompt": [[1, 2], [10**9]]}, 400, "prompt", "invalid_value"),  # outside the vocabulary
     ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4}, 400, None, "context_length_exceeded"),
     ("/v1/completions", {"prompt": CACHE_PROMPT, "max_tokens": 4}, 400, None, "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "invalid_type"),
@@ -330,6 +330,25 @@ BAD = [  # (path, body, status, param or None, code or None)
      "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": {"a": 1}, "content": "x"}]}, 400, "messages[0].role",
      "invalid_value"),
+    # issue 19 item 10: known fields the server cannot honour were silently ignored; mixed prompt lists accepted
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400,
+     "tool_choice", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, 400, "min_tokens", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json",
+     "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a+"}, 400,
+     "guided_regex", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": ["hi", [1, 2]]}, 400, "prompt", "invalid_type"),
+    ("/v1/completions", {"prompt": [[1, 2], "hi"]}, 400, "prompt", "invalid_type"),
+    # issue 19 item 9: vLLM's request priority is an integer
+    ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority", "invalid_type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": 1.5}, 400,
+     "priority", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "priority": 2**64}, 400, "priority", "invalid_value"),
 ]
 
 
@@ -350,11 +369,11 @@ def test_an_unexpected_exception_is_a_500_json_logged_once(server, no_server_err
 
     def boom(p):
         raise RuntimeError("secret internal detail")
-    state.completion_prompt = boom
+    state.prompts.completion_prompt = boom  # runs in the tokenizer thread: the error still comes back
     try:
         r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
     finally:
-        del state.completion_prompt
+        del state.prompts.completion_prompt
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert "secret" not in r.text and "Traceback" not in r.text
     assert [rec.getMessage() for rec in no_server_errors.records] == ["unhandled error on POST /v1/completions"]
@@ -367,6 +386,110 @@ def test_never_fits_counts_as_rejected(server):
     r = post(server, "/v1/completions", {"prompt": CACHE_PROMPT, "max_tokens": 4})
     assert r.status_code == 400 and "whole cache has 24" in r.json()["error"]["message"]
     assert metrics(server)['pagedkv_requests_rejected_total{reason="never_fits"}'] == before + 1
+
+
+def test_out_of_vocabulary_ids_have_their_own_reject_reason(server):
+    before = metrics(server)
+    r = post(server, "/v1/completions", {"prompt": [1, 10**9], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    after = metrics(server)
+    assert after['pagedkv_requests_rejected_total{reason="out_of_vocabulary"}'] == \
+        before['pagedkv_requests_rejected_total{reason="out_of_vocabulary"}'] + 1
+    assert after['pagedkv_requests_rejected_total{reason="never_fits"}'] == \
+        before['pagedkv_requests_rejected_total{reason="never_fits"}']
+
+
+def test_tool_choice_none_or_auto_is_accepted(server):
+    for choice in ("none", "auto"):
+        r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                  "tool_choice": choice, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
+def test_models_retrieve(server):
+    """GET /v1/models/{id} for each served name (the openai client's models.retrieve)."""
+    c = client(server)
+    for name in (MODEL, "tiny-alias"):
+        m = c.models.retrieve(name)
+        assert m.id == name and m.object == "model" and m.owned_by == "pagedkv"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found"
+    r = httpx.get(server.url + "/v1/models/org/gpt-4")  # names may hold '/'
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_priority_reaches_the_engine(server, monkeypatch):
+    engine = server.server.config.app.state.server.loop.engine
+    seen = []
+    real = engine.add_request
+
+    def spy(*args, priority=0, **kw):
+        seen.append(priority)
+        return real(*args, priority=priority, **kw)
+    monkeypatch.setattr(engine, "add_request", spy)
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "priority": -3}).status_code == 200
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                              "max_tokens": 1, "priority": 7, "n": 2})
+    assert r.status_code == 200 and seen == [-3, 7, 7]
+
+
+class _SlowTokenizer:
+    """Wraps the tokenizer: each call sleeps ``delay`` and records whether an event loop
+    runs on its thread (it must not: tokenizing on the loop stalls every stream)."""
+
+    def __init__(self, tokenizer, delay: float) -> None:
+        self.tokenizer, self.delay, self.on_loop = tokenizer, delay, []
+
+    def __call__(self, *args, **kw):
+        try:
+            asyncio.get_running_loop()
+            self.on_loop.append(True)
+        except RuntimeError:
+            self.on_loop.append(False)
+        time.sleep(self.delay)
+        return self.tokenizer(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.fixture
+def slow_tokenizer(server):
+    prompts = server.server.config.app.state.server.prompts
+    slow = _SlowTokenizer(prompts.tokenizer, delay=1.5)
+    prompts.tokenizer = slow
+    yield slow
+    prompts.tokenizer = slow.tokenizer
+
+
+def test_tokenizing_does_not_block_the_event_loop(server, slow_tokenizer):
+    """Issue 19 item 1: while a prompt is tokenized, /health and other requests go on."""
+    done = {}
+    t = threading.Thread(target=lambda: done.update(r=post(server, "/v1/completions",
+                                                            {"prompt": "slow", "max_tokens": 1})))
+    t.start()
+    time.sleep(0.3)  # the request is inside the tokenizer now
+    t0 = time.monotonic()
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    assert time.monotonic() - t0 < 0.5
+    t.join(10)
+    assert done["r"].status_code == 200 and slow_tokenizer.on_loop == [False]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "ab" * (16 * MAX_MODEL_LEN) + "c"}),
+    ("/v1/completions", {"prompt": ["ok", "x" * (32 * MAX_MODEL_LEN + 1)]}),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x" * (16 * MAX_MODEL_LEN)},
+                                           {"role": "user", "content": "y" * (16 * MAX_MODEL_LEN + 1)}]}),
+])
+def test_a_prompt_over_the_character_cap_is_refused_untokenized(server, slow_tokenizer, path, body):
+    """Over 32 characters per token x max_model_len: a 400 at once, before the tokenizer."""
+    t0 = time.monotonic()
+    r = post(server, path, body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == ("prompt" if "prompt" in body else "messages")
+    assert time.monotonic() - t0 < 1.0 and slow_tokenizer.on_loop == []
 
 
 def test_body_over_limit_is_413(server):

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes around one :class:`EngineLoop`.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: true -> SSE, data: [DONE])
-    GET  /v1/models             GET  /health                GET /metrics (Prometheus text)
+    GET  /v1/models             GET  /v1/models/{id}
+    GET  /health                GET  /metrics (Prometheus text)
 
 Security defaults: with API keys configured, ``/v1/*`` needs ``Authorization: Bearer
 <key>`` (401 otherwise) and each key gets its own prefix cache (``cache_salt`` = a hash
@@ -34,6 +35,7 @@ from pagedkv.server import generate
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.host_guard import HostGuard
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.server.prompts import Prompts
 from pagedkv.server.protocol import APIError, parse_chat, parse_completion
 from pagedkv.server.responses import TokenText
 
@@ -56,7 +58,8 @@ class ServerConfig:
 
 class Server:
     """What the routes share: the engine loop, metrics, a tokenizer for the HTTP side
-    (its own instance: the engine thread uses the engine's) and the config."""
+    (its own instance: the engine thread uses the engine's), which ``prompts`` runs off
+    the event loop, and the config."""
 
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.config = config
@@ -65,6 +68,7 @@ class Server:
         self.tokenizer = load_tokenizer(engine.parts.files.folder)
         self.token_text = TokenText(self.tokenizer)
         self.max_model_len = engine.max_model_len
+        self.prompts = Prompts(self.tokenizer, engine.max_model_len, engine.model.embed.shape[0])
         self.capacity_tokens = engine.kv.pool.num_blocks * engine.kv.block_size
         self.created = int(time.time())
 
@@ -118,34 +122,19 @@ class Server:
         """Without max_tokens: up to the context or the whole cache, whichever is smaller."""
         return max(1, min(self.max_model_len, self.capacity_tokens) - num_prompt)
 
-    # ---- prompts -------------------------------------------------------------------
-    def completion_prompt(self, p) -> dict:
-        if isinstance(p, str):
-            return {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids, "prompt": p}
-        return {"prompt_token_ids": list(p), "prompt": None}
-
-    def chat_prompt(self, messages: list[dict]) -> dict:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 - a template may raise on e.g. role order
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return {"prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids, "prompt": text}
-
     # ---- endpoints -----------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         salt = self.tenant_salt(request)
         req = parse_completion(await self.read_json(request))
         model = self.model_name(req.model)
-        prompts = [self.completion_prompt(p) for p in req.prompts]
+        prompts = await self.prompts.completion(req.prompts)
         return await self._generate(request, req, prompts, model, salt)
 
     async def chat(self, request: Request) -> Response:
         salt = self.tenant_salt(request)
         req = parse_chat(await self.read_json(request))
         model = self.model_name(req.model)
-        return await self._generate(request, req, [self.chat_prompt(req.messages)], model, salt)
+        return await self._generate(request, req, [await self.prompts.chat(req.messages)], model, salt)
 
     async def _generate(self, request, req, prompts, model, salt) -> Response:
         if req.cache_salt:
@@ -158,9 +147,17 @@ class Server:
 
     async def models(self, request: Request) -> dict:
         self.tenant_salt(request)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "pagedkv",
-             "max_model_len": self.max_model_len} for name in self.config.served_model_names]}
+        return {"object": "list", "data": [self._model_card(name) for name in self.config.served_model_names]}
+
+    async def model(self, request: Request, model_id: str) -> dict:
+        """One served model (the openai client's ``models.retrieve``). Raises APIError 404."""
+        self.tenant_salt(request)
+        self.model_name(model_id)
+        return self._model_card(model_id)
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "pagedkv",
+                "max_model_len": self.max_model_len}
 
 
 def _require_json(headers) -> None:
@@ -191,6 +188,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
+            server.prompts.close()
             server.loop.stop()
 
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -198,6 +196,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])  # ids may hold '/'
 
     @app.get("/health")
     async def health() -> Response:
@@ -255,7 +254,7 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> Response:
         if e.count and 400 <= e.status < 500:
-            server.metrics.reject("unauthorized" if e.status == 401 else "invalid")
+            server.metrics.reject("unauthorized" if e.status == 401 else e.reason)
         return ErrorJSON(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)

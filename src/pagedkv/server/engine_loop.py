@@ -39,6 +39,7 @@ class NewRequest:
     request_id: str
     prompt: dict                      # {"prompt_token_ids": [...], "prompt": str | None}
     params: SamplingParams
+    priority: int = 0                 # the engine's scheduling priority (lower first)
 
 
 @dataclass
@@ -155,7 +156,8 @@ class EngineLoop:
         try:
             for i, r in enumerate(cmd.requests):
                 try:
-                    self.engine.add_request(r.prompt, r.params, r.request_id, cache_salt=cmd.cache_salt)
+                    self.engine.add_request(r.prompt, r.params, r.request_id, cache_salt=cmd.cache_salt,
+                                            priority=r.priority)
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}" if len(cmd.requests) > 1 else str(e)) from None
                 added.append(r.request_id)

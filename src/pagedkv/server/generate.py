@@ -57,7 +57,7 @@ async def start(loop: EngineLoop, req: GenerateRequest, prompts: list[dict], mod
                 params = replace(params, max_tokens=default_max_tokens(len(p["prompt_token_ids"])))
             if req.n > 1 and params.seed is not None:
                 params = replace(params, seed=params.seed + j)
-            new.append(NewRequest(f"{rid}-{len(new)}", p, params))
+            new.append(NewRequest(f"{rid}-{len(new)}", p, params, req.priority))
     sink: asyncio.Queue = asyncio.Queue()
     try:
         await loop.add(new, sink, cache_salt)

@@ -9,7 +9,7 @@ thread as outputs arrive. Units: seconds, tokens, blocks (``block_size`` tokens 
     pagedkv_prefix_cache_{queries,hits}_tokens_total prompt tokens looked up / found
     pagedkv_num_requests_{running,waiting}           scheduler queues
     pagedkv_num_preemptions_total                    preemptions by recompute
-    pagedkv_requests_rejected_total{reason}          never_fits (engine) | invalid | unauthorized
+    pagedkv_requests_rejected_total{reason}          never_fits (engine) | invalid | out_of_vocabulary | unauthorized
     pagedkv_requests_finished_total{finish_reason}   stop | length | abort
     pagedkv_{prompt,prompt_cached,generation}_tokens_total
     pagedkv_time_to_first_token_seconds, _time_per_output_token_seconds,
@@ -74,7 +74,7 @@ class ServerMetrics:
 
     def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
         self.registry = r = CollectorRegistry(auto_describe=False)
-        self._rejected: dict[str, int] = {"invalid": 0, "unauthorized": 0}
+        self._rejected: dict[str, int] = {"invalid": 0, "out_of_vocabulary": 0, "unauthorized": 0}
         self._lock = threading.Lock()
         self._started: set[str] = set()   # requests whose prompt tokens are counted
         r.register(_StatsCollector(get_stats, self._rejected_snapshot))

@@ -21,18 +21,21 @@ MAX_PROMPTS = 64           # prompts in one /v1/completions request
 MAX_STOP = 16              # stop strings
 MAX_LOGPROBS = 20
 SEED_RANGE = (-2**63, 2**63 - 1)   # what SamplingParams accepts: a signed 64-bit integer
+PRIORITY_RANGE = SEED_RANGE        # vLLM's request priority: any integer; lower runs first
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 class APIError(Exception):
     """An error answered with ``status`` and an OpenAI-style JSON body. ``count=False``
-    keeps it out of the server's rejected-requests metric (the engine counted it)."""
+    keeps it out of the server's rejected-requests metric (the engine counted it);
+    ``reason`` is its label there for a 4xx other than 401."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, count: bool = True) -> None:
+                 param: str | None = None, code: str | None = None, count: bool = True,
+                 reason: str = "invalid") -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.count = count
+        self.count, self.reason = count, reason
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -64,6 +67,7 @@ class GenerateRequest:
     include_usage: bool = False
     user: str | None = None
     cache_salt: str | None = None
+    priority: int = 0               # under --scheduling-policy priority, lower is admitted first
 
 
 @dataclass
@@ -151,6 +155,10 @@ _UNSUPPORTED = {  # field -> values that mean "off"
     "echo": (False,), "suffix": ("",), "best_of": (1,), "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
     "tools": ([],), "functions": ([],), "audio": (), "prediction": (),
+    "tool_choice": ("none", "auto"),   # with no tools, "auto" can only mean "none"
+    "function_call": ("none", "auto"), "min_tokens": (0,), "min_p": (0, 0.0), "bad_words": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "prompt_logprobs": (),
 }
 
 
@@ -193,7 +201,8 @@ def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: i
     return dict(model=model, params=params, max_tokens_given=given, n=n,
                 stream=_bool(body, "stream", False),
                 include_usage=_bool(stream_options or {}, "include_usage", False),
-                user=_str(body, "user"), cache_salt=_str(body, "cache_salt"))
+                user=_str(body, "user"), cache_salt=_str(body, "cache_salt"),
+                priority=_int(body, "priority", 0, *PRIORITY_RANGE))
 
 
 def _seed(body: dict, n: int) -> int | None:
@@ -231,6 +240,8 @@ def _prompts(v) -> list:
                   "token ids or a list of token-id lists", "invalid_type")
     if len(v) > MAX_PROMPTS:
         raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
+    if len({isinstance(p, str) for p in v}) > 1:
+        raise bad("prompt", "a prompt list holds either strings or token-id lists, not both", "invalid_type")
     for p in v:
         if isinstance(p, str):
             if not p:
