@@ -48,3 +48,21 @@ def test_chat_takes_text_parts_and_refuses_lone_surrogates(tiny_llm_factory):
     for bad in ("a\ud800", [{"type": "image_url", "image_url": "x"}], 5):
         with pytest.raises(ValueError, match="content"):
             llm.chat([{"role": "user", "content": bad}])
+
+
+def test_huge_integers_in_float_fields_are_value_errors():
+    for kw in ({"temperature": 10**400}, {"top_p": 10**400}, {"top_p": -10**400}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
+
+
+def test_stop_token_ids_are_bounded_and_in_the_vocabulary(tiny_llm_factory):
+    with pytest.raises(ValueError, match="at most"):
+        SamplingParams(stop_token_ids=list(range(2000)))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        tiny_llm_factory().generate(["hi"], SamplingParams(stop_token_ids=[10**6]))
+
+
+def test_chat_refuses_a_lone_surrogate_in_a_role(tiny_llm_factory):
+    with pytest.raises(ValueError, match="messages: a role"):
+        tiny_llm_factory().chat([{"role": "\ud800", "content": "hi"}])

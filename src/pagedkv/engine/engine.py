@@ -110,6 +110,9 @@ class LLMEngine:
             ids, text = self.tokenize(prompt)
             self._validate(rid, ids)
             max_tokens = self._resolve_max_tokens(len(ids), params)
+            vocab = self.model.embed.shape[0]
+            if any(t >= vocab for t in params.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         except ValueError:
             self.num_rejected += 1
             raise

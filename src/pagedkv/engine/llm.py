@@ -148,7 +148,8 @@ class LLM:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ValueError('messages must be a non-empty list of {"role": str, "content": str}')
-        messages = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+        messages = [{**m, "role": _valid_text(m["role"], "role"), "content": _content_text(m.get("content"))}
+                    for m in messages]
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
@@ -177,8 +178,13 @@ def _content_text(content) -> str:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ValueError('messages: each content is a string or a list of {"type": "text", "text": str} parts')
+    return _valid_text(content, "content")
+
+
+def _valid_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode. Raises ValueError (e.g. a lone surrogate)."""
     try:
-        content.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError("messages: a content is not valid Unicode (a lone surrogate?)") from None
-    return content
+        raise ValueError(f"messages: a {what} is not valid Unicode (a lone surrogate?)") from None
+    return text

@@ -11,6 +11,7 @@ SAMPLING_EPS = 1e-5
 
 MAX_STOP_STRINGS = 32   # stop strings per request (OpenAI's API takes 4)
 MAX_STOP_CHARS = 1000   # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024  # each token is checked against every one
 
 @dataclass
 class SamplingParams:
@@ -69,9 +70,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
+        if not _is_number(self.temperature) or not 0 <= _as_float(self.temperature) < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < _as_float(self.top_p) <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
@@ -85,6 +86,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
@@ -99,3 +102,11 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _as_float(v) -> float:
+    """``v`` as a float; NaN for an integer too large for one (so range checks fail)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return float("nan")

@@ -106,7 +106,11 @@ def _float(body: dict, name: str, default: float) -> float:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(name, f"'{name}' must be a number, got {type(v).__name__}", "invalid_type")
-    if not math.isfinite(v):
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an integer beyond float range, e.g. 10**400
+        finite = False
+    if not finite:
         raise bad(name, f"'{name}' must be finite")
     return float(v)
 
