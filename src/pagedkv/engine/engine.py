@@ -108,11 +108,8 @@ class LLMEngine:
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
             params = params or SamplingParams()
             ids, text = self.tokenize(prompt)
-            self._validate(rid, ids)
+            self._validate(rid, ids, params)
             max_tokens = self._resolve_max_tokens(len(ids), params)
-            vocab = self.model.embed.shape[0]
-            if any(t >= vocab for t in params.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         except ValueError:
             self.num_rejected += 1
             raise
@@ -130,7 +127,7 @@ class LLMEngine:
             pass
         return rid
 
-    def _validate(self, rid: str, ids: list[int]) -> None:
+    def _validate(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         if self.core.scheduler.is_id_in_use(rid):
             raise ValueError(f"request id {rid!r} is already in use")
         if not ids:
@@ -138,6 +135,8 @@ class LLMEngine:
         vocab = self.model.embed.shape[0]
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         """Output tokens this request may make; rejects what could never fit."""
