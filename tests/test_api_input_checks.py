@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagedkv import SamplingParams
-from pagedkv.engine.outputs import hold_back
+from pagedkv.engine.stop_strings import PartialStopTracker, hold_back
 from pagedkv.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
@@ -24,6 +24,22 @@ def test_hold_back_equals_the_brute_force_on_random_texts():
         text = "".join(rng.choice("aab c") for _ in range(rng.randrange(0, 12)))
         stops = ["".join(rng.choice("ab c") for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))]
         assert hold_back(text, stops) == _brute_hold_back(text, stops), (text, stops)
+
+
+def test_the_incremental_tracker_equals_the_brute_force_as_text_streams_in():
+    """Fed a growing text in random pieces (and once a text that does not extend the last),
+    the KMP tracker holds back exactly what the brute force does after every piece."""
+    rng = random.Random(1)
+    for _ in range(500):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 7))) for _ in range(rng.randrange(1, 4))]
+        tracker, text = PartialStopTracker(stops), ""
+        for _ in range(rng.randrange(1, 10)):
+            text += "".join(rng.choice("aab") for _ in range(rng.randrange(0, 4)))
+            tracker.feed(text)
+            assert text[:len(text) - tracker.held()] == _brute_hold_back(text, stops), (text, stops)
+        text = "b" + text[1:] if text.startswith("a") else "a" + text[1:]
+        tracker.feed(text)
+        assert text[:len(text) - tracker.held()] == _brute_hold_back(text, stops), (text, stops)
 
 
 def test_stop_strings_are_bounded():
@@ -66,3 +82,22 @@ def test_stop_token_ids_are_bounded_and_in_the_vocabulary(tiny_llm_factory):
 def test_chat_refuses_a_lone_surrogate_in_a_role(tiny_llm_factory):
     with pytest.raises(ValueError, match="messages: a role"):
         tiny_llm_factory().chat([{"role": "\ud800", "content": "hi"}])
+
+
+@pytest.mark.parametrize("kw", [{"seed": 10**400}, {"seed": -(10**30)}, {"stop_token_ids": list(range(-5, 1000))},
+                                {"max_tokens": -(10**5000)}])
+def test_errors_quote_huge_values_briefly(kw):
+    """An error quoting a 400-digit seed or a 1,000-id list stays one short line."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kw)
+    assert len(str(e.value)) < 200, str(e.value)
+
+
+@pytest.mark.parametrize("salt", [123, b"bytes", ["a"], ""])
+def test_cache_salt_must_be_a_non_empty_string(tiny_llm_factory, salt):
+    llm = tiny_llm_factory()
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate(["hi"], SamplingParams(max_tokens=1), cache_salt=salt)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([{"prompt": "hi", "cache_salt": salt}], SamplingParams(max_tokens=1))
+    assert llm.generate(["hi"], SamplingParams(max_tokens=1), cache_salt="tenant-a")[0].finished

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.engine.outputs import find_stop, hold_back
+from pagedkv.engine.stop_strings import find_stop, hold_back
 from pagedkv.engine.sampler import _filter_top_k_top_p, sample, sample_row
 from pagedkv.engine.sampling_params import SamplingParams
 

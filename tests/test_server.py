@@ -65,9 +65,9 @@ def no_server_errors():
     assert not handler.records, [r.getMessage() for r in handler.records]
 
 
-def _serve(model_dir, live=None, **cfg):
+def _serve(model_dir, live=None, num_blocks=NUM_BLOCKS, **cfg):
     """``live``: LiveServer keywords (limits, shutdown_timeout); ``cfg``: ServerConfig's."""
-    engine = LLMEngine(model=str(model_dir), num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
+    engine = LLMEngine(model=str(model_dir), num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN,
                        debug_invariants=True)
     return LiveServer(build_app(engine, ServerConfig([MODEL, "tiny-alias"], **cfg)), **(live or {})).start()
 
@@ -564,7 +564,8 @@ def test_post_bodies_must_be_plain_json(server, headers):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.2", "", "[::1"])
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.2", "", "[::1",
+                                  "localhost#evil.example", "evil.example@localhost", "localhost/x", "localhost:80x"])
 def test_unknown_host_is_refused_without_a_key(server, host):
     """DNS rebinding: the attacker's page reaches 127.0.0.1 under its own name."""
     for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
@@ -582,6 +583,7 @@ def test_loopback_and_allowed_hosts_are_served(server, host):
 
 @pytest.mark.parametrize("origin,status", [("http://evil.example", 403), ("null", 403), ("file://", 403),
                                            ("https://127.0.0.1.evil.example", 403),
+                                           ("http://evil.example@localhost", 403), ("http://localhost/x", 403),
                                            ("http://localhost:3000", 200), ("http://[::1]:8000", 200),
                                            ("https://gpu-box.lan", 200)])
 def test_cross_origin_browser_requests_are_refused(server, origin, status):
@@ -589,6 +591,31 @@ def test_cross_origin_browser_requests_are_refused(server, origin, status):
     assert r.status_code == status, r.text
     if status == 403:
         assert r.json()["error"]["code"] == "origin_not_allowed"
+
+
+def test_errors_quote_huge_numbers_briefly(server):
+    for body in ({"prompt": "x", "seed": 10**400}, {"prompt": "x", "max_tokens": -(10**300)},
+                 {"prompt": "x", "n": 10**100}):
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 400 and len(r.json()["error"]["message"]) < 200, r.text
+
+
+@pytest.mark.parametrize("repeated", [b"Host: localhost\r\nHost: evil.example\r\n",
+                                      b"Host: localhost\r\nOrigin: http://localhost\r\nOrigin: http://evil.example\r\n",
+                                      b"Host: localhost\r\nContent-Type: application/json\r\nContent-Type: text/plain\r\n",
+                                      b"Host: localhost\r\nContent-Encoding: identity\r\nContent-Encoding: gzip\r\n"],
+                         ids=["host", "origin", "content-type", "content-encoding"])
+def test_repeated_security_headers_are_refused(server, repeated):
+    """Which of two Host (or Origin, Content-Type, Content-Encoding) headers counts is a
+    parser's guess: a request that repeats one is refused, not checked against either."""
+    if not repeated.startswith(b"Host: localhost\r\nContent-Type"):
+        repeated += b"Content-Type: application/json\r\n"
+    s = _raw(server, b"POST /v1/completions HTTP/1.1\r\n" + repeated
+             + f"Content-Length: {len(ONE)}\r\nConnection: close\r\n\r\n".encode() + ONE)
+    s.settimeout(10)
+    head = s.recv(4096)
+    s.close()
+    assert head.startswith(b"HTTP/1.1 400"), head
 
 
 def test_with_a_key_any_host_is_served(keyed_server):
@@ -748,6 +775,78 @@ def test_shutdown_keeps_its_timeout_with_a_client_stuck_mid_upload(tiny_model_di
     took = time.monotonic() - t0
     stuck.close()
     assert not srv._thread.is_alive() and took < 2.5, took
+
+
+def _non_reading_stream(srv) -> socket.socket:
+    """A client that asks for a long, wordy stream (8 choices, 20 log-probs per token) and
+    never reads it; returns once the server's writing to it is paused (buffers full)."""
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 480, "n": 8, "logprobs": 20,
+                       "ignore_eos": True, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect(("127.0.0.1", srv.port))
+    s.sendall(HEAD + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 60
+    while not any(getattr(c, "flow", None) is not None and c.flow.write_paused
+                  for c in list(srv.server.server_state.connections)):
+        assert time.monotonic() < deadline, "the server never filled the client's buffers"
+        time.sleep(0.05)
+    return s
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_and_its_requests_aborted(tiny_model_dir, one_thread):
+    """Issue 19: a stream nobody reads held its connection and its engine requests until
+    they finished (and its queue kept a copy of every output): now writing paused for
+    ``write_timeout_s`` aborts the connection, the requests and their blocks."""
+    srv = _serve(tiny_model_dir, num_blocks=320, live={"limits": HTTPLimits(write_timeout_s=0.5)})
+    try:
+        s = _non_reading_stream(srv)
+        t0 = time.monotonic()
+        m = wait_idle(srv, timeout=20)
+        assert m['pagedkv_requests_finished_total{finish_reason="abort"}'] == 8, m
+        assert time.monotonic() - t0 < 10
+        assert _closed_within(s, 5.0)
+    finally:
+        srv.stop()
+
+
+def test_shutdown_keeps_its_timeout_with_a_client_that_stops_reading(tiny_model_dir, one_thread, caplog):
+    """Issue 19: at shutdown such a stream waited for uvicorn's hard stop (drain + 5 s) and
+    logged a CancelledError traceback."""
+    srv = _serve(tiny_model_dir, num_blocks=320,
+                 live={"shutdown_timeout": 1.0, "limits": HTTPLimits(write_timeout_s=60)})
+    s = _non_reading_stream(srv)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        srv.stop(timeout=15)
+    took = time.monotonic() - t0
+    s.close()
+    assert not srv._thread.is_alive() and took < 3.0, took
+    assert "Cancel" not in caplog.text and "Traceback" not in caplog.text, caplog.text
+
+
+def test_output_sink_keeps_only_the_latest_output_per_choice():
+    """A client that reads nothing costs one (cumulative) output per choice, and a finished
+    output or an error is never replaced by a later item."""
+    from pagedkv.engine.outputs import RequestOutput
+    from pagedkv.server.engine_loop import OutputSink
+
+    def out(n: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1], "x" * n, list(range(n)), finished, "length" if finished else None, 1, 0)
+
+    sink = OutputSink()
+    for n in range(1, 1001):
+        sink.put_nowait((0, out(n)))
+        sink.put_nowait((1, out(n)))
+    assert sink.pending() == 2
+    sink.put_nowait((0, out(1001, finished=True)))
+    sink.put_nowait((0, out(1002)))
+    err = RuntimeError("engine failed")
+    sink.put_nowait((1, err))
+    sink.put_nowait((1, out(1003)))
+    batch = asyncio.run(sink.get_batch())
+    assert len(batch[0].token_ids) == 1001 and batch[0].finished and batch[1] is err
+    assert sink.pending() == 0
 
 
 # ---- engine failure -------------------------------------------------------------------

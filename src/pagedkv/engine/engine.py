@@ -25,6 +25,7 @@ from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.setup import EngineParts, build_parts
 from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.kv.connector import KVConnector
+from pagedkv.reprs import brief
 
 ENDED_KEPT = 1024  # recently ended requests whose final output ``final_output`` can still give
 
@@ -95,26 +96,28 @@ class LLMEngine:
         ``priority`` orders admission under ``scheduling_policy="priority"`` (lower first).
 
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, a duplicate id,
-                or a request that can never fit (the message names the numbers).
+            ValueError: empty prompt, token ids outside the vocabulary, a duplicate id, a
+                ``cache_salt`` that is not a non-empty string, or a request that can never fit (the message names the numbers).
         """
         rid = request_id if request_id is not None else self._new_id()
         try:
             if not isinstance(rid, str) or not rid:
-                raise ValueError(f"a request id is a non-empty string, got {rid!r}")
+                raise ValueError(f"a request id is a non-empty string, got {brief(rid)}")
             if not isinstance(priority, int) or isinstance(priority, bool):
-                raise ValueError(f"priority must be an integer, got {priority!r}")
+                raise ValueError(f"priority must be an integer, got {brief(priority)}")
             if not isinstance(params or SamplingParams(), SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
             params = params or SamplingParams()
+            if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+                cache_salt = prompt["cache_salt"]  # vLLM's per-prompt salt
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+                raise ValueError(f"cache_salt must be a non-empty string, got {brief(cache_salt)}")
             ids, text = self.tokenize(prompt)
             self._validate(rid, ids, params)
             max_tokens = self._resolve_max_tokens(len(ids), params)
         except ValueError:
             self.num_rejected += 1
             raise
-        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
-            cache_salt = str(prompt["cache_salt"])  # vLLM's per-prompt salt
         req = Request(rid, ids, params, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
                       priority=priority)
         self.core.add_request(req)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pagedkv.engine.core_io import EngineCoreOutput
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.stop_strings import PartialStopTracker, find_stop
 
 
 @dataclass
@@ -40,36 +41,6 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list, repr=False)
 
 
-def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
-    """Earliest ``(index, stop_string)`` of any stop string in ``text[start:]``."""
-    best = None
-    for s in stops:
-        i = text.find(s, start)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-def hold_back(text: str, stops: list[str]) -> str:
-    """Drop a trailing partial match of a stop string, so streamed text never shows
-    the start of a stop string that later completes."""
-    cut = max((_partial_match(text, s) for s in stops), default=0)
-    return text[:len(text) - cut] if cut else text
-
-
-def _partial_match(text: str, stop: str) -> int:
-    """Length of the longest proper prefix of ``stop`` that ``text`` ends with. Only
-    prefixes ending in ``text``'s last character can match, so only those are compared."""
-    if not text:
-        return 0
-    best, i = 0, stop.find(text[-1], 0, len(stop) - 1)
-    while i >= 0:
-        if i + 1 <= len(text) and text.endswith(stop[:i + 1]):
-            best = i + 1
-        i = stop.find(text[-1], i + 1, len(stop) - 1)
-    return best
-
-
 class TextRequest:
     """The text side's record of one request, built from the core's outputs."""
 
@@ -87,6 +58,7 @@ class TextRequest:
         self.num_cached_tokens = self.num_preemptions = 0
         self._stop_text: str | None = None   # text cut at a stop string
         self._searched = 0                   # stop strings were looked for up to here
+        self._partial = PartialStopTracker(params.stop) if params.stop else None
 
     @property
     def finished(self) -> bool:
@@ -128,7 +100,10 @@ class TextRequest:
         if self._stop_text is not None:
             return self._stop_text
         text = self.detok.text
-        return hold_back(text, self.params.stop) if self.params.stop and not self.finished else text
+        if self._partial is None or self.finished:
+            return text
+        self._partial.feed(text)
+        return text[:len(text) - self._partial.held()]
 
     def output(self) -> RequestOutput:
         ttft = tpot = e2e = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedkv.reprs import brief
+
 #: Temperatures below this are treated as greedy: dividing logits by a tinier value
 #: overflows fp32 (vLLM uses the same cut-off).
 SAMPLING_EPS = 1e-5
@@ -60,36 +62,36 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise ValueError(f"stop must be a string or a list of strings, got {brief(self.stop)}")
         self.stop = [s for s in self.stop if s]
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most "
                              f"{MAX_STOP_CHARS} characters each")
         if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of integers, got {brief(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be an integer >= 1, got {brief(self.max_tokens)}")
         if not _is_number(self.temperature) or not 0 <= _as_float(self.temperature) < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {brief(self.temperature)}")
         if not _is_number(self.top_p) or not 0 < _as_float(self.top_p) <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {brief(self.top_p)}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {brief(self.top_k)}")
         if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
+            raise ValueError(f"seed must be a 64-bit integer, got {brief(self.seed)}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be true or false, got {brief(getattr(self, name))}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {brief(self.logprobs)}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {brief(self.prompt_logprobs)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {brief(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

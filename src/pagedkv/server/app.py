@@ -161,8 +161,12 @@ class Server:
 
 
 def _require_json(headers) -> None:
-    """Raises APIError 415 unless the body is declared ``application/json`` and not encoded:
+    """Raises APIError 415 unless the body is declared ``application/json`` and not encoded
+    (400 if either header is repeated: which one counts would be the parser's guess):
     a browser page can send ``text/plain`` cross-site without a CORS preflight, never JSON."""
+    for name in ("content-type", "content-encoding"):
+        if len(headers.getlist(name)) > 1:
+            raise APIError(400, f"the request has more than one {name} header", code="duplicate_header")
     media = headers.get("content-type", "").partition(";")[0].strip().lower()
     if media != "application/json":
         raise APIError(415, f"the body must be sent with 'Content-Type: application/json', not "

@@ -182,11 +182,11 @@ def graceful_server(config, abort_all, drain_s: float):
     ``[DONE]``, waiting non-streaming calls get 503), instead of cutting connections. It
     does not re-raise the caught signal afterwards (that would turn a clean SIGTERM stop
     into death by signal). At ``drain_s`` it also closes connections whose client is still
-    sending its request (a stalled upload would otherwise hold the exit until uvicorn
-    cancels its task). uvicorn is imported lazily: other commands do not pay for it."""
+    sending its request or has stopped reading its response (either would otherwise hold
+    the exit until uvicorn cancels its task). uvicorn is imported lazily: other commands do not pay for it."""
     import uvicorn
 
-    from pagedkv.server.http_limits import cut_uploads
+    from pagedkv.server.http_limits import cut_stalled
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
@@ -195,7 +195,7 @@ def graceful_server(config, abort_all, drain_s: float):
 
         def end_drain(self) -> None:
             abort_all()
-            cut_uploads(self.server_state.connections)
+            cut_stalled(self.server_state.connections)
 
         @contextlib.contextmanager
         def capture_signals(self):

@@ -6,7 +6,7 @@
                                                               | drain commands
                                                               | engine.step()  (all requests of
                                                               |   all connections in one batch)
-    per-request asyncio.Queue <--call_soon_threadsafe-- outputs
+    per-request OutputSink <--call_soon_threadsafe-- outputs
 
 Commands are handled in arrival order, so an ``abort`` queued after an ``add`` always
 finds the request. Every request ends with exactly one ``finished`` RequestOutput in its
@@ -42,9 +42,44 @@ class NewRequest:
     priority: int = 0                 # the engine's scheduling priority (lower first)
 
 
+class OutputSink:
+    """Where one HTTP request's engine outputs arrive, on its event loop, as ``(tag, item)``
+    (``tag``: the choice index; ``item``: a RequestOutput or the exception that ended it).
+
+    Outputs are cumulative, so only the latest per choice is kept: a client that reads
+    slowly (or not at all) costs one output per choice, not a copy of its token ids and
+    log-probs per engine step. A terminal item (a finished output, an exception) is never
+    replaced. Not thread-safe: the engine thread puts through ``call_soon_threadsafe``.
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[int, RequestOutput | BaseException] = {}
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: tuple[int, RequestOutput | BaseException]) -> None:
+        tag, out = item
+        prev = self._latest.get(tag)
+        if isinstance(prev, BaseException) or (prev is not None and prev.finished):
+            return
+        self._latest[tag] = out
+        self._ready.set()
+
+    def pending(self) -> int:
+        """How many choices have news waiting."""
+        return len(self._latest)
+
+    async def get_batch(self) -> dict[int, RequestOutput | BaseException]:
+        """Wait for news, then take all of it: ``{tag: latest item}``."""
+        while not self._latest:
+            self._ready.clear()
+            await self._ready.wait()
+        batch, self._latest = self._latest, {}
+        return batch
+
+
 @dataclass
 class _Route:
-    sink: asyncio.Queue               # receives (tag, RequestOutput | BaseException)
+    sink: OutputSink                  # receives (tag, RequestOutput | BaseException)
     tag: int
     loop: asyncio.AbstractEventLoop
 
@@ -53,7 +88,7 @@ class _Route:
 class _Add:
     requests: list[NewRequest]
     cache_salt: str | None
-    sink: asyncio.Queue
+    sink: OutputSink
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
 
@@ -100,7 +135,7 @@ class EngineLoop:
         """Abort every request in the engine (each stream ends with finish_reason 'abort')."""
         self._cmds.put(("abort_all",))
 
-    async def add(self, requests: list[NewRequest], sink: asyncio.Queue,
+    async def add(self, requests: list[NewRequest], sink: OutputSink,
                   cache_salt: str | None = None) -> None:
         """Add ``requests`` atomically; their outputs go to ``sink`` as ``(index, output)``.
 

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.server import responses as R
-from pagedkv.server.engine_loop import EngineLoop, EngineUnavailable, NewRequest
+from pagedkv.server.engine_loop import EngineLoop, EngineUnavailable, NewRequest, OutputSink
 from pagedkv.server.protocol import APIError, ChatRequest, GenerateRequest
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -36,7 +36,7 @@ class Job:
     model: str
     req: GenerateRequest
     request_ids: list[str]
-    sink: asyncio.Queue
+    sink: OutputSink
     token_text: R.TokenText
 
     @property
@@ -58,7 +58,7 @@ async def start(loop: EngineLoop, req: GenerateRequest, prompts: list[dict], mod
             if req.n > 1 and params.seed is not None:
                 params = replace(params, seed=params.seed + j)
             new.append(NewRequest(f"{rid}-{len(new)}", p, params, req.priority))
-    sink: asyncio.Queue = asyncio.Queue()
+    sink = OutputSink()
     try:
         await loop.add(new, sink, cache_salt)
     except ValueError as e:
@@ -105,11 +105,11 @@ async def _collect(job: Job) -> list[RequestOutput]:
     outs: list[RequestOutput | None] = [None] * len(job.request_ids)
     left = len(outs)
     while left:
-        tag, out = await job.sink.get()
-        if isinstance(out, BaseException):
-            raise APIError(503, "the engine failed", type="server_error", code="engine_unavailable")
-        if out.finished and outs[tag] is None:
-            outs[tag], left = out, left - 1
+        for tag, out in (await job.sink.get_batch()).items():
+            if isinstance(out, BaseException):
+                raise APIError(503, "the engine failed", type="server_error", code="engine_unavailable")
+            if out.finished and outs[tag] is None:
+                outs[tag], left = out, left - 1
     return outs  # type: ignore[return-value]
 
 
@@ -183,7 +183,7 @@ async def _events(job: Job) -> AsyncIterator[str]:
                                     None, None))
     left = k
     while left:
-        latest = await _next_batch(job.sink)
+        latest = await job.sink.get_batch()  # a slow client gets fewer, larger deltas
         for tag, out in latest.items():
             if isinstance(out, BaseException):
                 yield _sse(APIError(500, "the engine failed", type="server_error").body())
@@ -203,16 +203,6 @@ async def _events(job: Job) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if job.chat else "text_completion"
         yield _sse(R.usage_chunk(job.rid, job.created, job.model, obj, [s.last for s in states], job.req.n))
     yield "data: [DONE]\n\n"
-
-
-async def _next_batch(sink: asyncio.Queue) -> dict:
-    """Wait for an item, then take all that are ready; outputs are cumulative, so only the
-    latest per choice matters (a slow client gets fewer, larger deltas)."""
-    latest = dict([await sink.get()])
-    while not sink.empty():
-        tag, out = sink.get_nowait()
-        latest[tag] = out
-    return latest
 
 
 def _chunk(job: Job, tag: int, st: R.ChoiceState, out: RequestOutput) -> dict | None:

@@ -17,30 +17,36 @@ browser cannot attach the key cross-site without a CORS preflight, which is neve
 from __future__ import annotations
 
 import json
+import re
 from urllib.parse import urlsplit
 
 from pagedkv.server.protocol import APIError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
+# RFC 9110 section 7.2 / RFC 3986 section 3.2: host [":" port], the host a registered name
+# or an IPv4 address, or an IPv6 literal in brackets. No userinfo, path, query or fragment:
+# 'evil.com@localhost' and 'localhost#evil.com' are not hosts (a URL parser would say
+# 'localhost' for both).
+_AUTHORITY = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+))(?::[0-9]{1,5})?")
+_ORIGIN = re.compile(r"(?:https?)://(?P<authority>[^/?#@]+)", re.IGNORECASE)
+
 
 def host_name(authority: str) -> str | None:
     """``'LocalHost:8000'`` -> ``'localhost'``, ``'[::1]:80'`` -> ``'::1'``; None when it is
-    not a host (empty, ``null``, unparsable)."""
-    try:
-        name = urlsplit("//" + authority.strip()).hostname
-    except ValueError:
+    not exactly ``host[:port]`` (empty, userinfo, a path or fragment, spaces)."""
+    m = _AUTHORITY.fullmatch(authority)
+    if m is None:
         return None
-    return name or None
+    return (m["v6"] or m["name"]).lower()
 
 
 def origin_host(origin: str) -> str | None:
-    """The host of an ``Origin`` header (``'http://localhost:3000'`` -> ``'localhost'``);
-    None for ``null`` (sandboxed frames, ``file:``) or anything unparsable."""
-    try:
-        return urlsplit(origin.strip()).hostname or None
-    except ValueError:
-        return None
+    """The host of an ``Origin`` header, exactly ``scheme://host[:port]``
+    (``'http://localhost:3000'`` -> ``'localhost'``); None for ``null`` (sandboxed frames,
+    ``file:``) or anything else."""
+    m = _ORIGIN.fullmatch(origin)
+    return host_name(m["authority"]) if m else None
 
 
 class HostGuard:
@@ -63,7 +69,10 @@ class HostGuard:
         await _send_json(send, error)
 
     def refusal(self, scope) -> APIError | None:
-        headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in (b"host", b"origin")}
+        pairs = [(k.decode(), v.decode("latin-1")) for k, v in scope["headers"] if k in (b"host", b"origin")]
+        headers = dict(pairs)
+        if len(headers) < len(pairs):
+            return APIError(400, "the request repeats its Host or Origin header", code="duplicate_header")
         if host_name(headers.get("host", "")) not in self.allowed:
             return APIError(403, "this Host is not allowed: the server accepts loopback names only "
                             "(add more with --allowed-hosts, or set --api-key)", code="host_not_allowed")

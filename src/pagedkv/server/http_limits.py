@@ -1,4 +1,5 @@
-"""Slow clients: deadlines on reading a request, and a cap on connections.
+"""Slow clients: deadlines on reading a request and on a client reading a response, and a
+cap on connections.
 
 uvicorn's h11 protocol waits forever for a request's headers (its keep-alive timeout only
 runs between requests) and for its body, so a client that sends a few bytes and stalls
@@ -8,9 +9,15 @@ holds a connection, and at shutdown holds the process. Per connection:
          ^ idle between requests: timeout_keep_alive_s
 
 A deadline that passes with the client still sending closes the connection (the app
-sees a disconnect: 499, nothing to abort). ``limit_concurrency`` connections or
+sees a disconnect: 499, nothing to abort). A client that stops reading a response (a
+stream, typically) fills the socket and the transport's buffer, and asyncio pauses
+writing: if writing stays paused for ``write_timeout_s``, the connection is aborted (the
+stream ends, and its engine requests are aborted and their blocks freed), so neither the
+engine's work nor the connection is held by a client that went away without closing.
+``limit_concurrency`` connections or
 requests in flight make uvicorn answer further requests 503. At shutdown,
-:func:`cut_uploads` closes connections still sending a request, so the drain time holds.
+:func:`cut_stalled` closes connections still sending a request and aborts those whose
+client is not reading, so the drain time holds.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 @dataclass(frozen=True)
 class HTTPLimits:
-    """Seconds for each read deadline; ``limit_concurrency`` in connections (None: no cap)."""
+    """Seconds for each deadline; ``limit_concurrency`` in connections (None: no cap)."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
     timeout_keep_alive_s: float = 5.0
     limit_concurrency: int | None = 1024
 
@@ -38,10 +46,12 @@ class HTTPLimits:
 
 
 class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header deadline and a body deadline (``limits``)."""
+    """uvicorn's h11 protocol with header, body and write deadlines (``limits``)."""
 
     limits: HTTPLimits = HTTPLimits()
     _deadline = None
+    _write_deadline = None
+    _write_timeout_s: float | None = None   # set at shutdown: shorter than limits'
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -60,7 +70,36 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self.resume_writing_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        seconds = self._write_timeout_s if self._write_timeout_s is not None else self.limits.write_timeout_s
+        self._write_deadline = self.loop.call_later(seconds, self.cut_if_not_reading)
+
+    def resume_writing(self) -> None:
+        self.resume_writing_deadline()
+        super().resume_writing()
+
+    def resume_writing_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def cut_if_not_reading(self) -> None:
+        """Abort the connection if its client has not read what was sent (writing is
+        paused); close() would wait for that buffer to drain, which may be never."""
+        if self.transport is not None and not self.transport.is_closing() and self.flow.write_paused:
+            self.transport.abort()
+
+    def end_drain(self, grace_s: float) -> None:
+        """Shutdown's drain time is over: close the connection if its client is still
+        sending a request; abort it if the client is not reading, now or within
+        ``grace_s`` of writing pausing (the last chunks of aborted streams are on the way)."""
+        self.cut_if_reading()
+        self._write_timeout_s = grace_s
+        self.cut_if_not_reading()
 
     def still_reading(self) -> str | None:
         """'headers' or 'body' while the client is still sending that part of a request."""
@@ -85,9 +124,10 @@ class DeadlineH11Protocol(H11Protocol):
             self._deadline = None
 
 
-def cut_uploads(connections) -> None:
-    """Close each connection whose client is still sending a request (shutdown: the drain
-    time is over, and a request not yet received can never be answered)."""
+def cut_stalled(connections, grace_s: float = 1.0) -> None:
+    """Shutdown: the drain time is over. Close each connection whose client is still
+    sending a request (it can never be answered) and abort each whose client is not
+    reading (see :meth:`DeadlineH11Protocol.end_drain`)."""
     for conn in list(connections):
         if isinstance(conn, DeadlineH11Protocol):
-            conn.cut_if_reading()
+            conn.end_drain(grace_s)

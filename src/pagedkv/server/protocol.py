@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.reprs import brief
 
 MAX_N = 8                  # choices per request
 MAX_PROMPTS = 64           # prompts in one /v1/completions request
@@ -96,7 +97,7 @@ def _int(body: dict, name: str, default, lo=None, hi=None):
         raise bad(name, f"'{name}' must be an integer, got {type(v).__name__}", "invalid_type")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise bad(name, f"'{name}' must be {rng}, got {v}")
+        raise bad(name, f"'{name}' must be {rng}, got {brief(v)}")
     return v
 
 
@@ -189,10 +190,10 @@ def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: i
             break
     temperature = _float(body, "temperature", 1.0)
     if temperature < 0:
-        raise bad("temperature", f"'temperature' must be >= 0, got {temperature}")
+        raise bad("temperature", f"'temperature' must be >= 0, got {brief(temperature)}")
     top_p = _float(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
-        raise bad("top_p", f"'top_p' must be in (0, 1], got {top_p}")
+        raise bad("top_p", f"'top_p' must be in (0, 1], got {brief(top_p)}")
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad("stream_options", "'stream_options' must be an object", "invalid_type")
@@ -283,7 +284,7 @@ def _messages(v) -> list[dict]:
             raise bad(where, f"{where} must be an object", "invalid_type")
         role = m.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or dict is unhashable
-            raise bad(f"{where}.role", f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+            raise bad(f"{where}.role", f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {brief(role)}")
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content(m.get("content"), f"{where}.content")})
     if not any(m["content"] for m in out):
