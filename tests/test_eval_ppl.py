@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedkv import SamplingParams
-from pagedkv.eval.ppl import perplexity, windows
+from pagedkv.eval.ppl import perplexity, rolling_windows, windows
 
 IDS = list(range(300, 341))  # 41 tokens: crosses two block boundaries
 
@@ -85,3 +85,35 @@ def test_eval_ppl_cli_compares_dtypes(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["kv_cache_dtype"] for x in rows] == ["float32", "float16"]
     assert rows[0]["ppl_vs_first"] == 1.0 and abs(rows[1]["ppl_vs_first"] - 1) < 0.01
+
+
+# lm-eval 0.4.13's requests for ten tokens 100..109 with prefix token 1 (printed from
+# lm_eval.utils.get_rolling_token_windows + make_disjoint_window and TemplateAPI's
+# truncation at max_length), as (token ids, ctxlen): they score token_logprobs[ctxlen:].
+LM_EVAL_ROLLING = {
+    4: [([1, 100, 101, 102], 1), ([102, 103, 104, 105], 1), ([105, 106, 107, 108], 1), ([106, 107, 108, 109], 3)],
+    5: [([1, 100, 101, 102, 103], 1), ([103, 104, 105, 106, 107], 1), ([105, 106, 107, 108, 109], 3)],
+}
+
+
+@pytest.mark.parametrize("window", sorted(LM_EVAL_ROLLING))
+def test_rolling_windows_are_lm_evals(window):
+    got = [(w.token_ids, w.first_scored) for w in rolling_windows(list(range(100, 110)), 100, window, 1)]
+    assert got == LM_EVAL_ROLLING[window]
+
+
+@pytest.mark.parametrize("n,window", [(1, 4), (3, 4), (9, 4), (40, 7), (41, 41), (12, 2)])
+def test_rolling_windows_score_every_token_once(n, window):
+    ids = list(range(500, 500 + n))
+    wins = rolling_windows(ids, n, window, 7)
+    scored = [t for w in wins for t in w.token_ids[w.first_scored:]]
+    assert scored == ids and all(len(w.token_ids) <= window for w in wins)
+    assert wins[0].token_ids[0] == 7
+
+
+def test_rolling_perplexity_scores_all_tokens(tiny_llm_factory):
+    llm = tiny_llm_factory(num_blocks=16)
+    r = perplexity(llm, IDS, 41, 16, rolling=True, prefix_token_id=1)
+    assert r.num_scored_tokens == 41 and r.num_windows == 3
+    with pytest.raises(ValueError, match="prefix token"):
+        perplexity(llm, IDS, 41, 16, rolling=True)

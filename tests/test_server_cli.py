@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -137,10 +138,12 @@ def test_sigterm_exits_within_the_shutdown_timeout_with_a_client_stuck_mid_uploa
     """A client that stalls mid-body must not hold the exit past --shutdown-timeout, and
     the exit logs no traceback (uvicorn used to cancel the handler after a margin)."""
     srv = ServeProcess("--model", str(tiny_model_dir), "--num-blocks", "16", "--shutdown-timeout", "1",
-                       "--log-level", "warning")
+                       "--log-level", "warning", "--served-model-name", "tiny", "tiny-2", "--served-model-name", "t3")
     port = int(srv.url.rsplit(":", 1)[1])
     try:
         stuck = _connect_when_listening(port)
+        models = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]  # vLLM's nargs="+" names
+        assert [m["id"] for m in models] == ["tiny", "tiny-2", "t3"]
         stuck.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                       b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
         time.sleep(0.3)

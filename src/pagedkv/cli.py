@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_run_generate)
     from pagedkv.bench.cli import add_parser as add_bench
     from pagedkv.eval.cli import add_parser as add_eval
+    from pagedkv.info_cmd import add_parser as add_info
     from pagedkv.planner.cli import add_parser as add_plan
     from pagedkv.server.cli import add_parser as add_serve
 
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_bench(sub)
     add_eval(sub)
+    add_info(sub)
     return parser
 
 

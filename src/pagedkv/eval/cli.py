@@ -27,6 +27,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub = ev.add_subparsers(dest="eval_command", required=True, parser_class=type(ev))
     p = _sub(sub, "ppl", "perplexity of a text file through the engine (prompt logprobs)", run_ppl)
     _text_args(p, window=1024)
+    p.add_argument("--rolling", action="store_true",
+                   help="score every token with lm-eval's loglikelihood_rolling windows (prefixed with the "
+                   "tokenizer's BOS, else EOS; compare with lm-eval at max_length = --window)")
     p = _sub(sub, "attn-error", "per-layer attention-output relative error vs the float32 cache", run_attn_error)
     _text_args(p, window=512)
     p = _sub(sub, "agreement", "greedy agreement with the float32 cache on arena-hard chat prompts", run_agreement)
@@ -86,7 +89,9 @@ def run_ppl(a) -> int:
     settings, results = parse_settings(a.kv_cache_dtype, a.kv_cache_scale), []
     for s in settings:
         llm = _llm(a, s, max_model_len=a.window + 1)
-        results.append(perplexity(llm, _text_ids(a, llm.get_tokenizer()), a.num_tokens, a.window))
+        tok = llm.get_tokenizer()
+        prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        results.append(perplexity(llm, _text_ids(a, tok), a.num_tokens, a.window, a.rolling, prefix))
         del llm
     base = results[0].ppl
     for s, r in zip(settings, results):

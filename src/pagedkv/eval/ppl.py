@@ -6,6 +6,15 @@ of ``window`` tokens, and every window sent as one request with ``prompt_logprob
 ``1..window-1`` given the tokens before them in that window; perplexity is
 ``exp(-mean log p)`` over all scored tokens (natural log), the usual strided-window
 evaluation (e.g. HF's "Perplexity of fixed-length models" guide) with stride = window.
+
+``rolling=True`` scores every token instead, with lm-evaluation-harness's
+``loglikelihood_rolling`` windows (``lm_eval.utils.get_rolling_token_windows`` with
+``context_len=1`` and ``max_seq_len = window - 1``, made disjoint), so its perplexity can
+be compared number for number with an lm-eval run against ``pagedkv serve`` at
+``max_length = window``: the text is prefixed with ``prefix_token_id`` (lm-eval takes the
+tokenizer's BOS, else EOS); window ``j`` is ``s[j(W-1) : j(W-1) + W]`` of that sequence
+``s``, scoring all but its first token; the last, short one is extended back to ``W``
+tokens and scores only the tokens not yet scored.
 """
 
 from __future__ import annotations
@@ -14,6 +23,13 @@ import math
 from dataclasses import asdict, dataclass
 
 from pagedkv.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Window:
+    """One request: ``token_ids``, of which positions ``first_scored..`` are scored."""
+    token_ids: list[int]
+    first_scored: int = 1
 
 
 @dataclass(frozen=True)
@@ -40,18 +56,50 @@ def windows(token_ids: list[int], num_tokens: int, window: int) -> list[list[int
     return [w for w in out if len(w) >= 2]
 
 
-def perplexity(llm, token_ids: list[int], num_tokens: int, window: int) -> PerplexityResult:
-    """Perplexity of ``token_ids`` under ``llm`` (a :class:`pagedkv.LLM`).
+def rolling_windows(token_ids: list[int], num_tokens: int, window: int, prefix_token_id: int) -> list[Window]:
+    """lm-eval's ``loglikelihood_rolling`` windows over the first ``num_tokens`` ids (see
+    the module docstring): every id is scored exactly once. Raises ValueError for a window
+    under 2 tokens."""
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    s = [prefix_token_id] + token_ids[:num_tokens]
+    out, stride = [], window - 1
+    for start in range(0, len(s) - 1, stride):
+        end = min(start + window, len(s))
+        if end - start == window or start == 0:
+            out.append(Window(s[start:end]))
+        else:  # the short last window: full length, scoring only its new tokens
+            begin = max(0, end - window)
+            out.append(Window(s[begin:end], first_scored=start + 1 - begin))
+    return out
+
+
+def window_logprobs(llm, wins: list[Window]) -> list[list[float]]:
+    """Per window, the log-probabilities (natural log) of its scored tokens, one request
+    per window sent all at once with ``prompt_logprobs=0``."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": w.token_ids} for w in wins], params)
+    return [o.prompt_logprobs[w.first_scored:] for w, o in zip(wins, outs)]
+
+
+def perplexity(llm, token_ids: list[int], num_tokens: int, window: int, rolling: bool = False,
+               prefix_token_id: int | None = None) -> PerplexityResult:
+    """Perplexity of ``token_ids`` under ``llm`` (a :class:`pagedkv.LLM`); ``rolling``:
+    lm-eval's windows, prefixed with ``prefix_token_id``.
 
     Raises:
-        ValueError: no window to score, or a window longer than the engine's max_model_len.
+        ValueError: no window to score, a window longer than the engine's max_model_len,
+            or ``rolling`` without a prefix token.
     """
-    wins = windows(token_ids, num_tokens, window)
+    if rolling:
+        if prefix_token_id is None:
+            raise ValueError("rolling windows need a prefix token id (the tokenizer's BOS or EOS)")
+        wins = rolling_windows(token_ids, num_tokens, window, prefix_token_id) if token_ids else []
+    else:
+        wins = [Window(w) for w in windows(token_ids, num_tokens, window)]
     if not wins:
         raise ValueError("the text has fewer than 2 tokens to score")
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": w} for w in wins], params)
-    logps = [lp for o in outs for lp in o.prompt_logprobs[1:]]
+    logps = [lp for lps in window_logprobs(llm, wins) for lp in lps]
     nll = -sum(logps) / len(logps)
     dtype = llm.engine.parts.spec.dtype
     return PerplexityResult(dtype, math.exp(nll), nll, len(logps), len(wins), window)

@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions   (stream: true -> SSE, data: [DONE])
     GET  /v1/models             GET  /v1/models/{id}
+    POST /tokenize              POST /detokenize            GET /tokenizer_info   (vLLM's)
     GET  /health                GET  /metrics (Prometheus text)
 
 Security defaults: with API keys configured, ``/v1/*`` needs ``Authorization: Bearer
@@ -38,6 +39,7 @@ from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.prompts import Prompts
 from pagedkv.server.protocol import APIError, parse_chat, parse_completion
 from pagedkv.server.responses import TokenText
+from pagedkv.server.tokenizer_routes import parse_detokenize, parse_tokenize, tokenizer_info
 
 log = logging.getLogger("pagedkv.server")
 DEFAULT_MAX_BODY_BYTES = 2**20
@@ -68,7 +70,8 @@ class Server:
         self.tokenizer = load_tokenizer(engine.parts.files.folder)
         self.token_text = TokenText(self.tokenizer)
         self.max_model_len = engine.max_model_len
-        self.prompts = Prompts(self.tokenizer, engine.max_model_len, engine.model.embed.shape[0])
+        self.vocab_size = engine.model.embed.shape[0]
+        self.prompts = Prompts(self.tokenizer, engine.max_model_len, self.vocab_size)
         self.capacity_tokens = engine.kv.pool.num_blocks * engine.kv.block_size
         self.created = int(time.time())
 
@@ -155,6 +158,25 @@ class Server:
         self.model_name(model_id)
         return self._model_card(model_id)
 
+    async def tokenize(self, request: Request) -> dict:
+        """vLLM's ``/tokenize``. Raises APIError 400/401/404."""
+        self.tenant_salt(request)
+        req = parse_tokenize(await self.read_json(request))
+        self.model_name(req.model)
+        ids, strs = await self.prompts.tokenize(req)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict:
+        """vLLM's ``/detokenize``. Raises APIError 400/401/404."""
+        self.tenant_salt(request)
+        model, ids = parse_detokenize(await self.read_json(request), self.vocab_size)
+        self.model_name(model)
+        return {"prompt": await self.prompts.detokenize(ids)}
+
+    async def tokenizer_info(self, request: Request) -> dict:
+        self.tenant_salt(request)
+        return tokenizer_info(self.tokenizer, self.max_model_len)
+
     def _model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "pagedkv",
                 "max_model_len": self.max_model_len}
@@ -201,6 +223,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])  # ids may hold '/'
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"])
 
     @app.get("/health")
     async def health() -> Response:

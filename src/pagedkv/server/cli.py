@@ -54,8 +54,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--allowed-hosts", default="",
                    help="without an API key, Host names accepted besides localhost, 127.0.0.1 and [::1], "
                    "comma-separated ('*' = any); browser requests from other origins get 403")
-    g.add_argument("--served-model-name", action="append", default=None,
-                   help="model name(s) clients use; the first is reported (default: --model)")
+    g.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+                   help="model name(s) clients use, as in vLLM; the first is reported (default: --model)")
     g.add_argument("--max-body-bytes", default="1MiB", help="largest request body, e.g. 4MiB (default: %(default)s)")
     g.add_argument("--shared-prefix-cache", action="store_true",
                    help="share prefix-cache blocks across API keys (default: one cache per key, so one "

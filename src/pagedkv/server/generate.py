@@ -43,6 +43,19 @@ class Job:
     def chat(self) -> bool:
         return isinstance(self.req, ChatRequest)
 
+    @property
+    def echo(self) -> bool:
+        return getattr(self.req, "echo", False)
+
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        """``out`` as the client sees it: with ``echo`` and ``max_tokens: 0`` (prompt
+        scoring), the one token the engine sampled is left out and a finished choice
+        ends with ``length``, as vLLM answers."""
+        if not getattr(self.req, "score_only", False):
+            return out
+        return replace(out, text="", token_ids=[], logprobs=[] if out.logprobs is not None else None,
+                       finish_reason="length" if out.finished else None, stop_reason=None)
+
 
 async def start(loop: EngineLoop, req: GenerateRequest, prompts: list[dict], model: str,
                 default_max_tokens: Callable[[int], int], cache_salt: str | None,
@@ -109,7 +122,7 @@ async def _collect(job: Job) -> list[RequestOutput]:
             if isinstance(out, BaseException):
                 raise APIError(503, "the engine failed", type="server_error", code="engine_unavailable")
             if out.finished and outs[tag] is None:
-                outs[tag], left = out, left - 1
+                outs[tag], left = job.shown(out), left - 1
     return outs  # type: ignore[return-value]
 
 
@@ -147,9 +160,12 @@ def _body(job: Job, outs: list[RequestOutput]) -> dict:
             choices.append({"index": i, "message": {"role": "assistant", "content": o.text},
                             "logprobs": lp, "finish_reason": o.finish_reason})
         else:
-            lp = R.completion_logprobs(ids, lps, job.token_text, R.ChoiceState()) \
-                if job.req.params.logprobs is not None else None
-            choices.append({"index": i, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason})
+            st = R.ChoiceState()
+            prefix, echo_lp = _echo(job, st, o)
+            lp = None
+            if job.req.params.logprobs is not None:
+                lp = R.join_logprobs(echo_lp + [R.completion_logprobs(ids, lps, job.token_text, st)])
+            choices.append({"index": i, "text": prefix + o.text, "logprobs": lp, "finish_reason": o.finish_reason})
     make = R.chat_body if job.chat else R.completion_body
     return make(job.rid, job.created, job.model, choices, outs, job.req.n)
 
@@ -205,16 +221,30 @@ async def _events(job: Job) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+def _echo(job: Job, st: R.ChoiceState, out: RequestOutput) -> tuple[str, list[dict]]:
+    """Under ``echo``, once per choice: the prompt's text and (with ``logprobs``) its
+    logprobs part; else ``("", [])``."""
+    if not job.echo or st.echoed:
+        return "", []
+    st.echoed = True
+    text = R.prompt_text(out, job.token_text.tokenizer)
+    return text, ([R.echo_logprobs(out, job.token_text, st)] if job.req.params.logprobs is not None else [])
+
+
 def _chunk(job: Job, tag: int, st: R.ChoiceState, out: RequestOutput) -> dict | None:
+    out = job.shown(out)
     text = st.delta(out)
     reason = R.finish_reason(out)
     want_lp = job.req.top_logprobs is not None if job.chat else job.req.params.logprobs is not None
     ids, lps = st.new_tokens(out)
-    if not text and reason is None and not (want_lp and ids):
-        return None
     if job.chat:
+        if not text and reason is None and not (want_lp and ids):
+            return None
         lp = R.chat_logprobs(ids, lps, job.req.top_logprobs, job.token_text) if want_lp else None
         delta = {"content": text} if text or reason is None else {}
         return R.chat_chunk(job.rid, job.created, job.model, tag, delta, lp, reason)
-    lp = R.completion_logprobs(ids, lps, job.token_text, st) if want_lp else None
-    return R.completion_chunk(job.rid, job.created, job.model, tag, text, lp, reason)
+    prefix, echo_lp = _echo(job, st, out)
+    if not prefix and not text and reason is None and not (want_lp and ids):
+        return None
+    lp = R.join_logprobs(echo_lp + [R.completion_logprobs(ids, lps, job.token_text, st)]) if want_lp else None
+    return R.completion_chunk(job.rid, job.created, job.model, tag, prefix + text, lp, reason)

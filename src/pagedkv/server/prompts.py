@@ -52,10 +52,26 @@ class Prompts:
     async def chat(self, messages: list[dict]) -> dict:
         """The messages rendered with the chat template, then tokenized. Raises APIError 400:
         no chat template, over the character cap, or the template refused the messages."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+        self._check_template()
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         return await self._off_loop(lambda: self.chat_prompt(messages))
+
+    async def tokenize(self, req) -> tuple[list[int], list[str] | None]:
+        """A ``/tokenize`` request (:class:`~pagedkv.server.tokenizer_routes.TokenizeRequest`)
+        -> ``(ids, token strings or None)``; no character cap (the body limit bounds it).
+        Raises APIError 400: messages but no chat template, or the template refused them."""
+        if req.messages is not None:
+            self._check_template()
+
+        def work():
+            text = req.prompt if req.messages is None else self._render(req.messages, req.add_generation_prompt)
+            ids = self.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
+            return ids, (self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None)
+        return await self._off_loop(work)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` (special tokens included, so it round-trips)."""
+        return await self._off_loop(lambda: self.tokenizer.decode(ids))
 
     # ---- worker thread ---------------------------------------------------------------
     def completion_prompt(self, p) -> dict:
@@ -64,11 +80,15 @@ class Prompts:
         return {"prompt_token_ids": list(p), "prompt": None}
 
     def chat_prompt(self, messages: list[dict]) -> dict:
+        text = self._render(messages, True)
+        return {"prompt_token_ids": self._encode(text), "prompt": text}
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template may raise on e.g. role order
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return {"prompt_token_ids": self._encode(text), "prompt": text}
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -76,6 +96,10 @@ class Prompts:
     # ---- event loop ------------------------------------------------------------------
     async def _off_loop(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def _check_template(self) -> None:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
 
     def _check_chars(self, n: int, param: str) -> None:
         if n > self.max_chars:

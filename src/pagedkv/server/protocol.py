@@ -5,7 +5,7 @@ Every problem raises :class:`APIError` with the HTTP status and an OpenAI-style 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
 
 Unknown fields are ignored, as OpenAI does. Known fields whose non-default values this
-server cannot honour (``echo``, penalties, ``logit_bias``, ``tools``, ...) are rejected
+server cannot honour (penalties, ``logit_bias``, ``tools``, chat's ``echo``, ...) are rejected
 rather than silently ignored. ``null`` means "the default" for every optional field.
 """
 
@@ -73,7 +73,13 @@ class GenerateRequest:
 
 @dataclass
 class CompletionRequest(GenerateRequest):
+    """``echo``: the response repeats each prompt (and, with ``logprobs``, scores its
+    tokens, as lm-evaluation-harness asks); ``score_only``: ``echo`` with ``max_tokens: 0``,
+    so the engine's one sampled token is not shown."""
+
     prompts: list = field(default_factory=list)   # each a str or a list of token ids
+    echo: bool = False
+    score_only: bool = False
 
 
 @dataclass
@@ -167,8 +173,10 @@ _UNSUPPORTED = {  # field -> values that mean "off"
 }
 
 
-def _reject_unsupported(body: dict) -> None:
+def _reject_unsupported(body: dict, allowed: tuple[str, ...] = ()) -> None:
     for name, off in _UNSUPPORTED.items():
+        if name in allowed:
+            continue
         v = body.get(name)
         if v is not None and not any(v == o and type(v) is type(o) for o in off):
             raise bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
@@ -180,14 +188,18 @@ def _reject_unsupported(body: dict) -> None:
 
 # ---- the shared part ---------------------------------------------------------------
 def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: int | None,
-            logprobs: int | None) -> dict:
-    _reject_unsupported(body)
+            logprobs: int | None, prompt_logprobs: int | None = None, echo: bool = False) -> dict:
+    """The fields both endpoints share, checked. With ``echo``, ``max_tokens: 0`` is allowed
+    (prompt scoring only): the engine then samples one token nobody sees."""
+    _reject_unsupported(body, ("echo",) if echo else ())
     model = _str(body, "model")
     max_tokens, given = default_max_tokens, False
     for name in max_tokens_names:
         if body.get(name) is not None:
-            max_tokens, given = _int(body, name, None, lo=1), True
+            max_tokens, given = _int(body, name, None, lo=0 if echo else 1), True
             break
+    if max_tokens == 0:
+        max_tokens = 1
     temperature = _float(body, "temperature", 1.0)
     if temperature < 0:
         raise bad("temperature", f"'temperature' must be >= 0, got {brief(temperature)}")
@@ -202,7 +214,7 @@ def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: i
                      top_k=_int(body, "top_k", 0, lo=-1), seed=_seed(body, n),
                      stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"),
                      ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
-                     skip_special_tokens=_bool(body, "skip_special_tokens", True))
+                     prompt_logprobs=prompt_logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True))
     return dict(model=model, params=params, max_tokens_given=given, n=n,
                 stream=_bool(body, "stream", False),
                 include_usage=_bool(stream_options or {}, "include_usage", False),
@@ -231,8 +243,10 @@ def _params(**kw) -> SamplingParams:
 def parse_completion(body: dict) -> CompletionRequest:
     """Check a ``/v1/completions`` body. Raises :class:`APIError` (400)."""
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    common = _common(body, ("max_tokens",), 16, logprobs)
-    return CompletionRequest(**common, prompts=_prompts(body.get("prompt")))
+    echo = _bool(body, "echo", False)
+    common = _common(body, ("max_tokens",), 16, logprobs, logprobs if echo else None, echo=echo)
+    score_only = echo and body.get("max_tokens") is not None and body["max_tokens"] == 0
+    return CompletionRequest(**common, prompts=_prompts(body.get("prompt")), echo=echo, score_only=score_only)
 
 
 def _prompts(v) -> list:
@@ -270,10 +284,11 @@ def parse_chat(body: dict) -> ChatRequest:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     top = (top or 0) if want else None
     common = _common(body, ("max_completion_tokens", "max_tokens"), None, top)
-    return ChatRequest(**common, messages=_messages(body.get("messages")), top_logprobs=top)
+    return ChatRequest(**common, messages=parse_messages(body.get("messages")), top_logprobs=top)
 
 
-def _messages(v) -> list[dict]:
+def parse_messages(v) -> list[dict]:
+    """Chat ``messages`` checked: roles, text content. Raises APIError 400."""
     if not isinstance(v, list) or not v:
         raise bad("messages", "'messages' must be a non-empty list of messages",
                   "missing_required_parameter" if v is None else "invalid_type")

@@ -22,6 +22,7 @@ class ChoiceState:
     num_tokens: int = 0
     offset: int = 0                    # completions text_offset of the next token
     role_sent: bool = False
+    echoed: bool = False               # the prompt was sent (completions with echo)
     last: RequestOutput | None = field(default=None, repr=False)
 
     def delta(self, out: RequestOutput) -> str:
@@ -88,13 +89,57 @@ class TokenText:
 def completion_logprobs(ids: list[int], lps: list[dict[int, float]], tt: TokenText,
                         state: ChoiceState) -> dict:
     """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, offsets = _tokens_and_offsets(ids, tt, state)
+    return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(ids, lps)],
+            "top_logprobs": [_top_by_text(lp, tt) for lp in lps], "text_offset": offsets}
+
+
+def echo_logprobs(out: RequestOutput, tt: TokenText, state: ChoiceState) -> dict:
+    """The prompt's part of legacy ``logprobs`` under ``echo`` (OpenAI's legacy API and
+    vLLM's shape): every prompt token with its log-probability given the tokens before it,
+    ``null`` (and ``null`` top_logprobs) for the first, which nothing predicts; each
+    ``top_logprobs`` entry holds the top-k and the prompt token itself."""
+    ids = out.prompt_token_ids
+    values = out.prompt_logprobs or [None] * len(ids)
+    tops = out.prompt_top_logprobs or [None] * len(ids)
+    tokens, offsets = _tokens_and_offsets(ids, tt, state)
+    top_logprobs: list[dict | None] = [None]
+    for t, v, top in zip(ids[1:], values[1:], tops[1:]):
+        lp = dict(top or {})
+        if v is not None:
+            lp.setdefault(t, v)
+        top_logprobs.append(_top_by_text(lp, tt))
+    return {"tokens": tokens, "token_logprobs": [None, *values[1:]][:len(ids)], "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def join_logprobs(parts: list[dict]) -> dict:
+    """Legacy ``logprobs`` objects one after the other (the echoed prompt, then the output)."""
+    return {key: [x for p in parts for x in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                  "text_offset")}
+
+
+def prompt_text(out: RequestOutput, tokenizer) -> str:
+    """The prompt as text: as sent, or decoded from the token ids it was sent as."""
+    return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+
+
+def _tokens_and_offsets(ids: list[int], tt: TokenText, state: ChoiceState) -> tuple[list[str], list[int]]:
     tokens, offsets = [], []
     for t in ids:
         tokens.append(tt(t))
         offsets.append(state.offset)
         state.offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(ids, lps)],
-            "top_logprobs": [{tt(k): v for k, v in _ranked(lp)} for lp in lps], "text_offset": offsets}
+    return tokens, offsets
+
+
+def _top_by_text(lp: dict[int, float], tt: TokenText) -> dict[str, float]:
+    """``{token text: log-prob}``, most likely first; two ids with the same text (e.g. both
+    halves of a character, U+FFFD) keep the higher value."""
+    out: dict[str, float] = {}
+    for k, v in _ranked(lp):
+        out.setdefault(tt(k), v)
+    return out
 
 
 def chat_logprobs(ids: list[int], lps: list[dict[int, float]], top: int, tt: TokenText) -> dict:
