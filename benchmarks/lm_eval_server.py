@@ -11,7 +11,8 @@ lm-eval tasks over local files (lm-eval's ``dataset_path: json``; nothing from a
 
 lm-eval reaches the server through ``local-completions`` (``echo`` + ``logprobs``) and finds
 its tokenizer through ``/tokenizer_info`` and ``/tokenize``. Then ``pagedkv eval ppl
---rolling --window MAX_LENGTH`` scores the same document in-process with the same windows,
+--rolling --window MAX_LENGTH-1`` scores the same document in-process with the same windows
+(lm-eval's API models send at most ``max_length - 1`` prompt tokens, keeping one for generation),
 and the token-level perplexities of both are printed side by side.
 
 lm-eval is a benchmark-time tool, not a dependency: install it in its own environment
@@ -144,13 +145,13 @@ def run_lm_eval(a, tasks: Path, port: int, out: Path) -> tuple[dict, float]:
                     "--batch_size", str(a.batch_size), "--output_path", str(out), "--log_samples"], check=True)
     results = json.loads(max(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime).read_text())
     samples = max(out.rglob("samples_pagedkv_wikitext_rolling_*.jsonl"), key=lambda p: p.stat().st_mtime)
-    loglik = sum(json.loads(line)["filtered_resps"][0] for line in samples.read_text().splitlines())
+    loglik = sum(float(json.loads(line)["filtered_resps"][0]) for line in samples.read_text().splitlines())
     return results["results"], float(loglik)
 
 
 def eval_ppl(a, dtype: str, doc_file: Path) -> dict:
     r = subprocess.run(PAGEDKV + ["eval", "ppl", "--model", a.model, "--file", str(doc_file), "--rolling",
-                                  "--window", str(a.max_length), "--num-tokens", str(10**7),
+                                  "--window", str(a.max_length - 1), "--num-tokens", str(10**7),
                                   "--kv-cache-dtype", dtype, "--json"], check=True, capture_output=True, text=True)
     return json.loads(r.stdout.splitlines()[-1])
 
@@ -162,7 +163,8 @@ def main() -> int:
     p.add_argument("--kv-cache-dtype", default="float32,int8,fp8_e4m3", help="comma-separated")
     p.add_argument("--chars", type=int, default=40_000, help="characters of WikiText-2 to score (rolling)")
     p.add_argument("--mc-items", type=int, default=100, help="multiple-choice items")
-    p.add_argument("--max-length", type=int, default=512, help="lm-eval max_length = eval ppl --window")
+    p.add_argument("--max-length", type=int, default=512,
+                   help="lm-eval max_length = the server's --max-model-len = eval ppl --window + 1")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per lm-eval request")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
@@ -171,7 +173,7 @@ def main() -> int:
     for dtype in a.kv_cache_dtype.split(","):
         port = free_port()
         t0 = time.monotonic()
-        server = serve(a.model, dtype, a.max_length + 1, port)
+        server = serve(a.model, dtype, a.max_length, port)
         try:
             results, loglik = run_lm_eval(a, tasks, port, a.out / f"lm_eval_{dtype}")
         finally:

@@ -101,3 +101,44 @@ def test_cache_salt_must_be_a_non_empty_string(tiny_llm_factory, salt):
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate([{"prompt": "hi", "cache_salt": salt}], SamplingParams(max_tokens=1))
     assert llm.generate(["hi"], SamplingParams(max_tokens=1), cache_salt="tenant-a")[0].finished
+
+
+@pytest.mark.parametrize("call", [
+    lambda llm: llm.generate(None),
+    lambda llm: llm.generate(5),
+    lambda llm: llm.generate("hi", priority=5),
+    lambda llm: llm.generate("hi", "greedy"),
+    lambda llm: llm.generate([{"prompt_token_ids": {1: 2}}]),
+    lambda llm: llm.generate([{"prompt_token_ids": (t for t in [1, 2])}]),
+    lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=10**300)),
+], ids=["none", "int", "priority-int", "params-str", "ids-dict", "ids-generator", "huge-max-tokens"])
+def test_bad_python_api_calls_are_short_value_errors(tiny_llm_factory, call):
+    """Second break-it pass: these were TypeErrors, silently wrong, or an 8 KB message."""
+    llm = tiny_llm_factory(num_blocks=16)
+    with pytest.raises(ValueError) as e:
+        call(llm)
+    assert len(str(e.value)) < 300
+    assert not llm.engine.requests and llm.engine.kv.pool.num_used == 0
+
+
+def test_a_lone_surrogate_cache_salt_is_refused_before_it_reaches_the_scheduler(tiny_llm_factory):
+    llm = tiny_llm_factory(num_blocks=16)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate(["hello"], SamplingParams(max_tokens=1), cache_salt="\ud800")
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([{"prompt": "hello", "cache_salt": "\udc00"}], SamplingParams(max_tokens=1))
+    assert llm.generate(["hello"], SamplingParams(max_tokens=1))[0].finished  # the engine is fine
+
+
+def test_the_kernel_build_folder_depends_on_where_the_sources_are(monkeypatch, tmp_path):
+    """Two checkouts of the same sources rebuilt over each other (torch's build.ninja
+    records absolute paths): each now has its own folder."""
+    import shutil
+
+    from pagedkv.attention import kernel
+
+    here = kernel.source_fingerprint()
+    copy = tmp_path / "csrc"
+    shutil.copytree(kernel.CSRC, copy)
+    monkeypatch.setattr(kernel, "CSRC", copy)
+    assert kernel.source_fingerprint() != here

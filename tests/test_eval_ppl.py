@@ -87,9 +87,10 @@ def test_eval_ppl_cli_compares_dtypes(tiny_model_dir, tmp_path):
     assert rows[0]["ppl_vs_first"] == 1.0 and abs(rows[1]["ppl_vs_first"] - 1) < 0.01
 
 
-# lm-eval 0.4.13's requests for ten tokens 100..109 with prefix token 1 (printed from
-# lm_eval.utils.get_rolling_token_windows + make_disjoint_window and TemplateAPI's
-# truncation at max_length), as (token ids, ctxlen): they score token_logprobs[ctxlen:].
+# lm-eval 0.4.13's requests for ten tokens 100..109 with prefix token 1 and model_args
+# max_length = window + 1 (TemplateAPI keeps max_length - 1 tokens for the prompt; printed
+# from lm_eval.utils.get_rolling_token_windows + make_disjoint_window and TemplateAPI's
+# truncation), as (token ids, ctxlen): lm-eval scores token_logprobs[ctxlen:-1].
 LM_EVAL_ROLLING = {
     4: [([1, 100, 101, 102], 1), ([102, 103, 104, 105], 1), ([105, 106, 107, 108], 1), ([106, 107, 108, 109], 3)],
     5: [([1, 100, 101, 102, 103], 1), ([103, 104, 105, 106, 107], 1), ([105, 106, 107, 108, 109], 3)],

@@ -60,3 +60,34 @@ def test_priority_policy_orders_admission(tiny_llm_factory):
     assert order == [ids[1], ids[2], ids[0]]
     with pytest.raises(ValueError, match="priorities"):
         llm.generate(["a", "b"], priority=[1])
+
+
+def test_on_output_sees_requests_that_end_outside_the_calls_steps(tiny_llm_factory):
+    """Second break-it pass: requests aborted from ``on_output``, or finished inside a
+    nested ``generate`` started from it, were returned but never shown to ``on_output``."""
+    llm = tiny_llm_factory(num_blocks=64)
+    short, long_ = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True)
+    seen = []
+
+    def nested(out):
+        seen.append(out.request_id)
+        if len(seen) == 1:
+            llm.generate(["inner"], SamplingParams(max_tokens=20, ignore_eos=True))
+    outs = llm.generate(["p1", "p2", "p3"], [short, long_, long_], on_output=nested)
+    assert sorted(seen) == sorted(o.request_id for o in outs)
+
+    seen.clear()
+    ids = llm.add_requests(["a", "b", "c"], [short, long_, long_])
+
+    def abort_siblings(out):
+        seen.append(out.request_id)
+        for rid in ids:
+            llm.engine.abort_request(rid)
+    outs = llm.run(ids, on_output=abort_siblings)
+    assert sorted(seen) == sorted(ids) and [o.finish_reason for o in outs][1:] == ["abort", "abort"]
+
+
+@pytest.mark.parametrize("bad", ["req-1", ["no-such-request"], 5])
+def test_run_refuses_what_is_not_a_list_of_known_ids(tiny_llm_factory, bad):
+    with pytest.raises(ValueError):
+        tiny_llm_factory(num_blocks=16).run(bad)

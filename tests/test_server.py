@@ -353,6 +353,10 @@ BAD = [  # (path, body, status, param or None, code or None)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": 1.5}, 400,
      "priority", "invalid_type"),
     ("/v1/completions", {"prompt": "x", "priority": 2**64}, 400, "priority", "invalid_value"),
+    # second break-it pass: out-of-vocabulary stop ids were "never_fits" with param null
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [49152]}, 400, "stop_token_ids", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**70]}, 400, "stop_token_ids", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "stop": ["y" * 1001]}, 400, "stop", "invalid_value"),
 ]
 
 
@@ -364,6 +368,35 @@ def test_bad_input_gets_4xx_with_openai_error(server, path, body, status, param,
     err = r.json()["error"]
     assert isinstance(err["message"], str) and err["message"] and "Traceback" not in r.text
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
+
+
+@pytest.mark.parametrize("field,value", [("best_of", 1.0), ("min_tokens", 0.0), ("frequency_penalty", 0),
+                                         ("presence_penalty", 0.0)])
+def test_off_values_of_unsupported_fields_are_accepted_as_numbers(server, field, value):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
+    assert r.status_code == 200, r.text
+
+
+def test_out_of_vocabulary_stop_ids_are_counted_as_such(server):
+    before = metrics(server).get('pagedkv_requests_rejected_total{reason="out_of_vocabulary"}', 0.0)
+    assert post(server, "/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}).status_code == 400
+    assert metrics(server)['pagedkv_requests_rejected_total{reason="out_of_vocabulary"}'] == before + 1
+
+
+@pytest.mark.parametrize("raw", [b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nHost: evil\r\n"
+                                 b"Content-Length: 2\r\n\r\n{}",
+                                 b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n{}",
+                                 b"GARBAGE\r\n\r\n"], ids=["two-hosts", "bad-length", "garbage"])
+def test_malformed_http_gets_a_json_400(server, raw):
+    s = _raw(server, raw)
+    s.settimeout(10)
+    data = b""
+    while chunk := s.recv(4096):
+        data += chunk
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, data
+    assert json.loads(body)["error"]["code"] == "invalid_http"
 
 
 def test_an_unexpected_exception_is_a_500_json_logged_once(server, no_server_errors):
@@ -596,7 +629,8 @@ def test_cross_origin_browser_requests_are_refused(server, origin, status):
 
 def test_errors_quote_huge_numbers_briefly(server):
     for body in ({"prompt": "x", "seed": 10**400}, {"prompt": "x", "max_tokens": -(10**300)},
-                 {"prompt": "x", "n": 10**100}):
+                 {"prompt": "x", "n": 10**100}, {"prompt": "x", "max_tokens": 1e300},
+                 {"prompt": "x", "max_tokens": 10**4000}):
         r = post(server, "/v1/completions", body)
         assert r.status_code == 400 and len(r.json()["error"]["message"]) < 200, r.text
 
@@ -809,6 +843,44 @@ def test_a_client_that_stops_reading_a_stream_is_cut_and_its_requests_aborted(ti
         assert _closed_within(s, 5.0)
     finally:
         srv.stop()
+
+
+def test_shutdown_during_a_long_engine_step_ends_streams_cleanly(tiny_model_dir, one_thread, caplog):
+    """Second break-it pass: a step outliving the drain + uvicorn's 5 s margin got the
+    request cancelled (a plain-text 500 or a cut stream, a CancelledError traceback). Now
+    the engine step in flight ends, the abort lands, the stream ends with [DONE]; and once
+    shutdown starts, steps are capped at 256 tokens."""
+    srv = _serve(tiny_model_dir, live={"shutdown_timeout": 0.3})
+    engine = srv.server.config.app.state.server.loop.engine
+    inner, slow = engine.step, threading.Event()
+
+    def step():
+        if slow.is_set():
+            slow.clear()
+            time.sleep(6.0)  # a long prefill chunk on a slow CPU
+        return inner()
+    engine.step = step
+    r = httpx.stream("POST", srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 300, "ignore_eos": True,
+                                                                "stream": True}, timeout=30)
+    lines = []
+    stopper = threading.Thread(target=srv.stop, kwargs={"timeout": 40})
+    with caplog.at_level(logging.WARNING), r as resp:
+        for line in resp.iter_lines():
+            if not line:
+                continue
+            lines.append(line)
+            if len(lines) == 1:
+                slow.set()
+                time.sleep(0.2)
+                t0 = time.monotonic()
+                stopper.start()
+    stopper.join(40)
+    took = time.monotonic() - t0
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "abort", lines[-3:]
+    assert took < 10 and not srv._thread.is_alive(), took
+    assert "Traceback" not in caplog.text and "Cancel" not in caplog.text, caplog.text
+    assert engine.scheduler.max_num_batched_tokens <= 256
 
 
 def test_shutdown_keeps_its_timeout_with_a_client_that_stops_reading(tiny_model_dir, one_thread, caplog):

@@ -42,6 +42,19 @@ def attention_mode() -> str:
     return mode
 
 
+def prepare_kernel() -> bool:
+    """Build or load the kernel now, if ``PAGEDKV_ATTENTION`` wants it (a server does this
+    before it accepts requests, so no request waits for a compile inside an engine step).
+    Returns whether the kernel will be used; raises as :func:`paged_attention` would.
+
+    Raises:
+        ValueError: bad ``PAGEDKV_ATTENTION``.
+        KernelBuildError: ``kernel`` forced where it cannot be built.
+    """
+    mode = attention_mode()
+    return mode != "reference" and _kernel_or_none(mode) is not None
+
+
 def _kernel_or_none(mode: str):
     try:
         return load_kernel()

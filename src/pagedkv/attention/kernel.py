@@ -51,8 +51,10 @@ def cpu_fingerprint() -> str:
 
 
 def source_fingerprint() -> str:
-    """Short hash of the kernel's C++ sources and build flags."""
-    h = hashlib.sha256(" ".join(CFLAGS + LDFLAGS).encode())
+    """Short hash of the kernel's C++ sources, their folder and the build flags. The folder
+    counts because torch's ``build.ninja`` records absolute source paths: two checkouts of
+    the same sources sharing a build folder rebuilt over each other on every other load."""
+    h = hashlib.sha256(" ".join(CFLAGS + LDFLAGS).encode() + str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode() + path.read_bytes())

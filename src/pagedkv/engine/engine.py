@@ -110,8 +110,9 @@ class LLMEngine:
             params = params or SamplingParams()
             if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
                 cache_salt = prompt["cache_salt"]  # vLLM's per-prompt salt
-            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-                raise ValueError(f"cache_salt must be a non-empty string, got {brief(cache_salt)}")
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                           or not _is_unicode(cache_salt)):
+                raise ValueError(f"cache_salt must be a non-empty string of valid Unicode, got {brief(cache_salt)}")
             ids, text = self.tokenize(prompt)
             self._validate(rid, ids, params)
             max_tokens = self._resolve_max_tokens(len(ids), params)
@@ -152,7 +153,7 @@ class LLMEngine:
         max_tokens = params.max_tokens or self.max_model_len - num_prompt
         total = num_prompt + max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} "
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({brief(max_tokens)}) = {brief(total)} "
                              f"exceeds {limit}")
         blocks, pool = -(-total // self.kv.block_size), self.kv.pool.num_blocks
         if blocks > pool:
@@ -170,6 +171,11 @@ class LLMEngine:
         the last ``ENDED_KEPT`` ended ones, and any whose ids are kept."""
         t = self._kept.get(request_id) or self._ended.get(request_id)
         return t.output() if t is not None else None
+
+    def is_known(self, request_id) -> bool:
+        """Whether ``request_id`` is queued, running, or recently ended (its output kept)."""
+        return isinstance(request_id, str) and (
+            request_id in self.requests or request_id in self._ended or request_id in self._kept)
 
     def keep_final_outputs(self, request_ids) -> None:
         """Keep the final outputs of ``request_ids`` for ``final_output`` however many other
@@ -224,14 +230,23 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
 def _int_list(ids) -> list[int]:
     """Token ids as plain ints (numpy and torch integers are accepted).
 
     Raises:
-        ValueError: if ``ids`` is not a sequence of integers.
+        ValueError: if ``ids`` is not a sequence of integers (a set, dict or generator is not).
     """
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+    if isinstance(ids, (str, bytes, dict, set, frozenset)) or not hasattr(ids, "__len__"):
         raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    ids = list(ids)
     if any(isinstance(t, bool) for t in ids):
         raise ValueError("prompt_token_ids must be a list of integers, not booleans")
     try:

@@ -61,8 +61,12 @@ class LLM:
             ValueError: naming the prompt's index and the reason, or a ``priority`` list
                 whose length is not the number of prompts.
         """
+        if not isinstance(prompts, (str, dict)) and not hasattr(prompts, "__iter__"):
+            raise ValueError(f"prompts must be a string, a dict or an iterable of them, got {type(prompts).__name__}")
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_list(sampling_params, len(prompts))
+        if priority is not None and (isinstance(priority, (str, bytes)) or not hasattr(priority, "__iter__")):
+            raise ValueError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
@@ -75,8 +79,18 @@ class LLM:
 
         Other requests in the engine make progress in the same steps but are not run to the
         end. If this call exits with an exception (``on_output`` raised, Ctrl-C, a failed
-        step), its own unfinished requests are aborted, so none keeps KV pages.
+        step), its own unfinished requests are aborted, so none keeps KV pages. Requests
+        that end outside this call's steps (aborted from ``on_output``, or finished in a
+        nested ``generate`` it started) reach ``on_output`` too.
+
+        Raises:
+            ValueError: ``request_ids`` is not a list of ids of requests in the engine.
         """
+        if isinstance(request_ids, str) or not isinstance(request_ids, (list, tuple)):
+            raise ValueError(f"request_ids must be a list of request ids, got {type(request_ids).__name__}")
+        unknown = [r for r in request_ids if not self.engine.is_known(r)]
+        if unknown:
+            raise ValueError(f"unknown request id(s): {', '.join(map(repr, unknown[:5]))}")
         own, results = list(request_ids), {}
         pending = set(own)
         self.engine.keep_final_outputs(own)  # an abort outside step() must not be forgotten
@@ -88,7 +102,10 @@ class LLM:
                         results[out.request_id] = out
                         if on_output:
                             on_output(out)
-                pending -= self._ended_outside_step(pending, results)
+                for rid in self._ended_outside_step(pending, results):
+                    pending.discard(rid)
+                    if on_output:
+                        on_output(results[rid])
         finally:
             for rid in pending:
                 self.engine.abort_request(rid)
@@ -122,6 +139,8 @@ class LLM:
     def _params_list(sp, n: int) -> list[SamplingParams]:
         if sp is None or isinstance(sp, SamplingParams):
             return [sp or SamplingParams()] * n
+        if not isinstance(sp, (list, tuple)):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
         return list(sp)

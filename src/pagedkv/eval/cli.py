@@ -29,7 +29,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     _text_args(p, window=1024)
     p.add_argument("--rolling", action="store_true",
                    help="score every token with lm-eval's loglikelihood_rolling windows (prefixed with the "
-                   "tokenizer's BOS, else EOS; compare with lm-eval at max_length = --window)")
+                   "tokenizer's BOS, else EOS; compare with lm-eval at max_length = --window + 1)")
     p = _sub(sub, "attn-error", "per-layer attention-output relative error vs the float32 cache", run_attn_error)
     _text_args(p, window=512)
     p = _sub(sub, "agreement", "greedy agreement with the float32 cache on arena-hard chat prompts", run_agreement)

@@ -11,7 +11,8 @@ evaluation (e.g. HF's "Perplexity of fixed-length models" guide) with stride = w
 ``loglikelihood_rolling`` windows (``lm_eval.utils.get_rolling_token_windows`` with
 ``context_len=1`` and ``max_seq_len = window - 1``, made disjoint), so its perplexity can
 be compared number for number with an lm-eval run against ``pagedkv serve`` at
-``max_length = window``: the text is prefixed with ``prefix_token_id`` (lm-eval takes the
+``max_length = window + 1`` (lm-eval's API models keep one token of ``max_length`` for
+generation: ``TemplateAPI`` sets ``self.max_length = max_length - 1``): the text is prefixed with ``prefix_token_id`` (lm-eval takes the
 tokenizer's BOS, else EOS); window ``j`` is ``s[j(W-1) : j(W-1) + W]`` of that sequence
 ``s``, scoring all but its first token; the last, short one is extended back to ``W``
 tokens and scores only the tokens not yet scored.

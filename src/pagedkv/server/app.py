@@ -17,6 +17,7 @@ escape becomes a 500 JSON body and one log record.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -32,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.loader import load_tokenizer
+from pagedkv.reprs import brief
 from pagedkv.server import generate
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.host_guard import HostGuard
@@ -81,7 +83,7 @@ class Server:
         if not self.config.api_keys:
             return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        key_b = key.strip().encode()
+        key_b = key.strip().encode("latin-1")  # the header's bytes (a UTF-8 key arrives as UTF-8 bytes)
         ok = scheme.lower() == "bearer" and key_b and any(
             hmac.compare_digest(key_b, k.encode()) for k in self.config.api_keys)
         if not ok:
@@ -140,6 +142,10 @@ class Server:
         return await self._generate(request, req, [await self.prompts.chat(req.messages)], model, salt)
 
     async def _generate(self, request, req, prompts, model, salt) -> Response:
+        bad_id = next((t for t in req.params.stop_token_ids if t >= self.vocab_size), None)
+        if bad_id is not None:
+            raise APIError(400, f"stop token id {brief(bad_id)} is outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids", code="invalid_value", reason="out_of_vocabulary")
         if req.cache_salt:
             salt = f"{salt or ''}|user:{req.cache_salt}"
         job = await generate.start(self.loop, req, prompts, model, self.default_max_tokens, salt,
@@ -256,7 +262,10 @@ class ErrorJSON(JSONResponse):
 class CatchAll:
     """ASGI middleware: an exception that escapes a route becomes a 500 JSON body (or, once
     a response has started, ends it), logged once. Starlette's own last-resort handler
-    re-raises after answering, so the server logged every such traceback twice."""
+    re-raises after answering, so the server logged every such traceback twice. A request
+    cancelled by uvicorn's hard stop at shutdown (its engine work outlived the drain) gets a
+    503 JSON body if nothing was sent yet, else its response just ends; one log line, no
+    traceback, no uvicorn plain-text 500."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -272,6 +281,12 @@ class CatchAll:
             await send(message)
         try:
             await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            log.warning("%s %s cancelled by the shutdown's hard stop", scope.get("method"), scope.get("path"))
+            if not started:
+                body = APIError(503, "the server is shutting down", type="server_error", code="shutting_down").body()
+                with contextlib.suppress(Exception):
+                    await ErrorJSON(body, status_code=503)(scope, receive, send)
         except Exception as e:  # noqa: BLE001 - the last resort: answer, log once, go on
             log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=e)
             if not started:

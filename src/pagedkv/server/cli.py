@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 
-HARD_STOP_MARGIN_S = 5.0  # after the drain + abort, uvicorn cancels whatever still hangs
+HARD_STOP_MARGIN_S = 30.0  # after the drain + abort: time for the engine step in flight to end, then uvicorn cancels what hangs
 
 SERVE_EXAMPLES = """examples:
   pagedkv serve                                  # smollm2-135m-instruct on http://127.0.0.1:8000
@@ -118,6 +118,9 @@ def _serve(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.torch_threads)
     print(f"pagedkv: loading {a.model} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
+    from pagedkv.attention.dispatch import prepare_kernel
+
+    prepare_kernel()  # a first build (~15 s) happens now, not inside a request's engine step
     names = a.served_model_name or [a.model]
     app = build_app(engine, ServerConfig(names, keys, max_body, not a.shared_prefix_cache, allowed_hosts))
     s = engine.stats()
@@ -139,7 +142,8 @@ def uvicorn_server(app, drain_s: float, limits, **config):
 
     config = uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=drain_s + HARD_STOP_MARGIN_S,
                             **limits.uvicorn_kwargs(), **config)
-    return graceful_server(config, app.state.server.loop.abort_all, drain_s)
+    loop = app.state.server.loop
+    return graceful_server(config, loop.abort_all, drain_s, on_begin=loop.begin_drain)
 
 
 def parse_allowed_hosts(text: str) -> list[str]:
@@ -176,20 +180,22 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def graceful_server(config, abort_all, drain_s: float):
+def graceful_server(config, abort_all, drain_s: float, on_begin=lambda: None):
     """uvicorn's Server that, once shutdown starts, gives in-flight requests ``drain_s``
     seconds and then calls ``abort_all`` (streams end with finish_reason 'abort' and
     ``[DONE]``, waiting non-streaming calls get 503), instead of cutting connections. It
     does not re-raise the caught signal afterwards (that would turn a clean SIGTERM stop
     into death by signal). At ``drain_s`` it also closes connections whose client is still
     sending its request or has stopped reading its response (either would otherwise hold
-    the exit until uvicorn cancels its task). uvicorn is imported lazily: other commands do not pay for it."""
+    the exit until uvicorn cancels its task). ``on_begin()`` runs as shutdown starts (the
+    engine loop shortens its steps). uvicorn is imported lazily: other commands do not pay for it."""
     import uvicorn
 
     from pagedkv.server.http_limits import cut_stalled
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
+            on_begin()
             asyncio.get_running_loop().call_later(drain_s, self.end_drain)
             await super().shutdown(sockets)
 

@@ -135,6 +135,12 @@ class EngineLoop:
         """Abort every request in the engine (each stream ends with finish_reason 'abort')."""
         self._cmds.put(("abort_all",))
 
+    def begin_drain(self, max_step_tokens: int = 256) -> None:
+        """Shutdown began: cap each step at ``max_step_tokens`` (prefill chunks get shorter;
+        decodes go on), so the abort at the drain's end waits for one short step, not for
+        a long prefill chunk (2,048 tokens can take seconds on a small CPU)."""
+        self._cmds.put(("drain", max_step_tokens))
+
     async def add(self, requests: list[NewRequest], sink: OutputSink,
                   cache_salt: str | None = None) -> None:
         """Add ``requests`` atomically; their outputs go to ``sink`` as ``(index, output)``.
@@ -181,6 +187,9 @@ class EngineLoop:
             self._add(cmd)
         elif cmd[0] == "abort_all":
             self._abort_all()
+        elif cmd[0] == "drain":
+            sched = self.engine.scheduler
+            sched.max_num_batched_tokens = min(sched.max_num_batched_tokens, cmd[1])
         elif cmd[0] == "abort":
             self._deliver([o for rid in cmd[1] if (o := self.engine.abort_request(rid)) is not None])
 

@@ -22,6 +22,7 @@ client is not reading, so the drain time holds.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import h11
@@ -100,6 +101,18 @@ class DeadlineH11Protocol(H11Protocol):
         self.cut_if_reading()
         self._write_timeout_s = grace_s
         self.cut_if_not_reading()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (bad request line, a repeated Host, a malformed
+        Content-Length, ...): an OpenAI-style JSON 400 instead of uvicorn's plain text."""
+        body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_http"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def still_reading(self) -> str | None:
         """'headers' or 'body' while the client is still sending that part of a request."""

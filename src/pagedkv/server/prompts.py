@@ -75,8 +75,8 @@ class Prompts:
 
     # ---- worker thread ---------------------------------------------------------------
     def completion_prompt(self, p) -> dict:
-        if isinstance(p, str):
-            return {"prompt_token_ids": self._encode(p), "prompt": p}
+        if isinstance(p, str):  # with the tokenizer's special tokens (e.g. a BOS), as vLLM and LLM.generate
+            return {"prompt_token_ids": self.tokenizer(p, add_special_tokens=True).input_ids, "prompt": p}
         return {"prompt_token_ids": list(p), "prompt": None}
 
     def chat_prompt(self, messages: list[dict]) -> dict:

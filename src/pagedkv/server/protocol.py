@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import MAX_STOP_CHARS, SamplingParams
 from pagedkv.reprs import brief
 
 MAX_N = 8                  # choices per request
@@ -150,6 +150,8 @@ def _stop(body: dict) -> list[str]:
         raise bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
     if len(v) > MAX_STOP:
         raise bad("stop", f"'stop' takes at most {MAX_STOP} strings, got {len(v)}")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise bad("stop", f"a stop string has at most {MAX_STOP_CHARS} characters, got {max(map(len, v))}")
     return [_unicode(s, "stop") for s in v]
 
 
@@ -173,12 +175,20 @@ _UNSUPPORTED = {  # field -> values that mean "off"
 }
 
 
+def _is_off(v, off) -> bool:
+    """``v`` is the "off" value ``off`` (numbers compare by value: 1.0 is 1; never a bool)."""
+    if isinstance(v, (int, float)) and isinstance(off, (int, float)) and not isinstance(v, bool) \
+            and not isinstance(off, bool):
+        return v == off
+    return v == off and type(v) is type(off)
+
+
 def _reject_unsupported(body: dict, allowed: tuple[str, ...] = ()) -> None:
     for name, off in _UNSUPPORTED.items():
         if name in allowed:
             continue
         v = body.get(name)
-        if v is not None and not any(v == o and type(v) is type(o) for o in off):
+        if v is not None and not any(_is_off(v, o) for o in off):
             raise bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):

@@ -1,0 +1,94 @@
+"""Prefill speed against the compute bound, by prompt length (issue 17, goal 3).
+
+One request per run, ``max_tokens=1``, prefix caching off: the time is the prompt's
+prefill (chunked by ``--max-num-batched-tokens``) plus one sampled token. Prompts are
+the first N tokens of *The Count of Monte Cristo* (``../shared/data/long-context``),
+shifted per repeat. The compute bound prices the prefill's FLOPs at the fp32 matmul rate
+measured in the same run (:class:`pagedkv.bench.roofline.Machine`):
+
+    FLOPs = 2 * (matmul parameters) * N  +  attention 2 * layers * heads * 2 * head_dim * N(N+1)/2
+
+(QK^T and PV, causal: query i sees i+1 keys; the LM head is applied to the last row only).
+Each run also times the attention calls (``paged_attention``) apart from the rest.
+
+    python benchmarks/bench_prefill.py --lengths 1024,2048,4096,8192 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pagedkv.model.llama as llama_module
+from pagedkv import LLM, SamplingParams
+from pagedkv.bench.roofline import Machine, model_cost
+
+TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "long-context" / "pg1184.txt"
+
+
+def timed_attention(sink: list[float]):
+    inner = llama_module.paged_attention
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            sink[0] += time.perf_counter() - t
+    return inner, wrapper
+
+
+def prefill_flops(cost, n: int) -> float:
+    """The planner's count: layer matmuls per token, the LM head once, attention per causal pair."""
+    return 2 * cost.layer_matmul_params * n + 2 * cost.lm_head_params + cost.attn_flops_per_pair * n * (n + 1) / 2
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="1024,2048,4096,8192")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    llm = LLM(max_model_len=max(lengths) + 1, num_blocks=(max(lengths) + 1) // 16 + 2, enable_prefix_caching=False,
+              max_num_batched_tokens=a.max_num_batched_tokens)
+    ids = llm.get_tokenizer()(TEXT.read_text(encoding="utf-8")[:200_000], add_special_tokens=False).input_ids
+    cost = model_cost(llm.engine)
+    machine = Machine.measure("probe")
+    sink = [0.0]
+    inner, wrapper = timed_attention(sink)
+    llama_module.paged_attention = wrapper
+    rows = []
+    try:
+        llm.generate([{"prompt_token_ids": ids[:64]}], SamplingParams(max_tokens=1))  # warm-up (kernel load)
+        for n in lengths:
+            runs = []
+            for r in range(a.repeats):
+                machine = machine.best(Machine.measure("probe"))
+                sink[0] = 0.0
+                t = time.perf_counter()
+                llm.generate([{"prompt_token_ids": ids[r * 97:r * 97 + n]}], SamplingParams(max_tokens=1))
+                runs.append((time.perf_counter() - t, sink[0]))
+            sec, att = statistics.median(x[0] for x in runs), statistics.median(x[1] for x in runs)
+            bound = prefill_flops(cost, n) / machine.fp32_flops
+            rows.append({"tokens": n, "seconds": sec, "tokens_per_s": n / sec, "attention_s": att,
+                         "attention_share": att / sec, "compute_bound_s": bound, "fraction_of_bound": bound / sec})
+    finally:
+        llama_module.paged_attention = inner
+    if a.json:
+        print(json.dumps({"machine": machine.to_dict(), "rows": rows}))
+        return 0
+    print(f"fp32 matmul {machine.fp32_flops / 1e9:.0f} GFLOP/s (best probe this run); medians of {a.repeats}")
+    print(f"{'tokens':>7} {'seconds':>8} {'tok/s':>7} {'attention':>10} {'bound s':>8} {'of bound':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>7.1f} {r['attention_share']:>9.0%} "
+              f"{r['compute_bound_s']:>8.2f} {r['fraction_of_bound']:>8.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
