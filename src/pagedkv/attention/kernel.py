@@ -10,6 +10,11 @@ over each other's library. A later load, in this process or another, finds the l
 skips the compile. Concurrent builds wait on torch's lock file in the build directory; a lock
 older than ``STALE_LOCK_S`` (its builder was killed mid-build) is removed rather than waited
 on forever.
+
+``PAGEDKV_KERNEL_MARCH`` (default ``native``) sets ``-march``: ``x86-64-v3`` builds the
+AVX2 code paths on an AVX-512 machine, so both are tested wherever the tests run (the
+kernel picks its vector code by the ISA it is compiled for; a 16-float vector is one
+AVX-512 register or two AVX2 ones).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -27,7 +33,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention_kernel.cpp", "paged_attention_op.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_MARCH = re.compile(r"[A-Za-z0-9._-]+")
 LDFLAGS = ["-fopenmp"]
 HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})  # instantiated in the kernel
 KV_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -50,11 +56,23 @@ def cpu_fingerprint() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def cflags() -> list[str]:
+    """The compiler flags: ``-O3 -march=$PAGEDKV_KERNEL_MARCH (native) -fopenmp``.
+
+    Raises:
+        ValueError: a ``PAGEDKV_KERNEL_MARCH`` that is not a plain architecture name.
+    """
+    march = os.environ.get("PAGEDKV_KERNEL_MARCH", "native").strip() or "native"
+    if not _MARCH.fullmatch(march):
+        raise ValueError(f"PAGEDKV_KERNEL_MARCH={march!r} is not an architecture name (e.g. native, x86-64-v3)")
+    return ["-O3", f"-march={march}", "-fopenmp"]
+
+
 def source_fingerprint() -> str:
     """Short hash of the kernel's C++ sources, their folder and the build flags. The folder
     counts because torch's ``build.ninja`` records absolute source paths: two checkouts of
     the same sources sharing a build folder rebuilt over each other on every other load."""
-    h = hashlib.sha256(" ".join(CFLAGS + LDFLAGS).encode() + str(CSRC.resolve()).encode())
+    h = hashlib.sha256(" ".join(cflags() + LDFLAGS).encode() + str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode() + path.read_bytes())
@@ -79,7 +97,7 @@ def _build() -> Callable[..., torch.Tensor]:
     directory.mkdir(parents=True, exist_ok=True)
     _wait_for_lock(directory / "lock")
     cpp_extension.load(name="pagedkv_attention", sources=[str(CSRC / s) for s in SOURCES],
-                       extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(directory),
+                       extra_cflags=cflags(), extra_ldflags=LDFLAGS, build_directory=str(directory),
                        is_python_module=False, verbose=False)
     return torch.ops.pagedkv.paged_attention
 

@@ -80,6 +80,11 @@ template <int NV>
 class Kernel {
  public:
   static constexpr int64_t D = NV * kLanes;
+  // PV accumulators held in registers per pass: AVX-512 has 32 registers of one vf each;
+  // AVX2 has 16 of half a vf, so it takes at most two vf columns of two heads per pass.
+  static constexpr int kColsPerPass = PAGEDKV_AVX2_ONLY ? (NV % 2 == 0 ? 2 : 1) : NV;  // divides NV
+  static constexpr int64_t kHeadsPerPass =
+      PAGEDKV_AVX2_ONLY ? (kColsPerPass == 1 ? 4 : 2) : (NV >= 16 ? 1 : NV >= 8 ? 2 : 4);
 
   explicit Kernel(const PagedAttentionArgs& a)
       : a_(a), H_(a.num_heads), Hkv_(a.num_kv_heads), G_(a.num_heads / a.num_kv_heads),
@@ -164,15 +169,8 @@ class Kernel {
     for (int64_t h = 0; h < G_; ++h) {  // scores, 16 keys at a time; keys >= n repeat key n-1
       vf qh[NV];
       for (int c = 0; c < NV; ++c) qh[c] = loadv(q + h * D + c * kLanes);
-      for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-        vf part[kLanes];
-        for (int jj = 0; jj < kLanes; ++jj) {
-          const float* kj = k + std::min<int64_t>(j0 + jj, n - 1) * stride;
-          part[jj] = qh[0] * loadv(kj);
-          for (int c = 1; c < NV; ++c) part[jj] += qh[c] * loadv(kj + c * kLanes);
-        }
-        storev(sc + h * bspad_ + j0, hsum16(part) * a_.scale);
-      }
+      for (int64_t j0 = 0; j0 < n; j0 += kLanes)
+        storev(sc + h * bspad_ + j0, dot16(qh, k, j0, n, stride) * splat(a_.scale));
     }
     for (int64_t h = 0; h < G_; ++h) {
       float* s = sc + h * bspad_;
@@ -189,7 +187,7 @@ class Kernel {
       ml[2 * h + 1] = ml[2 * h + 1] * alpha + lsum;
       alphas[h] = alpha;
     }
-    constexpr int64_t kHeads = NV >= 16 ? 1 : NV >= 8 ? 2 : 4;  // per PV pass: accumulators in registers
+    constexpr int64_t kHeads = kHeadsPerPass;
     for (int64_t h = 0; h < G_;) {
       const int64_t hb = std::min(G_ - h, kHeads);
       const float* p = sc + h * bspad_;
@@ -207,22 +205,56 @@ class Kernel {
   void accumulate(const float* p, const float* v, int64_t n, const float* alpha, float* acc, const Prefetch& pf,
                   int64_t g) const {
     const int64_t stride = Hkv_ * D;
-    vf o[HB][NV];
-    for (int t = 0; t < HB; ++t)
-      for (int c = 0; c < NV; ++c) o[t][c] = loadv(acc + t * D + c * kLanes) * alpha[t];
-    for (int64_t j = 0; j < n; ++j) {
-      pf.key(j, g);
-      if (j == n - 1)
-        for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
-      vf vj[NV];
-      for (int c = 0; c < NV; ++c) vj[c] = loadv(v + j * stride + c * kLanes);
-      for (int t = 0; t < HB; ++t) {
-        const float pj = p[t * bspad_ + j];
-        for (int c = 0; c < NV; ++c) o[t][c] += pj * vj[c];
+    for (int c0 = 0; c0 < NV; c0 += kColsPerPass) {  // column passes: a lane's sum keeps its j order
+      vf o[HB][kColsPerPass];
+      for (int t = 0; t < HB; ++t)
+        for (int c = 0; c < kColsPerPass; ++c) o[t][c] = loadv(acc + t * D + (c0 + c) * kLanes) * splat(alpha[t]);
+      for (int64_t j = 0; j < n; ++j) {
+        if (c0 == 0) {
+          pf.key(j, g);
+          if (j == n - 1)
+            for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
+        }
+        vf vj[kColsPerPass];
+        for (int c = 0; c < kColsPerPass; ++c) vj[c] = loadv(v + j * stride + (c0 + c) * kLanes);
+        for (int t = 0; t < HB; ++t) {
+          const vf pj = splat(p[t * bspad_ + j]);
+          for (int c = 0; c < kColsPerPass; ++c) o[t][c] += pj * vj[c];
+        }
       }
+      for (int t = 0; t < HB; ++t)
+        for (int c = 0; c < kColsPerPass; ++c) storev(acc + t * D + (c0 + c) * kLanes, o[t][c]);
     }
-    for (int t = 0; t < HB; ++t)
-      for (int c = 0; c < NV; ++c) storev(acc + t * D + c * kLanes, o[t][c]);
+  }
+
+  // Scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head qh: lane jj
+  // is q . k_{j0+jj}, summed by a fixed tree that depends on that key's products alone.
+  vf dot16(const vf* qh, const float* k, int64_t j0, int64_t n, int64_t stride) const {
+#if PAGEDKV_AVX2_ONLY
+    // Two ymm per vf: reduce each key's products to one ymm at once and fold four keys with
+    // two hadds, so at most four keys' partial sums are live (16 at once spilled here).
+    float out[kLanes];
+    for (int g4 = 0; g4 < kLanes / 4; ++g4) {
+      __m256 s[4];
+      for (int t = 0; t < 4; ++t) {
+        const float* kj = k + std::min<int64_t>(j0 + 4 * g4 + t, n - 1) * stride;
+        vf part = qh[0] * loadv(kj);
+        for (int c = 1; c < NV; ++c) part += qh[c] * loadv(kj + c * kLanes);
+        s[t] = half_sum(part);
+      }
+      const __m256 f = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+      _mm_storeu_ps(out + 4 * g4, _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1)));
+    }
+    return loadv(out);
+#else
+    vf part[kLanes];
+    for (int jj = 0; jj < kLanes; ++jj) {
+      const float* kj = k + std::min<int64_t>(j0 + jj, n - 1) * stride;
+      part[jj] = qh[0] * loadv(kj);
+      for (int c = 1; c < NV; ++c) part[jj] += qh[c] * loadv(kj + c * kLanes);
+    }
+    return hsum16(part);
+#endif
   }
 
   // K and V of page `block`'s first n slots as fp32 [BS, Hkv, D]: the page itself (fp32), or

@@ -11,11 +11,17 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "paged_attention.h"
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define PAGEDKV_AVX2_ONLY 1  // a vf is two ymm registers: some helpers take AVX2 paths
+#else
+#define PAGEDKV_AVX2_ONLY 0
+#endif
 
 namespace pagedkv {
 namespace vec {
@@ -30,7 +36,19 @@ typedef float vf4 __attribute__((vector_size(16)));
 
 inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
+// x in every lane. (GCC lowers `vf{} + x`, and `x * v`, for 16-lane vectors on AVX2 as 16
+// scalar stores and two reloads; the broadcast instruction is explicit there.)
+inline vf splat(float x) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256 b = _mm256_set1_ps(x);
+  vf v;
+  std::memcpy(&v, &b, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &b, 32);
+  return v;
+#else
+  return vf{} + x;
+#endif
+}
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 // Sum of the 16 lanes as a fixed pairwise tree.
@@ -48,8 +66,33 @@ inline float hsum(vf v) {
 #define PAGEDKV_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
 
-// r[j] = sum of the lanes of p[j], j < 16: a transposing tree of two-source shuffles (45
-// operations for 16 sums instead of 16 separate lane sums). Lane j depends on p[j] alone.
+// r[j] = sum of the lanes of p[j], j < 16. Lane j depends on p[j] alone, through a fixed
+// tree (which tree depends on the ISA, so results are reproducible per machine kind).
+#if PAGEDKV_AVX2_ONLY
+// The two ymm halves of v added: lane i is v[i] + v[i + 8].
+inline __m256 half_sum(vf v) {
+  __m256 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  return _mm256_add_ps(lo, hi);
+}
+
+// AVX2: each vf is two ymm registers; the generic 16-lane shuffles below lower to long
+// sequences of permutes there (prefill attention ran ~10x slower than with AVX-512).
+// Add the halves, then two rounds of hadd and a final 128-bit add: 28 instructions.
+inline vf hsum16(const vf* p) {
+  __m256 s[16], h[8];
+  for (int j = 0; j < 16; ++j) s[j] = half_sum(p[j]);
+  for (int i = 0; i < 8; ++i) h[i] = _mm256_hadd_ps(s[2 * i], s[2 * i + 1]);
+  float out[16];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 g = _mm256_hadd_ps(h[2 * i], h[2 * i + 1]);  // keys 4i..4i+3, per 128-bit half
+    _mm_storeu_ps(out + 4 * i, _mm_add_ps(_mm256_castps256_ps128(g), _mm256_extractf128_ps(g, 1)));
+  }
+  return loadv(out);
+}
+#else
+// Generic: a transposing tree of two-source shuffles (45 operations for 16 sums).
 inline vf hsum16(const vf* p) {
   vf w[8], u[4], t[2];
   for (int i = 0; i < 8; ++i)
@@ -64,8 +107,21 @@ inline vf hsum16(const vf* p) {
   return PAGEDKV_SHUFFLE(t[0], t[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          PAGEDKV_SHUFFLE(t[0], t[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#endif
 
 // Max of the 16 lanes (a shuffle tree: short dependency chain).
+#if PAGEDKV_AVX2_ONLY
+inline float hmax(vf v) {
+  __m256 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  __m256 m = _mm256_max_ps(lo, hi);
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+#else
 inline float hmax(vf v) {
   v = vmax(v, PAGEDKV_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   v = vmax(v, PAGEDKV_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
@@ -73,6 +129,7 @@ inline float hmax(vf v) {
   v = vmax(v, PAGEDKV_SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
   return v[0];
 }
+#endif
 
 // e^x for x <= 0; lanes below ln(FLT_MIN) (and -inf) give 0. Cephes expf: x = n ln2 + r,
 // |r| <= ln2/2, degree-5 polynomial for e^r, 2^n built in the exponent bits (~1 ulp).
