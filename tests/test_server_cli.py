@@ -43,6 +43,7 @@ def test_help_has_examples():
     (["--limit-concurrency", "-1"], "--limit-concurrency must be >= 0"),
     (["--allowed-hosts", " , "], "--allowed-hosts takes comma-separated host names"),
     (["--allowed-hosts", "a.lan,[::1"], "--allowed-hosts takes comma-separated host names"),
+    (["--served-model-name", "a", ""], "--served-model-name takes non-empty names"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     assert serve_main(args) == 2
@@ -138,7 +139,7 @@ def test_sigterm_exits_within_the_shutdown_timeout_with_a_client_stuck_mid_uploa
     """A client that stalls mid-body must not hold the exit past --shutdown-timeout, and
     the exit logs no traceback (uvicorn used to cancel the handler after a margin)."""
     srv = ServeProcess("--model", str(tiny_model_dir), "--num-blocks", "16", "--shutdown-timeout", "1",
-                       "--log-level", "warning", "--served-model-name", "tiny", "tiny-2", "--served-model-name", "t3")
+                       "--log-level", "warning", "--served-model-name", "tiny", "tiny-2", "--served-model-name", "t3", "tiny")
     port = int(srv.url.rsplit(":", 1)[1])
     try:
         stuck = _connect_when_listening(port)

@@ -180,3 +180,35 @@ def test_tokenizer_info_has_what_lm_eval_reads(server, llm):
 def test_models_list_every_served_name_with_max_model_len(server):
     cards = httpx.get(server.url + "/v1/models").json()["data"]
     assert [(c["id"], c["max_model_len"]) for c in cards] == [(MODEL, MAX_MODEL_LEN), ("alias", MAX_MODEL_LEN)]
+
+
+# ---- a new user's and a break-it pass's findings -------------------------------------------
+MULTIBYTE = "I \U0001F600 \U0001F99C naïve 中文 done"
+
+
+def test_text_offsets_index_the_text_when_characters_span_tokens(server):
+    """Offsets were sums of per-token texts, where each piece of a split character counts as
+    one U+FFFD: past the first emoji they pointed at the wrong characters."""
+    ch = score(server, MULTIBYTE, max_tokens=4, logprobs=0, extra_body={"ignore_eos": True}).choices[0]
+    text, lp = ch.text, ch.logprobs
+    assert text.startswith(MULTIBYTE) and lp.text_offset == sorted(lp.text_offset)
+    for tok, off in zip(lp.tokens, lp.text_offset):
+        if "\ufffd" not in tok:  # a whole-character token's text sits at its offset
+            assert text[off:off + len(tok)] == tok, (tok, off, text)
+    assert lp.text_offset[len(lp.tokens) - 4] == len(MULTIBYTE)
+
+
+def test_token_ids_keep_split_characters_apart_in_top_logprobs(server):
+    """vLLM's return_tokens_as_token_ids: tokens holding pieces of a character all decode to
+    U+FFFD, so as text they collide in top_logprobs; as ids every entry survives."""
+    ch = score(server, MULTIBYTE, logprobs=5, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    lp = ch.logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens)
+    for tok, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[tok] == v and len(top) in (5, 6)
+
+
+def test_completions_max_tokens_defaults_to_16(server):
+    r = client(server).completions.create(model=MODEL, prompt="Count:", temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"

@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 KV_DTYPES_SHOWN = ("float32", "float16", "int8", "fp8_e4m3")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja",
+                   "model.safetensors")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ from pagedkv.server.host_guard import HostGuard
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.prompts import Prompts
 from pagedkv.server.protocol import APIError, parse_chat, parse_completion
-from pagedkv.server.responses import TokenText
+from pagedkv.server.responses import TokenIdText, TokenText
 from pagedkv.server.tokenizer_routes import parse_detokenize, parse_tokenize, tokenizer_info
 
 log = logging.getLogger("pagedkv.server")
@@ -148,8 +148,8 @@ class Server:
                            param="stop_token_ids", code="invalid_value", reason="out_of_vocabulary")
         if req.cache_salt:
             salt = f"{salt or ''}|user:{req.cache_salt}"
-        job = await generate.start(self.loop, req, prompts, model, self.default_max_tokens, salt,
-                                   self.token_text)
+        tt = TokenIdText(self.tokenizer) if req.return_tokens_as_token_ids else self.token_text
+        job = await generate.start(self.loop, req, prompts, model, self.default_max_tokens, salt, tt)
         if req.stream:
             return generate.AbortingStream(self.loop, job)
         return await generate.respond(self.loop, job, request)

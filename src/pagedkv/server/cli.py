@@ -44,7 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
                               description="Serve the engine over the OpenAI API: /v1/completions, "
-                              "/v1/chat/completions, /v1/models, /health, /metrics.",
+                              "/v1/chat/completions, /v1/models, vLLM's /tokenize, /detokenize and "
+                              "/tokenizer_info, /health, /metrics.",
                               epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
@@ -100,6 +101,9 @@ def _serve(a: argparse.Namespace) -> int:
     if any(not k.strip() for k in keys):
         raise ValueError("an API key must not be empty")
     allowed_hosts = parse_allowed_hosts(a.allowed_hosts)
+    names = list(dict.fromkeys(a.served_model_name or [a.model]))  # repeated names listed once
+    if any(not n.strip() for n in names):
+        raise ValueError("--served-model-name takes non-empty names")
     sock = bind_socket(a.host, a.port)
     host, port = sock.getsockname()[:2]
     if not keys and not _is_loopback(a.host):
@@ -121,7 +125,6 @@ def _serve(a: argparse.Namespace) -> int:
     from pagedkv.attention.dispatch import prepare_kernel
 
     prepare_kernel()  # a first build (~15 s) happens now, not inside a request's engine step
-    names = a.served_model_name or [a.model]
     app = build_app(engine, ServerConfig(names, keys, max_body, not a.shared_prefix_cache, allowed_hosts))
     s = engine.stats()
     shown = f"[{host}]" if ":" in host else host

@@ -66,7 +66,7 @@ async def start(loop: EngineLoop, req: GenerateRequest, prompts: list[dict], mod
     for p in prompts:
         for j in range(req.n):
             params = req.params
-            if not req.max_tokens_given:
+            if params.max_tokens is None:  # chat without max_tokens; completions default to 16
                 params = replace(params, max_tokens=default_max_tokens(len(p["prompt_token_ids"])))
             if req.n > 1 and params.seed is not None:
                 params = replace(params, seed=params.seed + j)
@@ -164,7 +164,8 @@ def _body(job: Job, outs: list[RequestOutput]) -> dict:
             prefix, echo_lp = _echo(job, st, o)
             lp = None
             if job.req.params.logprobs is not None:
-                lp = R.join_logprobs(echo_lp + [R.completion_logprobs(ids, lps, job.token_text, st)])
+                lp = R.join_logprobs(echo_lp + [R.completion_logprobs(ids, lps, job.token_text, st,
+                                                                       job.req.params.skip_special_tokens)])
             choices.append({"index": i, "text": prefix + o.text, "logprobs": lp, "finish_reason": o.finish_reason})
     make = R.chat_body if job.chat else R.completion_body
     return make(job.rid, job.created, job.model, choices, outs, job.req.n)
@@ -228,7 +229,8 @@ def _echo(job: Job, st: R.ChoiceState, out: RequestOutput) -> tuple[str, list[di
         return "", []
     st.echoed = True
     text = R.prompt_text(out, job.token_text.tokenizer)
-    return text, ([R.echo_logprobs(out, job.token_text, st)] if job.req.params.logprobs is not None else [])
+    st.base = len(text)
+    return text, ([R.echo_logprobs(out, job.token_text)] if job.req.params.logprobs is not None else [])
 
 
 def _chunk(job: Job, tag: int, st: R.ChoiceState, out: RequestOutput) -> dict | None:
@@ -246,5 +248,6 @@ def _chunk(job: Job, tag: int, st: R.ChoiceState, out: RequestOutput) -> dict | 
     prefix, echo_lp = _echo(job, st, out)
     if not prefix and not text and reason is None and not (want_lp and ids):
         return None
-    lp = R.join_logprobs(echo_lp + [R.completion_logprobs(ids, lps, job.token_text, st)]) if want_lp else None
+    lp = R.join_logprobs(echo_lp + [R.completion_logprobs(ids, lps, job.token_text, st,
+                                                           job.req.params.skip_special_tokens)]) if want_lp else None
     return R.completion_chunk(job.rid, job.created, job.model, tag, prefix + text, lp, reason)

@@ -62,13 +62,13 @@ class GenerateRequest:
 
     model: str | None
     params: SamplingParams
-    max_tokens_given: bool
     n: int = 1
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
     cache_salt: str | None = None
     priority: int = 0               # under --scheduling-policy priority, lower is admitted first
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
 
 
 @dataclass
@@ -203,10 +203,10 @@ def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: i
     (prompt scoring only): the engine then samples one token nobody sees."""
     _reject_unsupported(body, ("echo",) if echo else ())
     model = _str(body, "model")
-    max_tokens, given = default_max_tokens, False
+    max_tokens = default_max_tokens
     for name in max_tokens_names:
         if body.get(name) is not None:
-            max_tokens, given = _int(body, name, None, lo=0 if echo else 1), True
+            max_tokens = _int(body, name, None, lo=0 if echo else 1)
             break
     if max_tokens == 0:
         max_tokens = 1
@@ -225,11 +225,12 @@ def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: i
                      stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"),
                      ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
                      prompt_logprobs=prompt_logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True))
-    return dict(model=model, params=params, max_tokens_given=given, n=n,
+    return dict(model=model, params=params, n=n,
                 stream=_bool(body, "stream", False),
                 include_usage=_bool(stream_options or {}, "include_usage", False),
                 user=_str(body, "user"), cache_salt=_str(body, "cache_salt"),
-                priority=_int(body, "priority", 0, *PRIORITY_RANGE))
+                priority=_int(body, "priority", 0, *PRIORITY_RANGE),
+                return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False))
 
 
 def _seed(body: dict, n: int) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.outputs import RequestOutput
 
 REPLACEMENT = "\ufffd"  # what a token ending inside a UTF-8 character decodes to, for now
@@ -20,7 +21,8 @@ class ChoiceState:
 
     text: str = ""
     num_tokens: int = 0
-    offset: int = 0                    # completions text_offset of the next token
+    base: int = 0                      # text_offset of the output's first character (after an echo)
+    decoder: IncrementalDetokenizer | None = field(default=None, repr=False)  # the output so far
     role_sent: bool = False
     echoed: bool = False               # the prompt was sent (completions with echo)
     last: RequestOutput | None = field(default=None, repr=False)
@@ -73,7 +75,9 @@ def usage(outs: list[RequestOutput], n: int) -> dict:
 
 # ---- logprobs ----------------------------------------------------------------------
 class TokenText:
-    """Token id -> its text, for logprobs (decoded one token at a time, cached)."""
+    """Token id -> its text, for logprobs (decoded one token at a time, cached). A token
+    holding part of a character's bytes decodes to U+FFFD, so two tokens can share a text;
+    ``TokenIdText`` (vLLM's ``return_tokens_as_token_ids``) keeps them apart."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -86,15 +90,25 @@ class TokenText:
         return s
 
 
+class TokenIdText(TokenText):
+    """Token id -> ``"token_id:<id>"``, as vLLM writes tokens under ``return_tokens_as_token_ids``."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 def completion_logprobs(ids: list[int], lps: list[dict[int, float]], tt: TokenText,
-                        state: ChoiceState) -> dict:
-    """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, offsets = _tokens_and_offsets(ids, tt, state)
+                        state: ChoiceState, skip_special_tokens: bool = True) -> dict:
+    """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset
+    (where each token's text starts in the choice's ``text``: the output decoded so far)."""
+    if state.decoder is None:
+        state.decoder = IncrementalDetokenizer(tt.tokenizer, skip_special_tokens)
+    tokens, offsets = _tokens_and_offsets(ids, tt, state.decoder, state.base)
     return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(ids, lps)],
             "top_logprobs": [_top_by_text(lp, tt) for lp in lps], "text_offset": offsets}
 
 
-def echo_logprobs(out: RequestOutput, tt: TokenText, state: ChoiceState) -> dict:
+def echo_logprobs(out: RequestOutput, tt: TokenText) -> dict:
     """The prompt's part of legacy ``logprobs`` under ``echo`` (OpenAI's legacy API and
     vLLM's shape): every prompt token with its log-probability given the tokens before it,
     ``null`` (and ``null`` top_logprobs) for the first, which nothing predicts; each
@@ -102,7 +116,7 @@ def echo_logprobs(out: RequestOutput, tt: TokenText, state: ChoiceState) -> dict
     ids = out.prompt_token_ids
     values = out.prompt_logprobs or [None] * len(ids)
     tops = out.prompt_top_logprobs or [None] * len(ids)
-    tokens, offsets = _tokens_and_offsets(ids, tt, state)
+    tokens, offsets = _tokens_and_offsets(ids, tt, IncrementalDetokenizer(tt.tokenizer, False), 0)
     top_logprobs: list[dict | None] = [None]
     for t, v, top in zip(ids[1:], values[1:], tops[1:]):
         lp = dict(top or {})
@@ -124,12 +138,16 @@ def prompt_text(out: RequestOutput, tokenizer) -> str:
     return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
 
 
-def _tokens_and_offsets(ids: list[int], tt: TokenText, state: ChoiceState) -> tuple[list[str], list[int]]:
+def _tokens_and_offsets(ids: list[int], tt: TokenText, decoder: IncrementalDetokenizer,
+                        base: int) -> tuple[list[str], list[int]]:
+    """Each token's text and its ``text_offset``: ``base`` + the length of what ``decoder``
+    had decoded before it (a character split across tokens counts once, at its first
+    token, so offsets index the decoded text, not the sum of the tokens' U+FFFD pieces)."""
     tokens, offsets = [], []
     for t in ids:
         tokens.append(tt(t))
-        offsets.append(state.offset)
-        state.offset += len(tokens[-1])
+        offsets.append(base + len(decoder.text))
+        decoder.push(t)
     return tokens, offsets
 
 
