@@ -167,10 +167,22 @@ class Kernel {
     const int64_t stride = Hkv_ * D;
     float* alphas = sc + G_ * bspad_;  // [G]
     for (int64_t h = 0; h < G_; ++h) {  // scores, 16 keys at a time; keys >= n repeat key n-1
+#if PAGEDKV_AVX2_ONLY
+      for (int64_t j0 = 0; j0 < n; j0 += kLanes)
+        storev(sc + h * bspad_ + j0, dot16(q + h * D, k, j0, n, stride) * splat(a_.scale));
+#else
       vf qh[NV];
       for (int c = 0; c < NV; ++c) qh[c] = loadv(q + h * D + c * kLanes);
-      for (int64_t j0 = 0; j0 < n; j0 += kLanes)
-        storev(sc + h * bspad_ + j0, dot16(qh, k, j0, n, stride) * splat(a_.scale));
+      for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+        vf part[kLanes];
+        for (int jj = 0; jj < kLanes; ++jj) {
+          const float* kj = k + std::min<int64_t>(j0 + jj, n - 1) * stride;
+          part[jj] = qh[0] * loadv(kj);
+          for (int c = 1; c < NV; ++c) part[jj] += qh[c] * loadv(kj + c * kLanes);
+        }
+        storev(sc + h * bspad_ + j0, hsum16(part) * a_.scale);
+      }
+#endif
     }
     for (int64_t h = 0; h < G_; ++h) {
       float* s = sc + h * bspad_;
@@ -205,57 +217,77 @@ class Kernel {
   void accumulate(const float* p, const float* v, int64_t n, const float* alpha, float* acc, const Prefetch& pf,
                   int64_t g) const {
     const int64_t stride = Hkv_ * D;
-    for (int c0 = 0; c0 < NV; c0 += kColsPerPass) {  // column passes: a lane's sum keeps its j order
-      vf o[HB][kColsPerPass];
-      for (int t = 0; t < HB; ++t)
-        for (int c = 0; c < kColsPerPass; ++c) o[t][c] = loadv(acc + t * D + (c0 + c) * kLanes) * splat(alpha[t]);
+#if PAGEDKV_AVX2_ONLY
+    // ymm registers throughout: GCC moves 64-byte vector values through general registers
+    // and the stack when there is no 512-bit register to hold them.
+    constexpr int W = 2 * kColsPerPass;  // ymm per head per pass
+    for (int c0 = 0; c0 < 2 * NV; c0 += W) {  // column passes: a lane's sum keeps its j order
+      __m256 o[HB][W];
+      for (int t = 0; t < HB; ++t) {
+        const __m256 a = _mm256_set1_ps(alpha[t]);
+        for (int c = 0; c < W; ++c) o[t][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + t * D + (c0 + c) * 8), a);
+      }
       for (int64_t j = 0; j < n; ++j) {
         if (c0 == 0) {
           pf.key(j, g);
           if (j == n - 1)
             for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
         }
-        vf vj[kColsPerPass];
-        for (int c = 0; c < kColsPerPass; ++c) vj[c] = loadv(v + j * stride + (c0 + c) * kLanes);
+        __m256 vj[W];
+        for (int c = 0; c < W; ++c) vj[c] = _mm256_loadu_ps(v + j * stride + (c0 + c) * 8);
         for (int t = 0; t < HB; ++t) {
-          const vf pj = splat(p[t * bspad_ + j]);
-          for (int c = 0; c < kColsPerPass; ++c) o[t][c] += pj * vj[c];
+          const __m256 pj = _mm256_broadcast_ss(p + t * bspad_ + j);
+          for (int c = 0; c < W; ++c) o[t][c] = _mm256_fmadd_ps(pj, vj[c], o[t][c]);
         }
       }
       for (int t = 0; t < HB; ++t)
-        for (int c = 0; c < kColsPerPass; ++c) storev(acc + t * D + (c0 + c) * kLanes, o[t][c]);
+        for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + t * D + (c0 + c) * 8, o[t][c]);
     }
+#else
+    vf o[HB][NV];
+    for (int t = 0; t < HB; ++t)
+      for (int c = 0; c < NV; ++c) o[t][c] = loadv(acc + t * D + c * kLanes) * alpha[t];
+    for (int64_t j = 0; j < n; ++j) {
+      pf.key(j, g);
+      if (j == n - 1)
+        for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
+      vf vj[NV];
+      for (int c = 0; c < NV; ++c) vj[c] = loadv(v + j * stride + c * kLanes);
+      for (int t = 0; t < HB; ++t) {
+        const float pj = p[t * bspad_ + j];
+        for (int c = 0; c < NV; ++c) o[t][c] += pj * vj[c];
+      }
+    }
+    for (int t = 0; t < HB; ++t)
+      for (int c = 0; c < NV; ++c) storev(acc + t * D + c * kLanes, o[t][c]);
+#endif
   }
 
-  // Scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head qh: lane jj
-  // is q . k_{j0+jj}, summed by a fixed tree that depends on that key's products alone.
-  vf dot16(const vf* qh, const float* k, int64_t j0, int64_t n, int64_t stride) const {
 #if PAGEDKV_AVX2_ONLY
-    // Two ymm per vf: reduce each key's products to one ymm at once and fold four keys with
-    // two hadds, so at most four keys' partial sums are live (16 at once spilled here).
+  // Scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head qh: lane jj
+  // is q . k_{j0+jj}, in ymm registers (GCC spills 64-byte vector values on AVX2): each
+  // key's products are summed into two ymm, added, and four keys folded by two hadds and a
+  // 128-bit add, a fixed tree that depends on that key's products alone.
+  vf dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride) const {
     float out[kLanes];
     for (int g4 = 0; g4 < kLanes / 4; ++g4) {
       __m256 s[4];
       for (int t = 0; t < 4; ++t) {
         const float* kj = k + std::min<int64_t>(j0 + 4 * g4 + t, n - 1) * stride;
-        vf part = qh[0] * loadv(kj);
-        for (int c = 1; c < NV; ++c) part += qh[c] * loadv(kj + c * kLanes);
-        s[t] = half_sum(part);
+        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
+        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(kj + 8));
+        for (int c = 1; c < NV; ++c) {
+          lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * kLanes), _mm256_loadu_ps(kj + c * kLanes), lo);
+          hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * kLanes + 8), _mm256_loadu_ps(kj + c * kLanes + 8), hi);
+        }
+        s[t] = _mm256_add_ps(lo, hi);
       }
       const __m256 f = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
       _mm_storeu_ps(out + 4 * g4, _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1)));
     }
     return loadv(out);
-#else
-    vf part[kLanes];
-    for (int jj = 0; jj < kLanes; ++jj) {
-      const float* kj = k + std::min<int64_t>(j0 + jj, n - 1) * stride;
-      part[jj] = qh[0] * loadv(kj);
-      for (int c = 1; c < NV; ++c) part[jj] += qh[c] * loadv(kj + c * kLanes);
-    }
-    return hsum16(part);
-#endif
   }
+#endif
 
   // K and V of page `block`'s first n slots as fp32 [BS, Hkv, D]: the page itself (fp32), or
   // converted / dequantized into ws (an L1-sized buffer: only the stored bytes come from memory).

@@ -39,7 +39,7 @@ inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // x in every lane. (GCC lowers `vf{} + x`, and `x * v`, for 16-lane vectors on AVX2 as 16
 // scalar stores and two reloads; the broadcast instruction is explicit there.)
 inline vf splat(float x) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if PAGEDKV_AVX2_ONLY
   const __m256 b = _mm256_set1_ps(x);
   vf v;
   std::memcpy(&v, &b, 32);
@@ -66,33 +66,9 @@ inline float hsum(vf v) {
 #define PAGEDKV_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
 
-// r[j] = sum of the lanes of p[j], j < 16. Lane j depends on p[j] alone, through a fixed
-// tree (which tree depends on the ISA, so results are reproducible per machine kind).
-#if PAGEDKV_AVX2_ONLY
-// The two ymm halves of v added: lane i is v[i] + v[i + 8].
-inline __m256 half_sum(vf v) {
-  __m256 lo, hi;
-  std::memcpy(&lo, &v, 32);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
-  return _mm256_add_ps(lo, hi);
-}
-
-// AVX2: each vf is two ymm registers; the generic 16-lane shuffles below lower to long
-// sequences of permutes there (prefill attention ran ~10x slower than with AVX-512).
-// Add the halves, then two rounds of hadd and a final 128-bit add: 28 instructions.
-inline vf hsum16(const vf* p) {
-  __m256 s[16], h[8];
-  for (int j = 0; j < 16; ++j) s[j] = half_sum(p[j]);
-  for (int i = 0; i < 8; ++i) h[i] = _mm256_hadd_ps(s[2 * i], s[2 * i + 1]);
-  float out[16];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 g = _mm256_hadd_ps(h[2 * i], h[2 * i + 1]);  // keys 4i..4i+3, per 128-bit half
-    _mm_storeu_ps(out + 4 * i, _mm_add_ps(_mm256_castps256_ps128(g), _mm256_extractf128_ps(g, 1)));
-  }
-  return loadv(out);
-}
-#else
-// Generic: a transposing tree of two-source shuffles (45 operations for 16 sums).
+// r[j] = sum of the lanes of p[j], j < 16: a transposing tree of two-source shuffles (45
+// operations for 16 sums instead of 16 separate lane sums). Lane j depends on p[j] alone.
+// (AVX2 builds score keys with the kernel's own ymm code instead.)
 inline vf hsum16(const vf* p) {
   vf w[8], u[4], t[2];
   for (int i = 0; i < 8; ++i)
@@ -107,7 +83,6 @@ inline vf hsum16(const vf* p) {
   return PAGEDKV_SHUFFLE(t[0], t[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          PAGEDKV_SHUFFLE(t[0], t[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
-#endif
 
 // Max of the 16 lanes (a shuffle tree: short dependency chain).
 #if PAGEDKV_AVX2_ONLY
