@@ -33,7 +33,19 @@ def test_invariant_linear_equals_a_plain_product_of_tile_rows():
     w, x = torch.randn(64, 32, generator=g), torch.randn(ROW_TILE * 3, 32, generator=g)
     assert torch.equal(invariant_linear(x, w), torch.nn.functional.linear(x, w))
     assert invariant_linear(x[:5], w).shape == (5, 64)
-    assert linear_for(False) is torch.nn.functional.linear and linear_for(True) is invariant_linear
+    y = x[:5]
+    assert torch.equal(linear_for(False)(y, w), torch.nn.functional.linear(y, w))
+    assert torch.equal(linear_for(True)(y, w), invariant_linear(y, w))
+
+
+def test_linear_for_hands_non_tensor_weights_their_own_kernel():
+    """An int8 weight is called with (x, bias): its kernel is batch-invariant already."""
+    from pagedkv.model.int8_weights import Int8Weight
+
+    g = torch.Generator().manual_seed(2)
+    w, x, b = Int8Weight.quantize(torch.randn(48, 32, generator=g)), torch.randn(5, 32, generator=g), torch.randn(48)
+    for invariant in (False, True):
+        assert torch.equal(linear_for(invariant)(x, w, b), w(x, b))
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("TRUE", True),

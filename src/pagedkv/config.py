@@ -16,6 +16,7 @@ KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+WEIGHT_DTYPES = ("float32", "int8")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -57,6 +58,9 @@ class EngineConfig:
         kv_cache_scale: scale granularity of int8/fp8 pages: per-token-head, per-head or
             per-tensor (static, calibrated at start on a fixed text), or per-channel
             (KIVI-style: static per-channel keys, per-token values).
+        weight_dtype: float32, or int8: every linear layer's weights (the LM head included)
+            stored as int8 with a per-channel scale and multiplied with fp32 activations
+            (a quarter of the bytes per decode step; see :mod:`pagedkv.model.int8_weights`).
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
             KB/MB/GB of 10); ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
@@ -83,6 +87,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     kv_cache_scale: str = "per-token-head"
+    weight_dtype: str = "float32"
     kv_cache_memory: int | str = "4GiB"  # 4 GiB, like vLLM's CPU backend
     num_blocks: int | None = None
     max_num_seqs: int = 256
@@ -112,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
         if self.kv_cache_scale not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)

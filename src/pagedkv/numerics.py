@@ -60,9 +60,17 @@ def invariant_linear(x, weight, bias=None):
 
 
 def linear_for(batch_invariant: bool):
-    """The linear function a model uses: :func:`invariant_linear` or torch's own."""
-    if batch_invariant:
-        return invariant_linear
+    """The linear function a model uses: ``linear(x, weight, bias=None)`` with a tensor
+    weight through :func:`invariant_linear` or torch's own; a weight that is not a tensor
+    (an :class:`~pagedkv.model.int8_weights.Int8Weight`) is called with ``(x, bias)``: its
+    kernel is batch-invariant by construction."""
+    import torch
     import torch.nn.functional as F
 
-    return F.linear
+    base = invariant_linear if batch_invariant else F.linear
+
+    def linear(x, weight, bias=None):
+        if isinstance(weight, torch.Tensor):
+            return base(x, weight, bias)
+        return weight(x, bias)
+    return linear

@@ -1,4 +1,5 @@
-"""Build (JIT, at first use) and load the fused CPU paged-attention kernel.
+"""Build (JIT, at first use) and load the CPU kernels: fused paged attention and the
+weight-only int8 linear layer (``torch.ops.pagedkv.int8_linear``), one library.
 
 The C++ sources in ``csrc/`` are compiled once by ``torch.utils.cpp_extension.load``
 (ninja; ``-O3 -march=native -fopenmp``; about 15 s) into
@@ -32,7 +33,7 @@ from typing import Callable
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention_kernel.cpp", "paged_attention_op.cpp")
+SOURCES = ("paged_attention_kernel.cpp", "paged_attention_op.cpp", "int8_linear.cpp")
 _MARCH = re.compile(r"[A-Za-z0-9._-]+")
 LDFLAGS = ["-fopenmp"]
 HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})  # instantiated in the kernel

@@ -65,9 +65,11 @@ def model_cost(engine) -> ModelCost:
     """The cost of ``engine``'s loaded model (an :class:`~pagedkv.engine.engine.LLMEngine`),
     counted from its tensors: weight bytes as stored, matmul parameters of every layer,
     the LM head, KV bytes per token of its cache spec and attention FLOPs per query-key pair."""
+    from pagedkv.model.int8_weights import weight_bytes
+
     m, cfg = engine.model, engine.model.cfg
     mm = sum(t.numel() for layer in m.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
     head = m.lm_head.numel()
-    return ModelCost(m.weight_bytes, head * m.lm_head.element_size(), mm, head,
+    return ModelCost(m.weight_bytes, weight_bytes(m.lm_head), mm, head,
                      engine.parts.spec.bytes_per_token,
                      2 * cfg.num_hidden_layers * cfg.num_attention_heads * 2 * cfg.head_dim)

@@ -95,7 +95,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     max_len = cap_to_cache(max_len, num_blocks * config.block_size, config.max_model_len is not None)
     keys = (("model", str(files.folder.name)), ("weights", files.weights_version),
             ("kv_dtype", dtype), ("block_size", str(config.block_size)),
-            ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"))
+            ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"),
+            ("weight_dtype", config.weight_dtype))
     groups = single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
     state = load_state_dict(files.folder)
@@ -105,7 +106,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         warnings.warn("pagedkv: batch-invariant mode with PAGEDKV_ATTENTION=reference: the reference "
                       "attention's products change shape with the chunk, so log-probs can differ in "
                       "the last bits with batching; the fused kernel is batch-invariant", RuntimeWarning)
-    model = LlamaModel(cfg, state, batch_invariant=invariant)
+    model = LlamaModel(cfg, state, batch_invariant=invariant, weight_dtype=config.weight_dtype)
     tokenizer = load_tokenizer(files.folder)
     storage = KVCacheStorage(spec, kv.pool.num_pages)  # page 0 is the null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":

@@ -18,6 +18,7 @@ from pagedkv.attention.dispatch import paged_attention
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.int8_weights import Int8Weight, weight_bytes
 from pagedkv.model.rope import RotaryEmbedding
 from pagedkv.numerics import linear_for
 
@@ -84,7 +85,8 @@ class LlamaModel:
         KeyError: if a tensor the config implies is missing from ``state``.
     """
 
-    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], batch_invariant: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], batch_invariant: bool = False,
+                 weight_dtype: str = "float32") -> None:
         w = dict(state)
         self.cfg = cfg
         self.embed = w.pop("model.embed_tokens.weight")         # [vocab, hidden]
@@ -94,7 +96,20 @@ class LlamaModel:
         if self.lm_head is None or cfg.tie_word_embeddings:
             self.lm_head = self.embed
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.weight_dtype = weight_dtype
+        if weight_dtype == "int8":
+            self._quantize_int8()
+        elif weight_dtype != "float32":
+            raise ValueError(f"weight_dtype must be float32 or int8, got {weight_dtype!r}")
         self.set_batch_invariant(batch_invariant)
+
+    def _quantize_int8(self) -> None:
+        """Every linear weight (the LM head too, apart from the embedding table it may share,
+        which stays fp32 for row lookups) as :class:`Int8Weight`."""
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, Int8Weight.quantize(getattr(layer, name)))
+        self.lm_head = Int8Weight.quantize(self.lm_head)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Compute every linear layer (LM head included) in fixed row tiles, so each row's
@@ -132,7 +147,12 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Bytes of the weights as stored, each counted once (a tied LM head is the
+        embedding). With int8 weights the fp32 embedding table, looked up by row only, is
+        left out: this is what a step that samples reads, as the planner counts it."""
+        tensors = [self.norm, self.lm_head]
+        if self.lm_head is not self.embed and self.weight_dtype == "float32":
+            tensors.append(self.embed)
         for layer in self.layers:
             tensors += [layer.in_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(weight_bytes(t) for t in tensors)

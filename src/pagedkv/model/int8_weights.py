@@ -1,0 +1,85 @@
+"""Weight-only int8 linear layers (``--weight-dtype int8``): 1 byte per weight, fp32 math.
+
+A decode step at small batch reads every weight once, so its time is the weights' bytes
+over the memory bandwidth; int8 weights read a quarter of fp32's. Each output channel n of
+a weight ``W [N, K]`` is stored as ``q[n] = round(W[n] / s[n])`` clamped to [-127, 127] with
+``s[n] = max_k |W[n, k]| / 127`` (symmetric, per channel), and ``y = x . (q * s)^T`` is
+computed by ``torch.ops.pagedkv.int8_linear`` (``attention/csrc/int8_linear.cpp``), which
+widens the int8 values to fp32 in registers: activations are never quantized (per-tensor
+activation quantization, FBGEMM's dynamic int8, took SmolLM2's perplexity from 30.4 to 104;
+see BENCHMARKS.md). The kernel is batch-invariant by construction, so this path needs no
+row padding. Without the compiled kernel (no compiler, ``PAGEDKV_ATTENTION=reference``) the
+product runs as ``F.linear`` over the dequantized weight: the same values, fp32 speed.
+
+The default model's GGUF holds Q4_1/Q8_0 weights, dequantized to fp32 at load; int8 here
+re-quantizes those values (measured: perplexity -0.04%, with the LM head +0.02%).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QMAX = 127
+
+
+class Int8Weight:
+    """A linear weight ``[N, K]`` as int8 ``q`` and fp32 per-channel ``scale`` ``[N]``.
+
+    Call it as ``w(x, bias)`` for ``x [M, K]`` fp32 -> ``[M, N]`` fp32.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.q, self.scale = q.contiguous(), scale.to(torch.float32).contiguous()
+        self.shape = tuple(self.q.shape)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
+        """Symmetric per-channel int8 of an fp32 ``weight [N, K]`` (an all-zero row gets scale 1)."""
+        w = weight.to(torch.float32)
+        amax = w.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+        q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+        return cls(q, scale)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight these values stand for: ``q * scale``."""
+        return self.q.to(torch.float32) * self.scale[:, None]
+
+    def numel(self) -> int:
+        return self.q.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per use: the int8 values and the fp32 scales."""
+        return self.q.numel() + 4 * self.scale.numel()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        op = _op()
+        y = op(x.contiguous(), self.q, self.scale) if op is not None else F.linear(x, self.dequantize())
+        return y if bias is None else y + bias
+
+
+_state: dict[str, object] = {}
+
+
+def _op():
+    """``torch.ops.pagedkv.int8_linear``, or None where the kernels cannot be built or the
+    reference attention mode asks for pure torch."""
+    from pagedkv.attention.dispatch import attention_mode
+    from pagedkv.attention.kernel import KernelBuildError, load_kernel
+
+    if attention_mode() == "reference":
+        return None
+    if "op" not in _state:
+        try:
+            load_kernel()
+            _state["op"] = torch.ops.pagedkv.int8_linear
+        except KernelBuildError:
+            _state["op"] = None
+    return _state["op"]
+
+
+def weight_bytes(w) -> int:
+    """Bytes of a weight as stored: a tensor's or an :class:`Int8Weight`'s."""
+    return w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
