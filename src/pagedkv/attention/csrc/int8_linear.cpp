@@ -81,10 +81,13 @@ void tile(const float* x, int64_t K, const int8_t* w, const float* scale, float*
     for (int r = 0; r < R; ++r) y[m * N + r] = lane_sum(acc[m][r]) * scale[r];
 }
 
-template <int R>
+// R output channels against every activation row, MR rows at a time (R * MR accumulators
+// and R widened weights stay in registers). The blocking never changes an output's own
+// sequence of FMAs, so it may depend on M.
+template <int R, int MR>
 void rows(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<R, 4>(x + m * K, K, w, scale, y + m * N, N);
+  for (; m + MR <= M; m += MR) tile<R, MR>(x + m * K, K, w, scale, y + m * N, N);
   for (; m < M; ++m) tile<R, 1>(x + m * K, K, w, scale, y + m * N, N);
 }
 #endif
@@ -108,8 +111,11 @@ void int8_linear_cpu(const float* x, const int8_t* q, const float* scale, float*
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (K % kStep == 0) {
       int64_t n = n0;
-      for (; n + 4 <= n1; n += 4) rows<4>(x, M, K, q + n * K, scale + n, y + n, N);
-      for (; n < n1; ++n) rows<1>(x, M, K, q + n * K, scale + n, y + n, N);
+      if (M < 4)  // few rows: more output channels at once (independent FMA chains)
+        for (; n + 8 <= n1; n += 8) rows<8, 1>(x, M, K, q + n * K, scale + n, y + n, N);
+      else  // more rows: each widened weight reused by four rows
+        for (; n + 4 <= n1; n += 4) rows<4, 4>(x, M, K, q + n * K, scale + n, y + n, N);
+      for (; n < n1; ++n) rows<1, 4>(x, M, K, q + n * K, scale + n, y + n, N);
       continue;
     }
 #endif
