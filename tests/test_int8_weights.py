@@ -57,6 +57,7 @@ def test_quantization_error_is_half_a_step_and_zero_rows_survive():
     assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127 and q.nbytes == 64 * 96 + 4 * 64
 
 
+@pytest.mark.filterwarnings("ignore:pagedkv. int8 weights without")
 def test_reference_mode_computes_the_same_values(monkeypatch):
     torch.manual_seed(1)
     w = Int8Weight.quantize(torch.randn(100, 64))
@@ -117,3 +118,42 @@ def test_engine_and_planner_agree_on_int8_weight_bytes(default_model_files):
     planned = plan(weight_dtype="int8").weight_bytes
     assert abs(model.weight_bytes / planned - 1) < 0.01
     assert abs(plan(weight_dtype="float32").weight_bytes / (4 * planned) - 1) < 1e-9
+
+
+# ---- a break-it pass's findings ------------------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_not_rounded_away(bad):
+    """A NaN row got scale 1 (NaN > 0 is False) and its weights were rounded to integers:
+    the int8 engine answered with wrong text where the fp32 one aborted."""
+    w = torch.randn(8, 32)
+    w[3, 5] = bad
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        Int8Weight.quantize(w)
+
+
+@pytest.mark.parametrize("k", [1544, 1540, 37])
+def test_widths_that_are_not_a_vector_multiple_take_the_vector_path_with_a_scalar_tail(k):
+    torch.manual_seed(k)
+    w = Int8Weight.quantize(torch.randn(96, k))
+    x = torch.randn(5, k)
+    ref = F.linear(x, w.dequantize())
+    full = w(x)
+    assert (full - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert all(torch.equal(w(x[i:i + 1]), full[i:i + 1]) for i in range(5))
+
+
+def test_the_fallback_is_batch_invariant_in_that_mode(monkeypatch):
+    """Without the kernel, products run through the model's fp32 linear function, so
+    batch-invariant mode pads them as it pads fp32 weights."""
+    from pagedkv.model import int8_weights
+    from pagedkv.numerics import linear_for
+
+    monkeypatch.setattr(int8_weights, "_state", {})  # the warning is once per process
+    monkeypatch.setenv("PAGEDKV_ATTENTION", "reference")
+    torch.manual_seed(3)
+    w = Int8Weight.quantize(torch.randn(200, 64))
+    x = torch.randn(23, 64)
+    with pytest.warns(RuntimeWarning, match="int8 weights without the int8 kernel"):
+        linear_for(True)(x[:1], w)
+    full = linear_for(True)(x, w)
+    assert all(torch.equal(linear_for(True)(x[i:i + 1], w), full[i:i + 1]) for i in range(23))

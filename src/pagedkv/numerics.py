@@ -72,5 +72,5 @@ def linear_for(batch_invariant: bool):
     def linear(x, weight, bias=None):
         if isinstance(weight, torch.Tensor):
             return base(x, weight, bias)
-        return weight(x, bias)
+        return weight(x, bias, fallback=base)
     return linear

@@ -61,6 +61,18 @@ class Machine:
         return asdict(self)
 
 
+def as_float32(cost: ModelCost, engine) -> ModelCost:
+    """``cost`` with every weight read as fp32: what a baseline that loads the checkpoint in
+    fp32 (HF transformers) reads, whatever ``--weight-dtype`` the engine runs."""
+    from dataclasses import replace
+
+    m = engine.model
+    layers = sum(t.numel() for layer in m.layers
+                 for t in (layer.in_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = m.lm_head.numel()
+    return replace(cost, weight_bytes=4 * (layers + head + m.norm.numel()), lm_head_bytes=4 * head)
+
+
 def model_cost(engine) -> ModelCost:
     """The cost of ``engine``'s loaded model (an :class:`~pagedkv.engine.engine.LLMEngine`),
     counted from its tensors: weight bytes as stored, matmul parameters of every layer,

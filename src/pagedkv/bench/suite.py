@@ -24,7 +24,7 @@ from pathlib import Path
 from pagedkv.bench import baselines, report
 from pagedkv.bench.driver import drive, warm_up
 from pagedkv.bench.load import LoadMeter
-from pagedkv.bench.roofline import Machine, model_cost
+from pagedkv.bench.roofline import Machine, as_float32, model_cost
 from pagedkv.bench.workloads import BenchRequest, build_workload, with_poisson_arrivals, workload_summary
 from pagedkv.planner.roofline import ModelCost, bound, ideal_offline_steps
 
@@ -65,7 +65,8 @@ class Context:
     machine: Machine
     files: object
     tokenizer: object
-    cost: ModelCost | None = None
+    cost: ModelCost | None = None        # the engine's model, as configured (--weight-dtype)
+    fp32_cost: ModelCost | None = None   # the same model read in fp32 (the HF baselines)
     hf_model: object = None
     series: dict = field(default_factory=dict)
     loadavg_start: tuple = field(default_factory=os.getloadavg)
@@ -77,6 +78,10 @@ class Context:
         m = Machine.measure("quick" if self.settings.quick_machine else "probe")
         self.probes.append({"before": label, "read_bandwidth": m.read_bandwidth, "fp32_flops": m.fp32_flops})
         self.machine = self.machine.best(m)
+
+    def cost_for(self, system: str) -> ModelCost:
+        """The bytes and FLOPs ``system`` pays: HF baselines read fp32 weights."""
+        return self.fp32_cost if system in ("hf", "hf-cb") and self.fp32_cost is not None else self.cost
 
     def roofline(self, run: dict, fn) -> None:
         """Set ``run["roofline"] = fn()`` now and again at the end, against the final ceilings."""
@@ -121,6 +126,7 @@ def make_engine(ctx: Context, **overrides):
     engine = LLMEngine(EngineConfig(**(ctx.settings.engine | overrides)))
     if ctx.cost is None:
         ctx.cost = model_cost(engine)
+        ctx.fp32_cost = as_float32(ctx.cost, engine)
     warm_up(engine)
     return engine
 
@@ -170,17 +176,19 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def roofline_entry(ctx: Context, metrics: dict, steps, workload: list[BenchRequest], ideal: bool) -> dict:
+def roofline_entry(ctx: Context, metrics: dict, steps, workload: list[BenchRequest], ideal: bool,
+                   system: str = "pagedkv") -> dict:
     """Bound of the run's own schedule (when known) and of the ideal offline batch."""
     out: dict = {}
+    cost = ctx.cost_for(system)
     dur, toks = metrics["duration_s"], metrics["output_tokens"]
     if steps:
-        b = bound(steps, ctx.cost, ctx.machine)
+        b = bound(steps, cost, ctx.machine)
         out |= {"bound_s": b["bound_s"], "fraction": b["bound_s"] / dur, "limited_by": b["limited_by"],
                 "seconds_by_limit": b["seconds_by_limit"], "bound_output_tokens_per_s": toks / b["bound_s"]}
     if ideal:
         b = bound(ideal_offline_steps([r.num_prompt_tokens for r in workload], [r.output_len for r in workload]),
-                  ctx.cost, ctx.machine)
+                  cost, ctx.machine)
         out |= {"ideal_bound_s": b["bound_s"], "fraction_of_ideal": b["bound_s"] / dur,
                 "ideal_limited_by": b["limited_by"], "ideal_output_tokens_per_s": toks / b["bound_s"]}
         out.setdefault("bound_output_tokens_per_s", out["ideal_output_tokens_per_s"])
@@ -209,7 +217,7 @@ def run_systems(ctx: Context, command: str, workload: list[BenchRequest], ideal:
                 result["skipped"][system] = f"failed: {type(e).__name__}: {e}"
                 continue
             run = {"system": system, "repeat": rep, "metrics": metrics, "load": load.result()}
-            ctx.roofline(run, lambda m=metrics, st=steps: roofline_entry(ctx, m, st, workload, ideal))
+            ctx.roofline(run, lambda m=metrics, st=steps, sy=system: roofline_entry(ctx, m, st, workload, ideal, sy))
             result["runs"].append(run)
             checkpoint(ctx, result)
     return finish(ctx, result)
@@ -221,7 +229,8 @@ def finish(ctx: Context, result: dict, best_key: str = "metrics.output_tokens_pe
     for run, fn in ctx.deferred:
         run["roofline"] = fn()
     result["machine"] = ctx.machine_info()
-    result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict() if ctx.cost else None}
+    result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict() if ctx.cost else None,
+                       "weight_dtype": ctx.settings.engine.get("weight_dtype", "float32")}
     result["series"] = ctx.series
     report.summarize(result, best_key, higher)
     return result
@@ -322,8 +331,8 @@ def latency(settings: Settings) -> dict:
             metrics["decode_tokens_per_s"] = tps
             run = {"system": system, "repeat": rep, "metrics": metrics, "load": load.result()}
 
-            def weight_read(tps=tps):
-                bound_tps = weight_read_tokens_per_s(ctx.cost, ctx.machine)
+            def weight_read(tps=tps, system=system):
+                bound_tps = weight_read_tokens_per_s(ctx.cost_for(system), ctx.machine)
                 return {"weight_read_tokens_per_s": bound_tps, "fraction_of_weight_read": tps / bound_tps}
             ctx.roofline(run, weight_read)
             result["runs"].append(run)

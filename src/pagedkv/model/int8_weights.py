@@ -9,13 +9,16 @@ widens the int8 values to fp32 in registers: activations are never quantized (pe
 activation quantization, FBGEMM's dynamic int8, took SmolLM2's perplexity from 30.4 to 104;
 see BENCHMARKS.md). The kernel is batch-invariant by construction, so this path needs no
 row padding. Without the compiled kernel (no compiler, ``PAGEDKV_ATTENTION=reference``) the
-product runs as ``F.linear`` over the dequantized weight: the same values, fp32 speed.
+product runs as the model's fp32 linear function over the dequantized weight, kept once
+made: the same values at fp32 speed and memory (a warning says so).
 
 The default model's GGUF holds Q4_1/Q8_0 weights, dequantized to fp32 at load; int8 here
 re-quantizes those values (measured: perplexity -0.04%, with the LM head +0.02%).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +35,22 @@ class Int8Weight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.q, self.scale = q.contiguous(), scale.to(torch.float32).contiguous()
         self.shape = tuple(self.q.shape)
+        self._dequantized: torch.Tensor | None = None  # made on first use without the kernel
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
-        """Symmetric per-channel int8 of an fp32 ``weight [N, K]`` (an all-zero row gets scale 1)."""
+        """Symmetric per-channel int8 of an fp32 ``weight [N, K]`` (an all-zero row gets scale 1).
+
+        Raises:
+            ValueError: a weight is NaN or infinite (no int8 value stands for it; the fp32
+                engine would compute non-finite logits from it), or ``weight`` is not 2-D
+                with K >= 1.
+        """
         w = weight.to(torch.float32)
+        if w.dim() != 2 or w.shape[1] == 0:
+            raise ValueError(f"int8 weights: expected a 2-D weight [N, K >= 1], got shape {tuple(w.shape)}")
+        if not torch.isfinite(w).all():
+            raise ValueError("int8 weights: the checkpoint has a NaN or infinite weight")
         amax = w.abs().amax(dim=1)
         scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
         q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
@@ -54,10 +68,17 @@ class Int8Weight:
         """Bytes read per use: the int8 values and the fp32 scales."""
         return self.q.numel() + 4 * self.scale.numel()
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, fallback=F.linear) -> torch.Tensor:
+        """``x [M, K]`` -> ``[M, N]``; ``fallback(x, weight, bias)``: the fp32 linear function
+        used when the kernel is unavailable (the model's: batch-invariant in that mode)."""
         op = _op()
-        y = op(x.contiguous(), self.q, self.scale) if op is not None else F.linear(x, self.dequantize())
+        if op is None:
+            if self._dequantized is None:
+                self._dequantized = self.dequantize()
+            return fallback(x, self._dequantized, bias)
+        y = op(x.contiguous(), self.q, self.scale)
         return y if bias is None else y + bias
+
 
 
 _state: dict[str, object] = {}
@@ -70,14 +91,23 @@ def _op():
     from pagedkv.attention.kernel import KernelBuildError, load_kernel
 
     if attention_mode() == "reference":
+        _warn_fallback("PAGEDKV_ATTENTION=reference")
         return None
     if "op" not in _state:
         try:
             load_kernel()
             _state["op"] = torch.ops.pagedkv.int8_linear
-        except KernelBuildError:
+        except KernelBuildError as e:
             _state["op"] = None
+            _warn_fallback(f"the kernels cannot be built here: {e}")
     return _state["op"]
+
+
+def _warn_fallback(why: str) -> None:
+    if "warned" not in _state:
+        _state["warned"] = True
+        warnings.warn(f"pagedkv: int8 weights without the int8 kernel ({why}): the products run in fp32 over "
+                      "dequantized copies, as slow as float32 weights and larger", RuntimeWarning, stacklevel=4)
 
 
 def weight_bytes(w) -> int:

@@ -105,11 +105,17 @@ class LlamaModel:
 
     def _quantize_int8(self) -> None:
         """Every linear weight (the LM head too, apart from the embedding table it may share,
-        which stays fp32 for row lookups) as :class:`Int8Weight`."""
+        which stays fp32 for row lookups) as :class:`Int8Weight`. The fp32 tensors kept are
+        copied out of the checkpoint: a view into the memory-mapped file would keep all of
+        it resident, fp32 weights included."""
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(layer, name, Int8Weight.quantize(getattr(layer, name)))
+            layer.in_norm, layer.post_norm = layer.in_norm.clone(), layer.post_norm.clone()
+            if layer.qkv_bias is not None:
+                layer.qkv_bias = layer.qkv_bias.clone()
         self.lm_head = Int8Weight.quantize(self.lm_head)
+        self.embed, self.norm = self.embed.clone(), self.norm.clone()
 
     def set_batch_invariant(self, on: bool) -> None:
         """Compute every linear layer (LM head included) in fixed row tiles, so each row's

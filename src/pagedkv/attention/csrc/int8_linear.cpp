@@ -63,13 +63,15 @@ constexpr int64_t kStep = 0;  // no vector path: the scalar loop below
 constexpr int64_t kRowsPerTask = 64;  // output channels per parallel task
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// R output channels x MR activation rows, accumulators in registers; K % kStep == 0.
+// R output channels x MR activation rows, accumulators in registers: vectors over the first
+// K - K % kStep inputs, then the lane sum, then the last K % kStep products one by one.
 template <int R, int MR>
 void tile(const float* x, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N) {
+  const int64_t kv = K - K % kStep;
   Vec acc[MR][R];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = zero();
-  for (int64_t k = 0; k < K; k += kStep) {
+  for (int64_t k = 0; k < kv; k += kStep) {
     Vec wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load_w(w + r * K + k);
     for (int m = 0; m < MR; ++m) {
@@ -78,7 +80,11 @@ void tile(const float* x, int64_t K, const int8_t* w, const float* scale, float*
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) y[m * N + r] = lane_sum(acc[m][r]) * scale[r];
+    for (int r = 0; r < R; ++r) {
+      float sum = lane_sum(acc[m][r]);
+      for (int64_t k = kv; k < K; ++k) sum += x[m * K + k] * static_cast<float>(w[r * K + k]);
+      y[m * N + r] = sum * scale[r];
+    }
 }
 
 // R output channels against every activation row, MR rows at a time (R * MR accumulators
@@ -109,7 +115,7 @@ void int8_linear_cpu(const float* x, const int8_t* q, const float* scale, float*
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (K % kStep == 0) {
+    {
       int64_t n = n0;
       if (M < 4)  // few rows: more output channels at once (independent FMA chains)
         for (; n + 8 <= n1; n += 8) rows<8, 1>(x, M, K, q + n * K, scale + n, y + n, N);
