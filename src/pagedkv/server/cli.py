@@ -130,7 +130,7 @@ def _serve(a: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv: serving {names[0]} on http://{shown}:{port} ({s.num_blocks} KV blocks of "
           f"{s.block_size} tokens = {s.num_blocks * s.block_size} tokens, {s.kv_cache_bytes / 2**20:.0f} MiB; "
-          f"max_model_len {engine.max_model_len}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
+          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
     limits = HTTPLimits(limit_concurrency=a.limit_concurrency or None)
     uvicorn_server(app, a.shutdown_timeout, limits, log_level=a.log_level,
                    access_log=a.access_log).run(sockets=[sock])
