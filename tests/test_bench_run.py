@@ -145,3 +145,19 @@ def test_add_parser_registers_on_the_main_cli_parser():
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "nosuch"])
     assert isinstance(a, argparse.Namespace)
+
+
+def test_llama_cpp_batched_baseline_equals_its_sequences_run_alone(default_model_files):
+    """The batched llama.cpp baseline (skipped where llama-cpp-python is not installed, as
+    in CI): each sequence's greedy tokens in a batch of three equal the same sequence alone."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from pagedkv.bench import llama_cpp_batched
+    from pagedkv.bench.workloads import BenchRequest
+    from pagedkv.model.loader import _packaged_gguf
+
+    gguf = _packaged_gguf("smollm2-135m-instruct")
+    work = [BenchRequest(tuple(range(300 + i, 340 + 7 * i)), 6, 6) for i in range(3)]
+    records, seconds, batched = llama_cpp_batched.run_batched(llama_cpp, gguf, work, 2)
+    assert [len(r.token_times) for r in records] == [6, 6, 6] and seconds > 0
+    for w, out in zip(work, batched):
+        assert llama_cpp_batched.run_batched(llama_cpp, gguf, [w], 2)[2] == [out]

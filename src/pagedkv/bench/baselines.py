@@ -7,8 +7,10 @@
   Token times come from a ``StoppingCriteria`` that is called once per generated token.
 - ``hf-cb``: HF's own continuous batching (``ContinuousBatchingManager``, transformers
   >= 5), the same model object, ``max_new_tokens`` per request, EOS disabled.
-- ``llama-cpp``: llama-cpp-python on the model's GGUF file, one request at a time (its
-  high-level API does not batch). Optional: skipped when ``llama_cpp`` is not importable.
+- ``llama-cpp``: llama.cpp (through llama-cpp-python's C API) on the model's GGUF file,
+  batched as ``llama-batched-bench`` does: every request's sequence in one context, one
+  ``llama_batch`` per step (:mod:`pagedkv.bench.llama_cpp_batched`). Optional: skipped when
+  ``llama_cpp`` is not importable (``pip install ../shared/wheels/llama_cpp_python-*.whl``).
   The GGUF holds the quantized weights (Q4_1 for the default model), so it reads ~6x
   fewer weight bytes than the fp32 systems; compare it with that in mind.
 
@@ -126,22 +128,13 @@ def run_hf_continuous(model, workload: list[BenchRequest], max_batch_tokens: int
 
 def run_llama_cpp(gguf_path, workload: list[BenchRequest], threads: int,
                   on_done=None) -> tuple[list[RequestRecord], None, float, dict]:
-    """llama-cpp-python, one request at a time, greedy, EOS suppressed (logit bias)."""
+    """llama.cpp, batched (every request at once), greedy, EOS excluded."""
     try:
         import llama_cpp
     except ImportError:
-        raise BaselineUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python)") from None
-    ctx = max(r.num_prompt_tokens + r.max_tokens for r in workload)
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=ctx, n_batch=512, n_threads=threads, verbose=False)
-    eos = llm.token_eos()
-    records = []
-    t0 = time.perf_counter()
-    for r in workload:
-        stamps = []
-        for _ in llm.create_completion(list(r.prompt_token_ids), max_tokens=r.output_len, temperature=0.0,
-                                       logit_bias={eos: -1e9}, stream=True):
-            stamps.append(time.perf_counter())
-        records.append(RequestRecord(t0, r.num_prompt_tokens, stamps))
-        if on_done:
-            on_done(len(records), len(workload))
-    return records, None, time.perf_counter() - t0, {"llama_cpp_version": getattr(llama_cpp, "__version__", "?")}
+        raise BaselineUnavailable("llama-cpp-python is not installed "
+                                  "(pip install ../shared/wheels/llama_cpp_python-*.whl)") from None
+    from pagedkv.bench.llama_cpp_batched import run_batched
+
+    records, duration, _ = run_batched(llama_cpp, gguf_path, workload, threads, on_done)
+    return records, None, duration, {"llama_cpp_version": getattr(llama_cpp, "__version__", "?"), "batched": True}
