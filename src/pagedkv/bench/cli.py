@@ -30,7 +30,8 @@ BENCH_EXAMPLES = """examples:
 
 systems: pagedkv, contiguous (same engine, --kv-allocator contiguous), hf (transformers
 generate, static padded batches), hf-cb (transformers continuous batching), llama-cpp
-(llama-cpp-python on the GGUF, when installed). Datasets (bundled, see
+(llama.cpp on the GGUF, batched as llama-batched-bench does, when llama-cpp-python is
+installed: pip install ../shared/wheels/llama_cpp_python-*.whl). Datasets (bundled, see
 pagedkv/bench/data/README.md): arena-hard, hh-rlhf, shared-prefix.
 """
 
