@@ -57,7 +57,7 @@ def test_quantization_error_is_half_a_step_and_zero_rows_survive():
     assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127 and q.nbytes == 64 * 96 + 4 * 64
 
 
-@pytest.mark.filterwarnings("ignore:pagedkv. int8 weights without")
+@pytest.mark.filterwarnings("ignore:pagedkv. quantized weights without")
 def test_reference_mode_computes_the_same_values(monkeypatch):
     torch.manual_seed(1)
     w = Int8Weight.quantize(torch.randn(100, 64))
@@ -105,7 +105,7 @@ def test_weight_dtype_is_a_flag_and_refuses_unknown_values(tiny_model_dir):
     r = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout.splitlines()[0])["token_ids"]) == 3
-    r = subprocess.run(run[:-2] + ["int4", "hello"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(run[:-2] + ["int3", "hello"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "weight-dtype" in r.stderr
 
 
@@ -153,7 +153,7 @@ def test_the_fallback_is_batch_invariant_in_that_mode(monkeypatch):
     torch.manual_seed(3)
     w = Int8Weight.quantize(torch.randn(200, 64))
     x = torch.randn(23, 64)
-    with pytest.warns(RuntimeWarning, match="int8 weights without the int8 kernel"):
+    with pytest.warns(RuntimeWarning, match="quantized weights without their kernel"):
         linear_for(True)(x[:1], w)
     full = linear_for(True)(x, w)
     assert all(torch.equal(linear_for(True)(x[i:i + 1], w), full[i:i + 1]) for i in range(23))

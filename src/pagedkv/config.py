@@ -16,7 +16,7 @@ KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-WEIGHT_DTYPES = ("float32", "int8")
+WEIGHT_DTYPES = ("auto", "float32", "int8", "int4")  # see pagedkv.model.weight_formats
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -58,9 +58,10 @@ class EngineConfig:
         kv_cache_scale: scale granularity of int8/fp8 pages: per-token-head, per-head or
             per-tensor (static, calibrated at start on a fixed text), or per-channel
             (KIVI-style: static per-channel keys, per-token values).
-        weight_dtype: float32, or int8: every linear layer's weights (the LM head included)
-            stored as int8 with a per-channel scale and multiplied with fp32 activations
-            (a quarter of the bytes per decode step; see :mod:`pagedkv.model.int8_weights`).
+        weight_dtype: the format linear weights are kept in, always multiplied with fp32
+            activations (:mod:`pagedkv.model.weight_formats`): float32; int8 (per-channel,
+            a quarter of fp32's bytes per decode step); auto (what the checkpoint holds: a
+            GGUF's Q4_1/Q8_0 blocks as stored, else fp32); int4 (Q4_1 layers, Q8_0 LM head).
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
             KB/MB/GB of 10); ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
@@ -87,7 +88,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     kv_cache_scale: str = "per-token-head"
-    weight_dtype: str = "float32"
+    weight_dtype: str = "auto"
     kv_cache_memory: int | str = "4GiB"  # 4 GiB, like vLLM's CPU backend
     num_blocks: int | None = None
     max_num_seqs: int = 256

@@ -18,6 +18,7 @@ from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.gguf_convert import read_blocks
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
 from pagedkv.model.validate import check_weights
@@ -106,7 +107,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
         warnings.warn("pagedkv: batch-invariant mode with PAGEDKV_ATTENTION=reference: the reference "
                       "attention's products change shape with the chunk, so log-probs can differ in "
                       "the last bits with batching; the fused kernel is batch-invariant", RuntimeWarning)
-    model = LlamaModel(cfg, state, batch_invariant=invariant, weight_dtype=config.weight_dtype)
+    blocks = (read_blocks(files.gguf_path) if config.weight_dtype in ("auto", "int4") and files.gguf_path
+              else None)
+    model = LlamaModel(cfg, state, batch_invariant=invariant, weight_dtype=config.weight_dtype, quantized=blocks)
     tokenizer = load_tokenizer(files.folder)
     storage = KVCacheStorage(spec, kv.pool.num_pages)  # page 0 is the null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":

@@ -107,6 +107,37 @@ def _convert(gguf_path: Path, out: Path, digest: str) -> None:
     tmp.rename(out)
 
 
+def read_blocks(gguf_path: str | Path) -> dict:
+    """The file's Q4_1 and Q8_0 matrices as :class:`~pagedkv.model.ggml_weights.GGMLWeight`
+    by HF tensor name, their bytes as stored (Q/K rows un-permuted as :func:`_convert` does;
+    a permutation of whole rows moves whole blocks). Other tensors are left out.
+
+    Raises:
+        ValueError: the file is not a readable llama GGUF.
+    """
+    import torch
+    from gguf import GGUFReader
+
+    from pagedkv.model.ggml_weights import FORMATS, GGMLWeight
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError, IndexError, ...
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({e})") from None
+    config = gguf_config({k: _field_value(f) for k, f in reader.fields.items() if k.startswith(("general.", "llama."))})
+    out = {}
+    for t in reader.tensors:
+        if int(t.tensor_type) not in FORMATS or len(t.shape) != 2:
+            continue
+        name, rows = _hf_name(t.name), np.array(t.data)  # a copy: the file's memory map is released
+        if name.endswith("q_proj.weight"):
+            rows = unpermute_rows(rows, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            rows = unpermute_rows(rows, config["num_key_value_heads"])
+        out[name] = GGMLWeight(torch.from_numpy(np.ascontiguousarray(rows)), int(t.tensor_type), int(t.shape[0]))
+    return out
+
+
 def gguf_config(meta: dict) -> dict:
     """HF ``config.json`` dict from GGUF ``llama.*`` metadata.
 

@@ -71,7 +71,7 @@ class Int8Weight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, fallback=F.linear) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, N]``; ``fallback(x, weight, bias)``: the fp32 linear function
         used when the kernel is unavailable (the model's: batch-invariant in that mode)."""
-        op = _op()
+        op = kernel_op("int8_linear")
         if op is None:
             if self._dequantized is None:
                 self._dequantized = self.dequantize()
@@ -84,32 +84,32 @@ class Int8Weight:
 _state: dict[str, object] = {}
 
 
-def _op():
-    """``torch.ops.pagedkv.int8_linear``, or None where the kernels cannot be built or the
-    reference attention mode asks for pure torch."""
+def kernel_op(name: str):
+    """``torch.ops.pagedkv.<name>`` (``int8_linear``, ``ggml_linear``), or None where the
+    kernels cannot be built or the reference attention mode asks for pure torch."""
     from pagedkv.attention.dispatch import attention_mode
     from pagedkv.attention.kernel import KernelBuildError, load_kernel
 
     if attention_mode() == "reference":
         _warn_fallback("PAGEDKV_ATTENTION=reference")
         return None
-    if "op" not in _state:
+    if name not in _state:
         try:
             load_kernel()
-            _state["op"] = torch.ops.pagedkv.int8_linear
+            _state[name] = getattr(torch.ops.pagedkv, name)
         except KernelBuildError as e:
-            _state["op"] = None
+            _state[name] = None
             _warn_fallback(f"the kernels cannot be built here: {e}")
-    return _state["op"]
+    return _state[name]
 
 
 def _warn_fallback(why: str) -> None:
     if "warned" not in _state:
         _state["warned"] = True
-        warnings.warn(f"pagedkv: int8 weights without the int8 kernel ({why}): the products run in fp32 over "
+        warnings.warn(f"pagedkv: quantized weights without their kernel ({why}): the products run in fp32 over "
                       "dequantized copies, as slow as float32 weights and larger", RuntimeWarning, stacklevel=4)
 
 
 def weight_bytes(w) -> int:
-    """Bytes of a weight as stored: a tensor's or an :class:`Int8Weight`'s."""
-    return w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+    """Bytes of a weight as stored: a tensor's, an :class:`Int8Weight`'s or a GGML one's."""
+    return int(w.nbytes)

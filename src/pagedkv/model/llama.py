@@ -19,6 +19,7 @@ from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.int8_weights import Int8Weight, weight_bytes
+from pagedkv.model.weight_formats import WEIGHT_DTYPES, keep_quantized
 from pagedkv.model.rope import RotaryEmbedding
 from pagedkv.numerics import linear_for
 
@@ -86,7 +87,7 @@ class LlamaModel:
     """
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], batch_invariant: bool = False,
-                 weight_dtype: str = "float32") -> None:
+                 weight_dtype: str = "float32", quantized: dict | None = None) -> None:
         w = dict(state)
         self.cfg = cfg
         self.embed = w.pop("model.embed_tokens.weight")         # [vocab, hidden]
@@ -99,8 +100,10 @@ class LlamaModel:
         self.weight_dtype = weight_dtype
         if weight_dtype == "int8":
             self._quantize_int8()
+        elif weight_dtype in ("auto", "int4"):
+            keep_quantized(self, weight_dtype, quantized or {})
         elif weight_dtype != "float32":
-            raise ValueError(f"weight_dtype must be float32 or int8, got {weight_dtype!r}")
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         self.set_batch_invariant(batch_invariant)
 
     def _quantize_int8(self) -> None:
@@ -154,10 +157,10 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weights as stored, each counted once (a tied LM head is the
-        embedding). With int8 weights the fp32 embedding table, looked up by row only, is
-        left out: this is what a step that samples reads, as the planner counts it."""
+        embedding). With a quantized LM head the fp32 embedding table, looked up by row
+        only, is left out: this is what a step that samples reads, as the planner counts it."""
         tensors = [self.norm, self.lm_head]
-        if self.lm_head is not self.embed and self.weight_dtype == "float32":
+        if self.lm_head is not self.embed and isinstance(self.lm_head, torch.Tensor):
             tensors.append(self.embed)
         for layer in self.layers:
             tensors += [layer.in_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]

@@ -32,6 +32,7 @@ class ModelFiles:
     folder: Path
     config: ModelConfig
     weights_version: str  # sha256 of the source file(s)
+    gguf_path: Path | None = None  # the GGUF file the folder was converted from
 
 
 def resolve_model(name: str) -> ModelFiles:
@@ -49,16 +50,17 @@ def resolve_model(name: str) -> ModelFiles:
         if not path.exists():
             raise FileNotFoundError(f"model {name!r} is neither a known name "
                                     f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+    gguf = None
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file")
-        folder = converted_dir(path)
+        folder, gguf = converted_dir(path), path.resolve()
         version = json.loads((folder / "pagedkv.json").read_text())["sha256"]
     else:
         folder, version = path, _folder_version(path)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"model folder {folder} has no config.json")
-    return ModelFiles(name, folder, load_model_config(folder), version)
+    return ModelFiles(name, folder, load_model_config(folder), version, gguf)
 
 
 def load_model_config(folder: Path) -> ModelConfig:

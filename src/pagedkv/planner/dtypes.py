@@ -24,8 +24,11 @@ ALIASES = {
     "fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
     "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
 }
-#: Bytes per weight parameter. int4 is 4 bits; scales of quantized weights are not counted.
-WEIGHT_DTYPE_BYTES: dict[str, float] = dict(DTYPE_BYTES)
+#: Bytes per weight parameter. int4 is 4 bits, its scales not counted; the GGML block
+#: formats the CPU engine computes with count theirs (ggml-common.h: block_q4_1 is an fp16
+#: scale, an fp16 minimum and 32 nibbles, 20 bytes per 32 weights; block_q8_0 is an fp16
+#: scale and 32 int8, 34 bytes per 32).
+WEIGHT_DTYPE_BYTES: dict[str, float] = dict(DTYPE_BYTES) | {"q4_1": 20 / 32, "q8_0": 34 / 32}
 
 
 def normalize(name: str, what: str) -> str:
@@ -36,9 +39,10 @@ def normalize(name: str, what: str) -> str:
     """
     key = str(name).strip().lower()
     key = ALIASES.get(key, key)
-    if key == "auto" or key in DTYPE_BYTES:
+    names = WEIGHT_DTYPE_BYTES if what == "weight dtype" else DTYPE_BYTES
+    if key == "auto" or key in names:
         return key
-    raise ValueError(f"unknown {what} {name!r}; choose auto or one of {', '.join(DTYPE_BYTES)}")
+    raise ValueError(f"unknown {what} {name!r}; choose auto or one of {', '.join(names)}")
 
 
 def compute_dtype(torch_dtype: str | None, on_gpu: bool) -> str:

@@ -111,6 +111,7 @@ def _serve(a: argparse.Namespace) -> int:
               "(requests must name a loopback host or one in --allowed-hosts)", file=sys.stderr)
 
     from pagedkv.engine.engine import LLMEngine
+    from pagedkv.model.weight_formats import describe
     from pagedkv.server.app import ServerConfig, build_app
     from pagedkv.server.http_limits import HTTPLimits
 
@@ -130,7 +131,7 @@ def _serve(a: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv: serving {names[0]} on http://{shown}:{port} ({s.num_blocks} KV blocks of "
           f"{s.block_size} tokens = {s.num_blocks * s.block_size} tokens, {s.kv_cache_bytes / 2**20:.0f} MiB; "
-          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
+          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}: {describe(engine.model)}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
     limits = HTTPLimits(limit_concurrency=a.limit_concurrency or None)
     uvicorn_server(app, a.shutdown_timeout, limits, log_level=a.log_level,
                    access_log=a.access_log).run(sockets=[sock])

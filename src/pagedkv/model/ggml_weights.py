@@ -1,0 +1,108 @@
+"""GGML block-quantized linear layers kept quantized (``--weight-dtype auto|int4``).
+
+A decode step at small batch reads every weight once, so its time is the weights' bytes
+over the memory bandwidth. A GGUF file's Q4_1 tensors hold 32 weights in 20 bytes (fp16
+scale ``d``, fp16 minimum ``m``, 32 nibbles ``q``: ``w = d * q + m``) and its Q8_0 ones in 34
+(fp16 ``d``, 32 int8 ``q``: ``w = q * d``); see ggml-common.h (``block_q4_1``,
+``block_q8_0``). :class:`GGMLWeight` keeps those bytes as the file has them, and
+``torch.ops.pagedkv.ggml_linear`` (``attention/csrc/ggml_linear.cpp``) widens each block in
+registers to exactly the fp32 values gguf-py's ``dequantize`` gives, multiplied with fp32
+activations: the products are those of the fp32 engine over the same dequantized weights
+up to summation order, and no activation is quantized. The kernel is batch-invariant by
+construction. Without the compiled kernel the product runs as the model's fp32 linear
+function over the dequantized weight (a warning says so).
+
+Formats are named by their ggml type: ``Q4_1`` (3) and ``Q8_0`` (8).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedkv.model.int8_weights import kernel_op
+
+GROUP = 32  # weights per block
+#: ggml type number -> (name, bytes per block of 32 weights).
+FORMATS = {3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+Q4_1, Q8_0 = 3, 8
+
+
+class GGMLWeight:
+    """A linear weight ``[N, K]`` as GGML blocks: uint8 ``blocks [N, K / 32 * block_bytes]``.
+
+    Call it as ``w(x, bias)`` for ``x [M, K]`` fp32 -> ``[M, N]`` fp32.
+
+    Raises:
+        ValueError: an unsupported ggml type, or ``blocks`` not ``[N, K / 32 * block_bytes]``.
+    """
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int) -> None:
+        if qtype not in FORMATS:
+            raise ValueError(f"ggml type {qtype} is not one the kernel computes with (Q4_1=3, Q8_0=8)")
+        if in_features % GROUP or blocks.dim() != 2 or blocks.shape[1] != in_features // GROUP * FORMATS[qtype][1]:
+            raise ValueError(f"{FORMATS[qtype][0]} blocks of shape {tuple(blocks.shape)} do not hold rows "
+                             f"of {in_features} weights")
+        self.blocks = blocks.to(torch.uint8).contiguous()
+        self.qtype = qtype
+        self.shape = (int(blocks.shape[0]), int(in_features))
+        self._dequantized: torch.Tensor | None = None  # made on first use without the kernel
+
+    @property
+    def format(self) -> str:
+        return FORMATS[self.qtype][0]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, qtype: int) -> "GGMLWeight":
+        """Quantize an fp32 ``weight [N, K]`` to ``qtype`` blocks with gguf-py (llama.cpp's
+        reference rounding: per block the min and max for Q4_1, absmax / 127 for Q8_0).
+
+        Raises:
+            ValueError: K is not a multiple of 32, or a weight is NaN or infinite.
+        """
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        w = weight.detach().to(torch.float32)
+        if w.dim() != 2 or w.shape[1] == 0 or w.shape[1] % GROUP:
+            raise ValueError(f"{FORMATS.get(qtype, ('?',))[0]} weights need rows of a multiple of {GROUP} "
+                             f"weights; got shape {tuple(w.shape)}")
+        if not torch.isfinite(w).all():
+            raise ValueError("quantized weights: the checkpoint has a NaN or infinite weight")
+        blocks = quantize(np.ascontiguousarray(w.numpy()), GGMLQuantizationType(qtype))
+        return cls(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, w.shape[1])
+
+    @staticmethod
+    def concat(parts: list["GGMLWeight"]) -> "GGMLWeight":
+        """Row-wise concatenation (fused q/k/v or gate/up) of weights of one format and width."""
+        if len({(p.qtype, p.shape[1]) for p in parts}) != 1:
+            raise ValueError("cannot fuse weights of different formats or widths")
+        return GGMLWeight(torch.cat([p.blocks for p in parts]), parts[0].qtype, parts[0].shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight ``[N, K]`` these blocks stand for (gguf-py's dequantize)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.blocks.numpy(), GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per use: the blocks, scales included."""
+        return self.blocks.numel()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, fallback=F.linear) -> torch.Tensor:
+        """``x [M, K]`` -> ``[M, N]``; ``fallback(x, weight, bias)``: the fp32 linear function
+        used when the kernel is unavailable (the model's: batch-invariant in that mode)."""
+        op = kernel_op("ggml_linear")
+        if op is None:
+            if self._dequantized is None:
+                self._dequantized = self.dequantize()
+            return fallback(x, self._dequantized, bias)
+        y = op(x.contiguous(), self.blocks, self.qtype)
+        return y if bias is None else y + bias
