@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from pagedkv.model.int8_weights import kernel_op
 
 GROUP = 32  # weights per block
+PANEL = 8   # rows whose blocks the kernel reads interleaved (ggml_linear.cpp)
 #: ggml type number -> (name, bytes per block of 32 weights).
 FORMATS = {3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 Q4_1, Q8_0 = 3, 8
@@ -44,10 +45,15 @@ class GGMLWeight:
         if in_features % GROUP or blocks.dim() != 2 or blocks.shape[1] != in_features // GROUP * FORMATS[qtype][1]:
             raise ValueError(f"{FORMATS[qtype][0]} blocks of shape {tuple(blocks.shape)} do not hold rows "
                              f"of {in_features} weights")
-        self.blocks = blocks.to(torch.uint8).contiguous()
         self.qtype = qtype
         self.shape = (int(blocks.shape[0]), int(in_features))
+        self.packed = _panels(blocks.to(torch.uint8), FORMATS[qtype][1], inverse=False)  # what the kernel reads
         self._dequantized: torch.Tensor | None = None  # made on first use without the kernel
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The blocks row by row, as a GGUF file stores them: uint8 ``[N, K / 32 * block_bytes]`` (a copy)."""
+        return _panels(self.packed, FORMATS[self.qtype][1], inverse=True)
 
     @property
     def format(self) -> str:
@@ -94,7 +100,7 @@ class GGMLWeight:
     @property
     def nbytes(self) -> int:
         """Bytes read per use: the blocks, scales included."""
-        return self.blocks.numel()
+        return self.packed.numel()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, fallback=F.linear) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, N]``; ``fallback(x, weight, bias)``: the fp32 linear function
@@ -104,5 +110,21 @@ class GGMLWeight:
             if self._dequantized is None:
                 self._dequantized = self.dequantize()
             return fallback(x, self._dequantized, bias)
-        y = op(x.contiguous(), self.blocks, self.qtype)
+        y = op(x.contiguous(), self.packed, self.qtype)
         return y if bias is None else y + bias
+
+
+def _panels(blocks: torch.Tensor, block_bytes: int, inverse: bool) -> torch.Tensor:
+    """Row-major blocks ``[N, G * block_bytes]`` to the kernel's panels of ``PANEL`` rows (block
+    g of a panel's rows one after another, for each g; the last panel holds N % PANEL rows),
+    or back with ``inverse``. The result has the same shape and is contiguous."""
+    n, width = blocks.shape
+    g, full = width // block_bytes, n - n % PANEL
+    out = torch.empty_like(blocks)
+    for start, rows, p in ((0, full, PANEL), (full, n - full, n - full)):
+        if rows == 0:
+            continue
+        src = blocks[start:start + rows]
+        shape = (rows // p, g, p, block_bytes) if inverse else (rows // p, p, g, block_bytes)
+        out[start:start + rows] = src.reshape(shape).transpose(1, 2).reshape(rows, width)
+    return out

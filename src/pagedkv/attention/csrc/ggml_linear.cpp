@@ -6,6 +6,10 @@
 //   Q4_1 (qtype 3), 20 bytes per 32 weights: fp16 d, fp16 m, 16 bytes of nibbles; byte j's
 //        low nibble is weight j and its high nibble weight j + 16; w = d * q + m.
 //   Q8_0 (qtype 8), 34 bytes per 32 weights: fp16 d, 32 int8 q; w = d * q.
+// The rows are stored in panels of 8 (the last one holds N % 8 rows if that is not 0):
+// a panel of P rows holds block g of its P rows one after another, for g = 0, 1, ..., so
+// the kernel reads each panel as one sequential stream (GGMLWeight packs the file's
+// row-major blocks so at load).
 // Each block is widened in registers to the fp32 values gguf-py's dequantize gives (the
 // product, then the sum, each rounded once: this file is compiled without FMA contraction),
 // and multiplied with the fp32 activations: a decode step reads 0.625 (Q4_1) or 1.0625
@@ -37,6 +41,7 @@ namespace {
 constexpr int64_t kGroup = 32;        // weights per block
 constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;  // ggml_type values
 constexpr int64_t kRowsPerTask = 64;  // output channels per parallel task
+constexpr int64_t kPanel = 8;         // rows whose blocks are interleaved (see the header)
 
 inline int64_t block_bytes(int64_t qtype) { return qtype == kQ4_1 ? 20 : 34; }
 
@@ -128,27 +133,26 @@ constexpr int64_t kPrefetch = 256;  // bytes ahead in each weight row
 
 // R output channels x MR activation rows, accumulators in registers; K % 32 == 0.
 template <int64_t Q, int R, int MR>
-void tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N) {
-  constexpr int64_t bb = Q == kQ4_1 ? 20 : 34;
+void tile(const float* x, int64_t K, const uint8_t* w, int64_t rs, int64_t gs, float* y, int64_t N) {
   Vec acc[MR][R];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = zero();
   for (int64_t g = 0; g < K / kGroup; ++g) {
-    const uint8_t* blk = w + g * bb;
+    const uint8_t* blk = w + g * gs;
     // Each piece as the fp32 weights it stands for: d * q + m (Q4_1) or q * d (Q8_0), each
     // operation rounded once, as gguf-py computes them.
     decltype(q4_table(zero(), zero())) tab[Q == kQ4_1 ? R : 1];
     float d[R];
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(blk + r * row_bytes + kPrefetch), _MM_HINT_T0);
-      d[r] = half_at(blk + r * row_bytes);
-      if constexpr (Q == kQ4_1) tab[r] = q4_table(splat(d[r]), splat(half_at(blk + r * row_bytes + 2)));
+      _mm_prefetch(reinterpret_cast<const char*>(blk + r * rs + kPrefetch), _MM_HINT_T0);
+      d[r] = half_at(blk + r * rs);
+      if constexpr (Q == kQ4_1) tab[r] = q4_table(splat(d[r]), splat(half_at(blk + r * rs + 2)));
     }
     for (int p = 0; p < kPieces; ++p) {
       Vec wv[R];
       for (int r = 0; r < R; ++r) {
-        if constexpr (Q == kQ4_1) wv[r] = q4_piece(blk + r * row_bytes + 4, p, tab[r]);
-        else wv[r] = mul(q8_piece(blk + r * row_bytes + 2, p), splat(d[r]));
+        if constexpr (Q == kQ4_1) wv[r] = q4_piece(blk + r * rs + 4, p, tab[r]);
+        else wv[r] = mul(q8_piece(blk + r * rs + 2, p), splat(d[r]));
       }
       const int64_t k = g * kGroup + p * kStep;
       for (int m = 0; m < MR; ++m) {
@@ -164,37 +168,41 @@ void tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float*
 // R output channels against every activation row, MR rows at a time; the blocking never
 // changes an output's own sequence of FMAs.
 template <int64_t Q, int R, int MR>
-void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N) {
+void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t rs, int64_t gs, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<Q, R, MR>(x + m * K, K, w, row_bytes, y + m * N, N);
-  for (; m < M; ++m) tile<Q, R, 1>(x + m * K, K, w, row_bytes, y + m * N, N);
+  for (; m + MR <= M; m += MR) tile<Q, R, MR>(x + m * K, K, w, rs, gs, y + m * N, N);
+  for (; m < M; ++m) tile<Q, R, 1>(x + m * K, K, w, rs, gs, y + m * N, N);
 }
 
+// The rows of one panel (P <= 8 rows starting at n, at w): 8 at once for few activation
+// rows, else 4 at a time with each widened weight reused by four activation rows.
 template <int64_t Q>
-void vector_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
-                 int64_t n1, float* y, int64_t N) {
-  int64_t n = n0;
-  if (M < 4)  // few rows: more output channels at once (independent FMA chains)
-    for (; n + 8 <= n1; n += 8) rows<Q, 8, 1>(x, M, K, w + n * row_bytes, row_bytes, y + n, N);
-  else  // more rows: each widened weight reused by four rows
-    for (; n + 4 <= n1; n += 4) rows<Q, 4, 4>(x, M, K, w + n * row_bytes, row_bytes, y + n, N);
-  for (; n < n1; ++n) rows<Q, 1, 4>(x, M, K, w + n * row_bytes, row_bytes, y + n, N);
+void panel_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t P, float* y, int64_t N) {
+  constexpr int64_t bb = Q == kQ4_1 ? 20 : 34;
+  int64_t r = 0;
+  if (M < 4 && P == kPanel) {
+    rows<Q, 8, 1>(x, M, K, w, bb, P * bb, y, N);
+    return;
+  }
+  if (M >= 4)
+    for (; r + 4 <= P; r += 4) rows<Q, 4, 4>(x, M, K, w + r * bb, bb, P * bb, y + r, N);
+  for (; r < P; ++r) rows<Q, 1, 4>(x, M, K, w + r * bb, bb, P * bb, y + r, N);
 }
 #define PAGEDKV_GGML_VECTOR 1
 #endif
 
-void scalar_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype, int64_t n0, int64_t n1,
-                 float* y, int64_t N) {
-  const int64_t row_bytes = K / kGroup * block_bytes(qtype);
+void scalar_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype, int64_t P, float* y,
+                 int64_t N) {
+  const int64_t bb = block_bytes(qtype);
   float wf[kGroup];
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < P; ++r) {
       float acc = 0.0f;
       for (int64_t g = 0; g < K / kGroup; ++g) {
-        dequantize_block(w + n * row_bytes + g * block_bytes(qtype), qtype, wf);
+        dequantize_block(w + g * P * bb + r * bb, qtype, wf);
         for (int64_t j = 0; j < kGroup; ++j) acc += x[m * K + g * kGroup + j] * wf[j];
       }
-      y[m * N + n] = acc;
+      y[m * N + r] = acc;
     }
 }
 
@@ -202,13 +210,16 @@ void ggml_linear_cpu(const float* x, const uint8_t* w, int64_t qtype, float* y, 
   const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask, row_bytes = K / kGroup * block_bytes(qtype);
 #pragma omp parallel for schedule(static) if (tasks > 1 && M * N * K >= (1 << 18))
   for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
+    const int64_t n1 = std::min(N, (t + 1) * kRowsPerTask);
+    for (int64_t n = t * kRowsPerTask; n < n1; n += kPanel) {
+      const int64_t P = std::min(kPanel, N - n);
 #ifdef PAGEDKV_GGML_VECTOR
-    if (qtype == kQ4_1) vector_rows<kQ4_1>(x, M, K, w, row_bytes, n0, n1, y, N);
-    else vector_rows<kQ8_0>(x, M, K, w, row_bytes, n0, n1, y, N);
+      if (qtype == kQ4_1) panel_rows<kQ4_1>(x, M, K, w + n * row_bytes, P, y + n, N);
+      else panel_rows<kQ8_0>(x, M, K, w + n * row_bytes, P, y + n, N);
 #else
-    scalar_rows(x, M, K, w, qtype, n0, n1, y, N);
+      scalar_rows(x, M, K, w + n * row_bytes, qtype, P, y + n, N);
 #endif
+    }
   }
 }
 
