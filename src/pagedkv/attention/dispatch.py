@@ -70,6 +70,16 @@ def _kernel_or_none(mode: str):
         return None
 
 
+def layer_op(name: str):
+    """``torch.ops.pagedkv.<name>`` (``rms_norm``, ``silu_and_mul``, ``rope_rotate_``: see
+    ``csrc/layer_ops.cpp``) where ``PAGEDKV_ATTENTION`` uses the kernel library and it
+    loads, else None: the caller then runs the torch composite."""
+    mode = attention_mode()
+    if mode == "reference" or _kernel_or_none(mode) is None:
+        return None
+    return getattr(torch.ops.pagedkv, name)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -47,13 +47,13 @@ class GGMLWeight:
                              f"of {in_features} weights")
         self.qtype = qtype
         self.shape = (int(blocks.shape[0]), int(in_features))
-        self.packed = _panels(blocks.to(torch.uint8), FORMATS[qtype][1], inverse=False)  # what the kernel reads
+        self.packed = _panels(blocks.to(torch.uint8), qtype, inverse=False)  # what the kernel reads
         self._dequantized: torch.Tensor | None = None  # made on first use without the kernel
 
     @property
     def blocks(self) -> torch.Tensor:
         """The blocks row by row, as a GGUF file stores them: uint8 ``[N, K / 32 * block_bytes]`` (a copy)."""
-        return _panels(self.packed, FORMATS[self.qtype][1], inverse=True)
+        return _panels(self.packed, self.qtype, inverse=True)
 
     @property
     def format(self) -> str:
@@ -114,17 +114,27 @@ class GGMLWeight:
         return y if bias is None else y + bias
 
 
-def _panels(blocks: torch.Tensor, block_bytes: int, inverse: bool) -> torch.Tensor:
-    """Row-major blocks ``[N, G * block_bytes]`` to the kernel's panels of ``PANEL`` rows (block
-    g of a panel's rows one after another, for each g; the last panel holds N % PANEL rows),
-    or back with ``inverse``. The result has the same shape and is contiguous."""
+def _panels(blocks: torch.Tensor, qtype: int, inverse: bool) -> torch.Tensor:
+    """Row-major blocks ``[N, G * block_bytes]`` to the kernel's panels, or back with
+    ``inverse``: rows in panels of ``PANEL`` (the last holds N % PANEL), and for each group
+    g a panel holds its rows' fp16 scales, then (Q4_1) their fp16 minimums, then their quant
+    arrays (ggml_linear.cpp). The result has the same shape and bytes, and is contiguous."""
+    fields = (2, 2, 16) if qtype == Q4_1 else (2, 32)  # d, (m,) qs of block_q4_1 / block_q8_0
     n, width = blocks.shape
-    g, full = width // block_bytes, n - n % PANEL
+    bb = sum(fields)
+    g, full = width // bb, n - n % PANEL
     out = torch.empty_like(blocks)
     for start, rows, p in ((0, full, PANEL), (full, n - full, n - full)):
         if rows == 0:
             continue
         src = blocks[start:start + rows]
-        shape = (rows // p, g, p, block_bytes) if inverse else (rows // p, p, g, block_bytes)
-        out[start:start + rows] = src.reshape(shape).transpose(1, 2).reshape(rows, width)
+        if inverse:  # [panels, g, (p d | p m | p qs)] -> [panels, p, g, bb]
+            parts = src.reshape(rows // p, g, p * bb).split([p * f for f in fields], dim=-1)
+            blk = torch.cat([part.reshape(rows // p, g, p, f) for part, f in zip(parts, fields)], dim=-1)
+            out[start:start + rows] = blk.transpose(1, 2).reshape(rows, width)
+        else:
+            blk = src.reshape(rows // p, p, g, bb).transpose(1, 2)  # [panels, g, p, bb]
+            parts = blk.split(list(fields), dim=-1)
+            out[start:start + rows] = torch.cat([part.reshape(rows // p, g, -1) for part in parts],
+                                                dim=-1).reshape(rows, width)
     return out

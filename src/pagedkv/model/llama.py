@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from pagedkv.attention.dispatch import paged_attention
+from pagedkv.attention.dispatch import layer_op, paged_attention
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
@@ -25,9 +25,21 @@ from pagedkv.numerics import linear_for
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich, 2019);
-    torch's fused op (one call instead of six; bit-identical to the composite here)."""
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich, 2019):
+    the kernel library's one-call op (``csrc/layer_ops.cpp``), else torch's."""
+    op = layer_op("rms_norm")
+    if op is not None and x.dtype == torch.float32 and x.is_contiguous():
+        return op(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``[T, 2I]`` (gate first) -> ``[T, I]`` (SwiGLU)."""
+    op = layer_op("silu_and_mul")
+    if op is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+        return op(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LlamaLayer:
@@ -67,7 +79,7 @@ class LlamaLayer:
         h = rms_norm(x, self.in_norm, cfg.rms_norm_eps)
         qkv = self.linear(h, self.qkv, self.qkv_bias)
         cos, sin = tables if tables is not None else rope.tables(positions)
-        qk = rope.rotate(qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)
+        qk = rope.rotate_(qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)
         return qk[:, :H], qk[:, H:], qkv[:, self.q_size + self.kv_size:].view(T, Hkv, D)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -75,8 +87,7 @@ class LlamaLayer:
         cfg = self.cfg
         x = x + self.linear(attn.reshape(x.shape[0], self.q_size), self.o)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gate, up = self.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + self.linear(F.silu(gate) * up, self.down)
+        return x + self.linear(silu_and_mul(self.linear(h, self.gate_up)), self.down)
 
 
 class LlamaModel:

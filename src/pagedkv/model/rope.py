@@ -63,6 +63,19 @@ class RotaryEmbedding:
         return self.rotate(x, *self.tables(positions))
 
     @staticmethod
+    def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`rotate` in place where the kernel library's op takes ``x`` (fp32, heads
+        contiguous; bit-identical to :meth:`rotate`), else :meth:`rotate`; returns the result."""
+        from pagedkv.attention.dispatch import layer_op
+
+        op = layer_op("rope_rotate_")
+        if (op is not None and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3
+                and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()):
+            op(x, cos, sin)
+            return x
+        return RotaryEmbedding.rotate(x, cos, sin)
+
+    @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, heads, head_dim]`` rotated by the tables of :meth:`tables`."""
         half = x.shape[-1] // 2

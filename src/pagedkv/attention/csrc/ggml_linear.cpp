@@ -6,10 +6,11 @@
 //   Q4_1 (qtype 3), 20 bytes per 32 weights: fp16 d, fp16 m, 16 bytes of nibbles; byte j's
 //        low nibble is weight j and its high nibble weight j + 16; w = d * q + m.
 //   Q8_0 (qtype 8), 34 bytes per 32 weights: fp16 d, 32 int8 q; w = d * q.
-// The rows are stored in panels of 8 (the last one holds N % 8 rows if that is not 0):
-// a panel of P rows holds block g of its P rows one after another, for g = 0, 1, ..., so
-// the kernel reads each panel as one sequential stream (GGMLWeight packs the file's
-// row-major blocks so at load).
+// The rows are stored in panels of 8 (the last one holds N % 8 rows if that is not 0),
+// each read as one sequential stream: for g = 0, 1, ..., a panel of P rows holds the P
+// fp16 scales of its rows' block g, then (Q4_1) their P fp16 minimums, then their P quant
+// arrays (16 or 32 bytes), so P scales convert to fp32 in one instruction. GGMLWeight packs
+// the file's row-major blocks so at load; the bytes are the file's, rearranged.
 // Each block is widened in registers to the fp32 values gguf-py's dequantize gives (the
 // product, then the sum, each rounded once: this file is compiled without FMA contraction),
 // and multiplied with the fp32 activations: a decode step reads 0.625 (Q4_1) or 1.0625
@@ -131,28 +132,42 @@ constexpr int kPieces = kGroup / kStep;
 constexpr int64_t kPrefetch = 256;  // bytes ahead in each weight row
 
 
-// R output channels x MR activation rows, accumulators in registers; K % 32 == 0.
+// R fp16 values at p (consecutive) as fp32 in out.
+template <int R>
+inline void halves(const uint8_t* p, float* out) {
+  if constexpr (R == 8) _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  else if constexpr (R == 4) _mm_storeu_ps(out, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  else
+    for (int r = 0; r < R; ++r) out[r] = half_at(p + 2 * r);
+}
+
+// Rows r0 .. r0 + R - 1 of a panel of P rows at w, against MR activation rows; accumulators
+// in registers; K % 32 == 0.
 template <int64_t Q, int R, int MR>
-void tile(const float* x, int64_t K, const uint8_t* w, int64_t rs, int64_t gs, float* y, int64_t N) {
+void tile(const float* x, int64_t K, const uint8_t* w, int64_t P, int64_t r0, float* y, int64_t N) {
+  constexpr int64_t bb = Q == kQ4_1 ? 20 : 34, hdr = Q == kQ4_1 ? 4 : 2, qsb = bb - hdr;
   Vec acc[MR][R];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = zero();
   for (int64_t g = 0; g < K / kGroup; ++g) {
-    const uint8_t* blk = w + g * gs;
+    const uint8_t* chunk = w + g * P * bb;  // P scales, (P minimums,) P quant arrays
+    const uint8_t* qs = chunk + hdr * P + qsb * r0;
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetch + 64), _MM_HINT_T0);
     // Each piece as the fp32 weights it stands for: d * q + m (Q4_1) or q * d (Q8_0), each
     // operation rounded once, as gguf-py computes them.
+    float d[R], mn[R];
+    halves<R>(chunk + 2 * r0, d);
     decltype(q4_table(zero(), zero())) tab[Q == kQ4_1 ? R : 1];
-    float d[R];
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(blk + r * rs + kPrefetch), _MM_HINT_T0);
-      d[r] = half_at(blk + r * rs);
-      if constexpr (Q == kQ4_1) tab[r] = q4_table(splat(d[r]), splat(half_at(blk + r * rs + 2)));
+    if constexpr (Q == kQ4_1) {
+      halves<R>(chunk + 2 * P + 2 * r0, mn);
+      for (int r = 0; r < R; ++r) tab[r] = q4_table(splat(d[r]), splat(mn[r]));
     }
     for (int p = 0; p < kPieces; ++p) {
       Vec wv[R];
       for (int r = 0; r < R; ++r) {
-        if constexpr (Q == kQ4_1) wv[r] = q4_piece(blk + r * rs + 4, p, tab[r]);
-        else wv[r] = mul(q8_piece(blk + r * rs + 2, p), splat(d[r]));
+        if constexpr (Q == kQ4_1) wv[r] = q4_piece(qs + r * qsb, p, tab[r]);
+        else wv[r] = mul(q8_piece(qs + r * qsb, p), splat(d[r]));
       }
       const int64_t k = g * kGroup + p * kStep;
       for (int m = 0; m < MR; ++m) {
@@ -165,41 +180,45 @@ void tile(const float* x, int64_t K, const uint8_t* w, int64_t rs, int64_t gs, f
     for (int r = 0; r < R; ++r) y[m * N + r] = lane_sum(acc[m][r]);
 }
 
-// R output channels against every activation row, MR rows at a time; the blocking never
+// Rows r0 .. r0 + R - 1 against every activation row, MR rows at a time; the blocking never
 // changes an output's own sequence of FMAs.
 template <int64_t Q, int R, int MR>
-void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t rs, int64_t gs, float* y, int64_t N) {
+void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t P, int64_t r0, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<Q, R, MR>(x + m * K, K, w, rs, gs, y + m * N, N);
-  for (; m < M; ++m) tile<Q, R, 1>(x + m * K, K, w, rs, gs, y + m * N, N);
+  for (; m + MR <= M; m += MR) tile<Q, R, MR>(x + m * K, K, w, P, r0, y + m * N + r0, N);
+  for (; m < M; ++m) tile<Q, R, 1>(x + m * K, K, w, P, r0, y + m * N + r0, N);
 }
 
-// The rows of one panel (P <= 8 rows starting at n, at w): 8 at once for few activation
-// rows, else 4 at a time with each widened weight reused by four activation rows.
+// The rows of one panel (P <= 8 rows at w; y points at its first output): 8 at once for few
+// activation rows, else 4 at a time with each widened weight reused by four activation rows.
 template <int64_t Q>
 void panel_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t P, float* y, int64_t N) {
-  constexpr int64_t bb = Q == kQ4_1 ? 20 : 34;
   int64_t r = 0;
   if (M < 4 && P == kPanel) {
-    rows<Q, 8, 1>(x, M, K, w, bb, P * bb, y, N);
+    rows<Q, 8, 1>(x, M, K, w, P, 0, y, N);
     return;
   }
   if (M >= 4)
-    for (; r + 4 <= P; r += 4) rows<Q, 4, 4>(x, M, K, w + r * bb, bb, P * bb, y + r, N);
-  for (; r < P; ++r) rows<Q, 1, 4>(x, M, K, w + r * bb, bb, P * bb, y + r, N);
+    for (; r + 4 <= P; r += 4) rows<Q, 4, 4>(x, M, K, w, P, r, y, N);
+  for (; r < P; ++r) rows<Q, 1, 4>(x, M, K, w, P, r, y, N);
 }
 #define PAGEDKV_GGML_VECTOR 1
 #endif
 
 void scalar_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype, int64_t P, float* y,
                  int64_t N) {
-  const int64_t bb = block_bytes(qtype);
+  const int64_t bb = block_bytes(qtype), hdr = qtype == kQ4_1 ? 4 : 2, qsb = bb - hdr;
+  uint8_t block[34];
   float wf[kGroup];
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < P; ++r) {
       float acc = 0.0f;
       for (int64_t g = 0; g < K / kGroup; ++g) {
-        dequantize_block(w + g * P * bb + r * bb, qtype, wf);
+        const uint8_t* chunk = w + g * P * bb;  // reassemble the GGUF block, then widen it
+        std::memcpy(block, chunk + 2 * r, 2);
+        if (qtype == kQ4_1) std::memcpy(block + 2, chunk + 2 * P + 2 * r, 2);
+        std::memcpy(block + hdr, chunk + hdr * P + qsb * r, qsb);
+        dequantize_block(block, qtype, wf);
         for (int64_t j = 0; j < kGroup; ++j) acc += x[m * K + g * kGroup + j] * wf[j];
       }
       y[m * N + r] = acc;

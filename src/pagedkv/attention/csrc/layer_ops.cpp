@@ -1,0 +1,109 @@
+// The small per-layer ops of a decoder step, each one call instead of five to ten torch ops
+// (at one decode token a torch op costs microseconds of dispatch for nanoseconds of math):
+//
+//   rms_norm(x [T, D], w [D], eps) -> y        y = x * (1 / sqrt(mean(x^2) + eps)) * w
+//       (Zhang & Sennrich 2019). The sum of squares is accumulated in 16 fixed partial sums
+//       then added in a fixed order, so a row's result never depends on T or threads.
+//   silu_and_mul(x [T, 2I]) -> y [T, I]         y = silu(x[:, :I]) * x[:, I:] (SwiGLU,
+//       Shazeer 2020), silu(g) = g / (1 + exp(-g)).
+//   rope_rotate_(x [T, H, D], cos [T, D], sin [T, D])   in place, HF's rotate-half layout:
+//       x = x * cos + cat(-x2, x1) * sin, each product and the sum rounded once (this file
+//       is compiled without FMA contraction), so it equals the torch composite bit for bit.
+//
+// Rows are split over threads (at::parallel_for); each row is computed by one thread alone.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace pagedkv {
+namespace {
+
+constexpr int kPartials = 16;
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+              ": expected a contiguous float32 CPU tensor");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm x");
+  check_rows(w, "rms_norm weight");
+  const int64_t D = x.size(-1), T = D ? x.numel() / D : 0;
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == D, "rms_norm: weight must be [", D, "]");
+  at::Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = xp + t * D;
+      float part[kPartials] = {};
+      int64_t d = 0;
+      for (; d + kPartials <= D; d += kPartials)
+        for (int j = 0; j < kPartials; ++j) part[j] += row[d + j] * row[d + j];
+      for (int j = 0; d < D; ++d, ++j) part[j] += row[d] * row[d];
+      float sum = 0.0f;
+      for (int j = 0; j < kPartials; ++j) sum += part[j];
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
+      for (d = 0; d < D; ++d) yp[t * D + d] = row[d] * inv * wp[d];
+    }
+  });
+  return y;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 * I]");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  at::Tensor y = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = xp[t * 2 * I + i];
+        yp[t * I + i] = g / (1.0f + std::exp(-g)) * xp[t * 2 * I + I + i];
+      }
+  });
+  return y;
+}
+
+void rope_rotate_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 &&
+              x.stride(1) == x.size(2), "rope_rotate_: x must be float32 [T, H, D] with contiguous heads");
+  check_rows(cos, "rope_rotate_ cos");
+  check_rows(sin, "rope_rotate_ sin");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D, "rope_rotate_: tables must be [T, D]");
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *c = cp + t * D, *s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* v = xp + t * row + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c[i] + -b * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace pagedkv
+
+TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedkv::rms_norm);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &pagedkv::silu_and_mul);
+  m.def("rope_rotate_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &pagedkv::rope_rotate_);
+}

@@ -1,0 +1,71 @@
+"""The kernel library's small per-layer ops (``csrc/layer_ops.cpp``, issue 17 item 4)
+against their torch composites: RoPE bit for bit, RMSNorm and SwiGLU within rounding, each
+row independent of the others, and the torch fallback in reference mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedkv.attention.kernel import load_kernel
+from pagedkv.model.llama import rms_norm, silu_and_mul
+from pagedkv.model.rope import RotaryEmbedding
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernel():
+    load_kernel()
+
+
+@pytest.mark.parametrize("t,d", [(1, 576), (7, 64), (33, 100), (2, 5)])
+def test_rms_norm_matches_torch_and_each_row_is_alone(t, d):
+    torch.manual_seed(t * d)
+    x, w = torch.randn(t, d) * 5, torch.randn(d)
+    got = torch.ops.pagedkv.rms_norm(x, w, 1e-5)
+    ref = F.rms_norm(x.double(), (d,), w.double(), 1e-5)
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(torch.ops.pagedkv.rms_norm(x[-1:].contiguous(), w, 1e-5), got[-1:])
+    assert torch.equal(rms_norm(x, w, 1e-5), got)  # the model's function takes the op
+
+
+def test_silu_and_mul_matches_torch():
+    torch.manual_seed(3)
+    x = torch.randn(9, 2 * 1536) * 6
+    gate, up = x.double().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    got = silu_and_mul(x)
+    assert got.shape == (9, 1536) and (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    assert torch.equal(torch.ops.pagedkv.silu_and_mul(x[4:5].contiguous()), got[4:5])
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_rope_in_place_equals_the_composite_bit_for_bit(t):
+    """On q/k heads viewed inside a fused qkv row (the model's layout: heads contiguous, rows strided)."""
+    torch.manual_seed(t)
+    rope = RotaryEmbedding(64, 4096, 10000.0, None)
+    cos, sin = rope.tables(torch.randint(0, 4096, (t,)))
+    qkv = torch.randn(t, 960)
+    ref = RotaryEmbedding.rotate(qkv[:, :768].view(t, 12, 64), cos, sin)
+    view = qkv[:, :768].view(t, 12, 64)
+    tail = qkv[:, 768:].clone()
+    out = RotaryEmbedding.rotate_(view, cos, sin)
+    assert out.data_ptr() == view.data_ptr() and torch.equal(out, ref) and torch.equal(qkv[:, 768:], tail)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.pagedkv.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.pagedkv.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="tables must be"):
+        torch.ops.pagedkv.rope_rotate_(torch.randn(2, 3, 8), torch.randn(2, 4), torch.randn(2, 4))
+
+
+def test_reference_mode_uses_torch(monkeypatch):
+    torch.manual_seed(5)
+    x, w = torch.randn(3, 64), torch.randn(64)
+    monkeypatch.setenv("PAGEDKV_ATTENTION", "reference")
+    assert torch.equal(rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6))
+    gate, up = torch.randn(3, 128).chunk(2, dim=-1)
+    assert torch.equal(silu_and_mul(torch.cat([gate, up], -1)), F.silu(gate) * up)
