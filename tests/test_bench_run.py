@@ -110,6 +110,16 @@ def test_prefix_end_to_end(tmp_path, tiny_model_dir, capsys):
     assert "multi-turn replay" in text
 
 
+def test_latency_runs_one_stream_and_skips_a_llama_cpp_it_cannot_run(tmp_path, tiny_model_dir, capsys):
+    """llama.cpp needs a GGUF: for a Hugging Face folder (or without llama-cpp-python) the
+    baseline is skipped with its reason, and pagedkv's single-stream runs still land."""
+    doc, text = _bench(tmp_path, tiny_model_dir, capsys, "latency", "--num-prompts", "2", "--max-prompt-tokens", "48",
+                       "--max-tokens", "4", "--systems", "pagedkv,llama-cpp")
+    assert {r["system"] for r in doc["runs"]} == {"pagedkv"} and "llama-cpp" in doc["skipped"]
+    assert doc["summary"]["pagedkv"]["metrics.decode_tokens_per_s"] > 0
+    assert "single-stream decode vs llama.cpp" not in text
+
+
 def test_help_lists_commands_and_examples(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--help"])

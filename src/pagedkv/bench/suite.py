@@ -147,8 +147,7 @@ def run_baseline(ctx: Context, system: str, workload: list[BenchRequest]) -> tup
 
     with _bar(ctx, system, len(workload)) as bar:
         if system == "llama-cpp":
-            gguf = ctx.files.name if str(ctx.files.name).endswith(".gguf") else _bundled_gguf(ctx)
-            recs, steps, dur, extra = baselines.run_llama_cpp(gguf, workload, _threads(), _progress(bar))
+            recs, steps, dur, extra = baselines.run_llama_cpp(_gguf_for(ctx), workload, _threads(), _progress(bar))
         else:
             if ctx.hf_model is None:
                 ctx.hf_model = baselines.load_hf_model(ctx.files.folder)
@@ -160,6 +159,22 @@ def run_baseline(ctx: Context, system: str, workload: list[BenchRequest]) -> tup
                 recs, steps, dur, extra = baselines.run_hf_continuous(
                     ctx.hf_model, workload, ctx.settings.engine.get("max_num_batched_tokens", 2048), _progress(bar))
     return summarize_requests(recs, dur) | extra, steps
+
+
+def _llama_cpp_one_at_a_time(ctx: Context, workload: list[BenchRequest]) -> dict:
+    """llama.cpp's metrics with each request run alone (a single stream), as ``latency`` runs pagedkv."""
+    from pagedkv.bench.metrics import summarize_requests
+
+    records, extra = [], {}
+    for request in workload:
+        recs, _, _, extra = baselines.run_llama_cpp(_gguf_for(ctx), [request], _threads())
+        records += recs
+    return summarize_requests(records, sum(r.e2e for r in records)) | extra
+
+
+def _gguf_for(ctx: Context):
+    """The GGUF file llama.cpp runs: the model's own, or the bundled model's."""
+    return ctx.files.name if str(ctx.files.name).endswith(".gguf") else _bundled_gguf(ctx)
 
 
 def _bundled_gguf(ctx: Context):
@@ -310,7 +325,7 @@ def latency(settings: Settings) -> dict:
     from pagedkv.bench.metrics import summarize_requests
     from pagedkv.planner.roofline import weight_read_tokens_per_s
 
-    settings.systems = tuple(s for s in settings.systems if s in ("pagedkv", "hf")) or ("pagedkv",)
+    settings.systems = tuple(s for s in settings.systems if s in ("pagedkv", "hf", "llama-cpp")) or ("pagedkv",)
     settings.hf_batch_size = 1
     ctx = make_context(settings)
     workload = workload_for(ctx)
@@ -318,6 +333,8 @@ def latency(settings: Settings) -> dict:
     result["workload"] = {"dataset": settings.dataset} | workload_summary(workload)
     for rep in range(settings.repeats):
         for system in settings.systems:
+            if system in result["skipped"]:
+                continue
             ctx.probe(f"{system} repeat {rep}")
             with LoadMeter() as load:
                 if system == "pagedkv":
@@ -326,7 +343,12 @@ def latency(settings: Settings) -> dict:
                     metrics = summarize_requests(records, sum(r.e2e for r in records))
                     del engine
                 else:
-                    metrics, _ = _one(ctx, system, workload)
+                    try:
+                        metrics = (_llama_cpp_one_at_a_time(ctx, workload) if system == "llama-cpp"
+                                   else _one(ctx, system, workload)[0])
+                    except baselines.BaselineUnavailable as e:
+                        result["skipped"][system] = str(e)
+                        continue
             tps = 1 / metrics["tpot_s"]["p50"]
             metrics["decode_tokens_per_s"] = tps
             run = {"system": system, "repeat": rep, "metrics": metrics, "load": load.result()}
@@ -343,4 +365,8 @@ def latency(settings: Settings) -> dict:
                     best=result["best"].get("pagedkv", {}).get("roofline.fraction_of_weight_read"))
     if "hf" in result["summary"]:
         report.add_ratio(result, "pagedkv/hf decode tok/s", "pagedkv", "hf", "metrics.decode_tokens_per_s")
+    if "llama-cpp" in result["summary"]:
+        ratio = report.add_ratio(result, "pagedkv/llama-cpp decode tok/s", "pagedkv", "llama-cpp",
+                                 "metrics.decode_tokens_per_s")
+        report.add_goal(result, "single-stream decode vs llama.cpp", ratio, 1.0)
     return result
