@@ -8,7 +8,9 @@ widened to fp32 (``--weight-dtype auto``), llama.cpp multiplies them in its own 
 products). Perplexity: the first ``--num-tokens`` tokens of the text in non-overlapping
 windows of ``--window``, each scoring tokens 1..W-1, as ``pagedkv eval ppl`` does; the
 pagedkv figure comes from ``perplexity()`` in the same process. Greedy agreement: for each
-prompt, the number of output tokens equal before the first difference (of ``--max-tokens``).
+prompt, the number of output tokens equal before the first difference (of ``--max-tokens``),
+against llama.cpp and against pagedkv's own float32 weights (the same values, another
+summation order), and llama.cpp against that float32 run.
 
     pip install ../shared/wheels/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl
     python benchmarks/llama_cpp_quality.py --file ../shared/data/wikitext-2-raw/wiki.test.raw
@@ -34,6 +36,11 @@ def llama_cpp_nll(llm, wins: list[list[int]]) -> tuple[float, int]:
         total -= float((logits[np.arange(len(w) - 1), w[1:]] - logz).sum())
         count += len(w) - 1
     return total, count
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens equal before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main() -> int:
@@ -63,16 +70,21 @@ def main() -> int:
     mine = perplexity(ours, ids, a.num_tokens, a.window)
     work = arena_hard_workload(tok, a.num_prompts, 512, a.max_tokens)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-    agree = []
-    for prompt_ids, got in zip((r.prompt_token_ids for r in work), ours.generate([list(r.prompt_token_ids) for r in work], params)):
+    prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in work]
+    got = [o.token_ids for o in ours.generate(prompts, params)]
+    del ours
+    fp32 = [o.token_ids for o in LLM(weight_dtype="float32", kv_cache_dtype="float32").generate(prompts, params)]
+    theirs = []
+    for p in prompts:
         ref.reset()
-        theirs = [t for _, t in zip(range(a.max_tokens), ref.generate(list(prompt_ids), temp=0.0, top_k=1))]
-        same = next((i for i, (x, y) in enumerate(zip(got.token_ids, theirs)) if x != y), min(len(theirs), a.max_tokens))
-        agree.append(same)
+        theirs.append([t for _, t in zip(range(a.max_tokens), ref.generate(p["prompt_token_ids"], temp=0.0, top_k=1))])
+    vs_llama, vs_fp32 = [_common_prefix(x, y) for x, y in zip(got, theirs)], [_common_prefix(x, y) for x, y in zip(got, fp32)]
     out = {"llama_cpp_ppl": math.exp(nll / n), "pagedkv_ppl": mine.ppl, "scored_tokens": n,
-           "ppl_ratio": mine.ppl / math.exp(nll / n), "weight_dtype": a.weight_dtype,
-           "greedy_prefix_tokens": agree, "greedy_identical_prompts": sum(x == a.max_tokens for x in agree),
-           "num_prompts": len(agree), "max_tokens": a.max_tokens}
+           "ppl_ratio": mine.ppl / math.exp(nll / n), "weight_dtype": a.weight_dtype, "num_prompts": len(prompts),
+           "max_tokens": a.max_tokens, "greedy_prefix_vs_llama_cpp": vs_llama,
+           "identical_vs_llama_cpp": sum(x == a.max_tokens for x in vs_llama),
+           "greedy_prefix_vs_pagedkv_float32": vs_fp32, "identical_vs_pagedkv_float32": sum(x == a.max_tokens for x in vs_fp32),
+           "llama_cpp_vs_pagedkv_float32": [_common_prefix(x, y) for x, y in zip(theirs, fp32)]}
     print(json.dumps(out))
     return 0
 

@@ -50,7 +50,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "auto = the engine's compute dtype (default: auto)")
     p.add_argument("--kv-cache-scale", "--kv-scale", dest="kv_scale", default="per-token-head",
                    help="scales of quantized KV: per-tensor|per-head|per-token-head|per-channel (default: per-token-head)")
-    p.add_argument("--weight-dtype", default="auto", help="same names as --kv-cache-dtype (default: auto)")
+    p.add_argument("--weight-dtype", default="auto",
+                   help="the --kv-cache-dtype names, or q4_1 / q8_0 (GGML blocks, scales counted: 0.625 / "
+                        "1.0625 bytes per weight, what the CPU engine's --weight-dtype auto reads for a "
+                        "Q4_1 GGUF) (default: auto)")
     p.add_argument("--seq-len", default="4096", help="tokens per request, prompt + output (default: 4096)")
     p.add_argument("--batch", default="1", help="concurrent requests (default: 1)")
     p.add_argument("--tp", default="1", help="tensor-parallel devices (default: 1)")
