@@ -16,6 +16,7 @@ KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_OFFLOAD_POLICIES = ("lru", "lfu")
 WEIGHT_DTYPES = ("auto", "float32", "int8", "int4")  # see pagedkv.model.weight_formats
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -65,6 +66,12 @@ class EngineConfig:
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
             KB/MB/GB of 10); ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
+        kv_offload_memory: size of the CPU KV tier behind the cache, e.g. 2GiB (default:
+            off): full prefix blocks are copied there as they are written and loaded back
+            for later prompts that share them (:mod:`pagedkv.kv.cpu_offload`); needs
+            prefix caching.
+        kv_offload_policy: which tier block goes first when the tier is full: lru (least
+            recently used) or lfu (least often hit); always a chain's tail before its head.
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output) in tokens (default: the model's limit).
@@ -91,6 +98,8 @@ class EngineConfig:
     weight_dtype: str = "auto"
     kv_cache_memory: int | str = "4GiB"  # 4 GiB, like vLLM's CPU backend
     num_blocks: int | None = None
+    kv_offload_memory: int | str | None = None
+    kv_offload_policy: str = "lru"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -103,6 +112,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.kv_offload_memory is not None:
+            self.kv_offload_memory = parse_size(self.kv_offload_memory)
+        if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:
+            raise ValueError(f"kv_offload_policy must be one of {KV_OFFLOAD_POLICIES}, got {self.kv_offload_policy!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _positive(name, getattr(self, name))
         for name in ("num_blocks", "max_model_len"):

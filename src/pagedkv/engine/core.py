@@ -93,4 +93,6 @@ class EngineCore:
         self.peak_blocks_used = max(self.peak_blocks_used, self.scheduler.kv.pool.num_used)
         if self.debug_invariants:
             self.scheduler.kv.check_invariants()
+            if self.scheduler.connector is not None:
+                self.scheduler.connector.check_invariants()
         return outputs

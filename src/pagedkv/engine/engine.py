@@ -25,6 +25,7 @@ from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.setup import EngineParts, build_parts
 from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.kv.connector import KVConnector
+from pagedkv.kv.cpu_offload import cpu_offload_connector
 from pagedkv.reprs import brief
 
 ENDED_KEPT = 1024  # recently ended requests whose final output ``final_output`` can still give
@@ -49,6 +50,11 @@ class LLMEngine:
         self.parts = parts
         self.model, self.tokenizer, self.kv = parts.model, parts.tokenizer, parts.kv
         self.max_model_len, self.eos_token_ids = parts.max_model_len, parts.eos_token_ids
+        if self.config.kv_offload_memory:
+            if kv_connector is not None:
+                raise ValueError("kv_offload_memory and a kv_connector cannot be combined (one connector per engine)")
+            kv_connector = cpu_offload_connector(self.kv, parts.spec, self.config.kv_offload_memory,
+                                                 self.config.kv_offload_policy)
         scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, self.eos_token_ids,
                               kv_connector.scheduler if kv_connector else None,
@@ -57,6 +63,8 @@ class LLMEngine:
                              torch.Generator().manual_seed(self.config.seed),
                              kv_connector.worker if kv_connector else None)
         self.core = EngineCore(scheduler, runner, debug_invariants=self.config.debug_invariants)
+        if kv_connector is not None and hasattr(kv_connector.scheduler, "requests"):
+            kv_connector.scheduler.requests = scheduler.requests  # the live requests, read-only
         self._texts: dict[str, TextRequest] = {}
         self._ended: dict[str, TextRequest] = {}   # recently ended, for final_output
         self._kept: dict[str, TextRequest | None] = {}  # ended records kept past the cap, by id

@@ -168,4 +168,5 @@ class ModelRunner:
         self.connector.wait_for_save()
         result.finished_sending, result.finished_recving = self.connector.get_finished(set(out.finished_req_ids))
         result.invalid_block_ids = set(self.connector.get_block_ids_with_load_errors())
+        result.kv_connector_output = self.connector.get_connector_output()
         self.connector.clear_connector_metadata()

@@ -171,6 +171,8 @@ class Scheduler:
             sampled = result.sampled.get(rid)
             if sampled is not None:
                 outputs.append(self._apply_sampled(req, sampled, now))
+        if self.connector is not None:
+            self.connector.update_connector_output(result.kv_connector_output)
         self._finish_transfers(result)
         return outputs
 

@@ -24,6 +24,7 @@ class EngineStats:
     num_generated_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    kv_offload: dict | None = None  # the CPU tier's counters (kv.cpu_offload.OffloadStats), if on
 
     @property
     def kv_usage(self) -> float:
@@ -42,4 +43,10 @@ def collect_stats(engine) -> EngineStats:
         kv_bytes_per_token=engine.parts.spec.bytes_per_token, kv_cache_bytes=engine.parts.storage.nbytes,
         num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
         num_rejected=engine.num_rejected, num_generated_tokens=engine.num_generated_tokens,
-        prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits)
+        prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+        kv_offload=_offload_stats(sched.connector))
+
+
+def _offload_stats(connector) -> dict | None:
+    stats = getattr(connector, "stats", None)
+    return asdict(stats) if stats is not None else None

@@ -140,3 +140,4 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)  # pages whose KV load failed
+    kv_connector_output: object | None = None  # the connector worker's report of the step

@@ -21,9 +21,10 @@ Step order::
     scheduler: lookup local -> get_num_new_matched_tokens -> allocate -> update_state_after_alloc
                -> build_connector_meta -> SchedulerOutput
     worker:    bind_connector_metadata -> start_load_kv -> per layer: wait_for_layer_load,
-               attention, save_kv_layer -> wait_for_save -> get_finished -> clear
+               attention, save_kv_layer -> wait_for_save -> get_finished,
+               get_connector_output -> clear
     scheduler: update(ModelRunnerOutput): invalid pages -> LOAD_FAILURE_POLICY;
-               finished_sending -> free delayed pages
+               update_connector_output; finished_sending -> free delayed pages
 
 Load failure policy ``recompute``: a request with a page whose load failed rolls back to
 the last block before that page; the tokens after it are computed again next step (its
@@ -61,6 +62,12 @@ class KVConnectorScheduler:
         """Plain, picklable data the worker side needs this step."""
         return None
 
+    def update_connector_output(self, output) -> None:
+        """The worker's :meth:`KVConnectorWorker.get_connector_output` of a finished step."""
+
+    def check_invariants(self) -> None:
+        """Assert the connector's own bookkeeping (``debug_invariants``)."""
+
 
 class KVConnectorWorker:
     """Worker side. The defaults move nothing."""
@@ -90,6 +97,11 @@ class KVConnectorWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Pages whose load failed this step (handled by the load-failure policy)."""
         return set()
+
+    def get_connector_output(self) -> object | None:
+        """Plain data for the scheduler side about this step (e.g. which saves ended),
+        carried by ``ModelRunnerOutput.kv_connector_output``."""
+        return None
 
 
 class KVConnector(NamedTuple):

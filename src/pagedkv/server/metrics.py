@@ -61,12 +61,33 @@ class _StatsCollector:
         yield CounterMetricFamily("pagedkv_prefix_cache_hits_tokens", "prompt tokens found in the prefix cache",
                                   value=s.prefix_cache_hits)
         yield CounterMetricFamily("pagedkv_num_preemptions", "preemptions by recompute", value=s.num_preemptions)
+        yield from _offload_metrics(s.kv_offload)
         yield CounterMetricFamily("pagedkv_generation_tokens", "tokens generated", value=s.num_generated_tokens)
         rej = CounterMetricFamily("pagedkv_requests_rejected", "requests rejected", labels=["reason"])
         rej.add_metric(["never_fits"], s.num_rejected)
         for reason, v in self.rejected().items():
             rej.add_metric([reason], v)
         yield rej
+
+
+def _offload_metrics(o: dict | None):
+    """``pagedkv_kv_offload_*`` of the CPU tier, when one is configured."""
+    if not o:
+        return
+    blocks = GaugeMetricFamily("pagedkv_kv_offload_blocks", "CPU KV tier blocks", labels=["tier", "state"])
+    blocks.add_metric(["cpu", "used"], o["blocks_used"])
+    blocks.add_metric(["cpu", "capacity"], o["capacity_blocks"])
+    yield blocks
+    for name, key, help_text in (("hit_tokens", "hit_tokens", "prompt tokens loaded from the tier"),
+                                 ("blocks_loaded", "blocks_loaded", "blocks copied tier -> cache"),
+                                 ("blocks_saved", "blocks_saved", "blocks copied cache -> tier"),
+                                 ("read_bytes", "bytes_read", "bytes read from the tier"),
+                                 ("written_bytes", "bytes_written", "bytes written to the tier"),
+                                 ("load_seconds", "load_seconds", "seconds spent loading from the tier"),
+                                 ("evictions", "evictions", "tier blocks evicted")):
+        c = CounterMetricFamily(f"pagedkv_kv_offload_{name}", help_text, labels=["tier"])
+        c.add_metric(["cpu"], o[key])
+        yield c
 
 
 class ServerMetrics:

@@ -1,0 +1,248 @@
+"""The CPU KV tier (``--kv-offload-memory``): a second page pool in host memory behind the
+device cache, plugged in through the KV connector seam (:mod:`pagedkv.kv.connector`).
+
+Built as it would run over PCIe: the tier is its own set of page tensors with its own
+accounting (:class:`~pagedkv.kv.tier_index.TierIndex`), and every transfer is an explicit
+block copy, whole pages (quantized pages with their per-token scales, byte for byte).
+
+- **Save (write-through)**: every block that becomes full in a step (and every device
+  prefix hit the tier lacks) is copied to a tier slot, layer by layer as the forward writes
+  it: ``save_kv_layer(i)`` hands layer ``i``'s copy to a worker thread, so it overlaps the
+  next layers' compute, and the step ends when ``wait_for_save`` has seen every copy done
+  (a page is never reused while a copy reads it). Entries become visible to lookups only
+  once the runner reports the step that wrote them.
+- **Load**: a waiting request's prefix lookup goes device first, then the tier
+  (``get_num_new_matched_tokens``: the longest run of ready tier blocks right after the
+  device hit, never past a gap, always leaving a token to compute); the tier entries are
+  pinned from allocation until the step that copies them into the request's new device
+  pages, before its forward.
+
+Requires prefix caching (the tier is keyed by the chained block hash) and one KV cache
+group. Sources: vLLM's KV connector v1 API and its CPU offloading connector (the seam's
+names); SGLang HiCache (device -> host write-through).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from pagedkv.kv.hashing import ROOT_HASH
+from pagedkv.kv.storage import KVCacheStorage
+from pagedkv.kv.tier_index import TierEntry, TierIndex
+
+
+@dataclass
+class OffloadMeta:
+    """One step's transfers: ``loads`` (tier slot, device page) before the forward, ``saves``
+    (device page, tier slot) as each layer is written; ``step`` numbers the step."""
+    step: int
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class OffloadStats:
+    """Counters of the CPU tier (blocks, tokens, bytes, seconds)."""
+    capacity_blocks: int
+    blocks_used: int = 0
+    hit_tokens: int = 0
+    blocks_loaded: int = 0
+    blocks_saved: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    load_seconds: float = 0.0
+    evictions: int = 0
+
+
+class CPUOffloadScheduler(KVConnectorScheduler):
+    """Scheduler side: the tier's index, lookups, pins and the plan of each step's copies."""
+
+    def __init__(self, kv, capacity: int, policy: str, page_bytes: int) -> None:
+        self.kv, self.bs, self.page_bytes = kv, kv.block_size, page_bytes
+        self.index = TierIndex(capacity, policy)
+        self.stats = OffloadStats(capacity)
+        self._step = 0
+        self._matched: dict[str, tuple[int, list[TierEntry]]] = {}  # request -> (first block, entries)
+        self._loads: list[tuple[TierEntry, int]] = []
+        self._pinned: dict[int, list[TierEntry]] = {}  # step -> entries its loads read
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        hashes, first = self.kv.block_hashes(request), num_computed_tokens // self.bs
+        max_blocks = (len(request.all_token_ids) - 1) // self.bs  # leave a token to compute
+        found = self.index.match(hashes, request.all_token_ids, self.bs, first, max_blocks)
+        self._matched[request.request_id] = (first, found)
+        return len(found) * self.bs
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
+        first, found = self._matched.pop(request.request_id, (0, []))
+        found = found[:num_external_tokens // self.bs]
+        if not found:
+            return
+        self.index.pin(found)
+        hashes = self.kv.block_hashes(request)
+        for k, e in enumerate(found):
+            self._loads.append((e, block_ids[0][first + k]))
+            self.index.touch(hashes[first + k], hit=True)
+        self.stats.hit_tokens += len(found) * self.bs
+
+    def build_connector_meta(self, out) -> OffloadMeta:
+        self._step += 1
+        meta = OffloadMeta(self._step)
+        if self._loads:
+            meta.loads = [(e.slot, page) for e, page in self._loads]
+            self._pinned[self._step] = [e for e, _ in self._loads]
+            self._loads = []
+        for new in out.scheduled_new_reqs:  # device hits the tier lacks, then what this step fills
+            self._plan_saves(meta, new.req_id, 0, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+        c = out.scheduled_cached_reqs
+        for rid, start in zip(c.req_ids, c.num_computed_tokens):
+            self._plan_saves(meta, rid, start, start + out.num_scheduled_tokens[rid])
+        return meta
+
+    def _plan_saves(self, meta: OffloadMeta, rid: str, start: int, end: int) -> None:
+        req = self._request(rid)
+        if req is None:
+            return
+        hashes, table = self.kv.block_hashes(req), self.kv.get_block_ids(rid)[0]
+        for k in range(start // self.bs, min(end // self.bs, len(hashes))):
+            if hashes[k] in self.index.entries:
+                self.index.touch(hashes[k])
+                continue
+            parent = hashes[k - 1] if k else ROOT_HASH
+            slot = self.index.reserve(hashes[k], parent, tuple(req.all_token_ids[k * self.bs:(k + 1) * self.bs]),
+                                      self._step)
+            if slot is None:
+                break  # no room, or a gap: the rest of this chain cannot be stored
+            meta.saves.append((table[k], slot))
+
+    def _request(self, rid: str):
+        return self.requests.get(rid) if self.requests is not None else None
+
+    requests: dict | None = None  # the scheduler's live requests, set by the engine
+
+    def update_connector_output(self, output) -> None:
+        """The runner finished a step: ``output`` is ``(step, ok, stats)`` from the worker."""
+        if output is None:
+            return
+        step, ok, worker_stats = output
+        self.index.complete(step, failed=not ok)
+        for s in [s for s in self._pinned if s <= step]:
+            self.index.unpin(self._pinned.pop(s))
+        st = self.stats
+        st.blocks_loaded += worker_stats[0]
+        st.blocks_saved += worker_stats[1]
+        st.load_seconds += worker_stats[2]
+        st.bytes_read, st.bytes_written = st.blocks_loaded * self.page_bytes, st.blocks_saved * self.page_bytes
+        st.blocks_used, st.evictions = self.index.num_used, self.index.num_evictions
+
+    def check_invariants(self) -> None:
+        self.index.check_invariants()
+
+
+class CPUTierStorage(KVCacheStorage):
+    """The tier's page tensors: the device storage's layout (pages, and per-token scales of
+    quantized pages) with ``capacity`` pages, in host memory."""
+
+    def __init__(self, spec, capacity: int) -> None:
+        super().__init__(spec, capacity)
+
+    def page_tensors(self, layer: int) -> list[torch.Tensor]:
+        """Every tensor of ``layer`` indexed by page: K, V, and per-token scales if any."""
+        out = [self.k[layer], self.v[layer]]
+        for scales in (self.k_scale, self.v_scale):
+            if scales and scales[layer].dim() >= 3:  # per-token-head: [pages, block, heads]
+                out.append(scales[layer])
+        return out
+
+
+class CPUOffloadWorker(KVConnectorWorker):
+    """Worker side: copies pages between the device storage and the tier's tensors."""
+
+    def __init__(self, tier: CPUTierStorage) -> None:
+        self.tier = tier
+        self.metadata: OffloadMeta | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-kv-save")
+        self._futures: list[Future] = []
+        self._storage = None
+        self._counts = [0, 0, 0.0]
+        self._done_step = 0
+
+    def start_load_kv(self, storage) -> None:
+        self._storage, meta = storage, self.metadata
+        if meta is None or not meta.loads:
+            return
+        t = time.perf_counter()
+        src = torch.tensor([s for s, _ in meta.loads], dtype=torch.int64)
+        dst = torch.tensor([p for _, p in meta.loads], dtype=torch.int64)
+        for layer in range(self.tier.spec.num_layers):
+            for a, b in zip(self.tier.page_tensors(layer), _page_tensors(storage, layer)):
+                _copy_pages(b, dst, a, src)
+        self._counts[0] += len(meta.loads)
+        self._counts[2] += time.perf_counter() - t
+
+    def save_kv_layer(self, layer: int, storage, attn_metadata) -> None:
+        meta = self.metadata
+        if meta is None or not meta.saves:
+            return
+        src = torch.tensor([p for p, _ in meta.saves], dtype=torch.int64)
+        dst = torch.tensor([s for _, s in meta.saves], dtype=torch.int64)
+        pairs = list(zip(_page_tensors(storage, layer), self.tier.page_tensors(layer)))
+        self._futures.append(self._pool.submit(lambda: [_copy_pages(b, dst, a, src) for a, b in pairs]))
+
+    def wait_for_save(self) -> None:
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+        meta = self.metadata
+        if meta is not None:
+            self._counts[1] += len(meta.saves)
+            self._done_step = meta.step
+
+    def get_connector_output(self):
+        """``(step, ok, (blocks loaded, blocks saved, load seconds))`` since the last call."""
+        meta = self.metadata
+        if meta is None:
+            return None
+        out = (meta.step, self._done_step == meta.step, tuple(self._counts))
+        self._counts = [0, 0, 0.0]
+        return out
+
+
+def _page_tensors(storage, layer: int) -> list[torch.Tensor]:
+    out = [storage.k[layer], storage.v[layer]]
+    for scales in (storage.k_scale, storage.v_scale):
+        if scales and scales[layer].dim() >= 3:
+            out.append(scales[layer])
+    return out
+
+
+def _copy_pages(dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor) -> None:
+    """``dst[dst_pages] = src[src_pages]``, as raw bytes (index_copy_ has no fp8 kernel)."""
+    if dst.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, dst_pages, src.index_select(0, src_pages))
+
+
+def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str) -> KVConnector:
+    """Both sides of a CPU tier of ``memory_bytes`` (pages of ``spec``, its static scales not
+    counted twice) over the KV manager ``kv``.
+
+    Raises:
+        ValueError: prefix caching off, several KV cache groups, or a size under one page.
+    """
+    if not kv.enable_prefix_caching:
+        raise ValueError("the CPU KV tier (kv_offload_memory) needs prefix caching: its blocks are "
+                         "keyed by their prefix hash")
+    if len(kv.groups) != 1:
+        raise ValueError("the CPU KV tier supports one KV cache group (full attention) so far")
+    capacity = int(memory_bytes) // spec.page_size_bytes
+    if capacity < 1:
+        raise ValueError(f"kv_offload_memory of {int(memory_bytes)} bytes holds no page of "
+                         f"{spec.page_size_bytes} bytes")
+    return KVConnector(CPUOffloadScheduler(kv, capacity, policy, spec.page_size_bytes),
+                       CPUOffloadWorker(CPUTierStorage(spec, capacity)))

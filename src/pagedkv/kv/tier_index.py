@@ -1,0 +1,156 @@
+"""TierIndex: which prefix blocks a lower KV tier holds, in which of its slots.
+
+Plain Python, no tensors: the CPU tier (:mod:`pagedkv.kv.cpu_offload`) keeps the bytes,
+this keeps the bookkeeping. Entries are keyed by the device's chained block hash (which
+already covers the model, weights, dtypes, scales, block size and a request's salt), and
+an entry remembers its parent hash and token ids (a hit must also match the tokens).
+
+**Chain consistency**: the tier is prefix-closed. A block is stored only if it is the first
+of its chain or its parent is resident; an entry with a resident child is never evicted,
+so eviction takes chains tail first, and :meth:`match` never reports a block after a gap.
+
+Entry states: *pending* (a save is in flight: invisible to lookups, not evictable), then
+*ready*; a ready entry may be *pinned* (a load reads it: not evictable). Victims are the
+unpinned ready leaves, least recently used first (``lru``) or least often hit first
+(``lfu``, ties by age).
+
+Invariant (:meth:`check_invariants`): free + resident == capacity; every resident entry's
+parent is resident or the chain root; child counts and slot maps agree.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pagedkv.kv.hashing import ROOT_HASH, BlockHash
+
+POLICIES = ("lru", "lfu")
+
+
+@dataclass
+class TierEntry:
+    slot: int
+    parent: BlockHash
+    token_ids: tuple[int, ...]
+    ready: bool = False
+    pins: int = 0
+    children: int = 0
+    hits: int = 0
+    step: int = 0  # the step whose save wrote it
+
+
+class TierIndex:
+    """Slots ``0..capacity-1`` of one tier.
+
+    Raises:
+        ValueError: a capacity under 1 or an unknown policy.
+    """
+
+    def __init__(self, capacity: int, policy: str = "lru") -> None:
+        if capacity < 1:
+            raise ValueError(f"a KV tier needs at least one block, got {capacity}")
+        if policy not in POLICIES:
+            raise ValueError(f"kv_offload_policy must be one of {POLICIES}, got {policy!r}")
+        self.capacity, self.policy = capacity, policy
+        self.entries: OrderedDict[BlockHash, TierEntry] = OrderedDict()  # LRU order, oldest first
+        self._free = list(range(capacity - 1, -1, -1))
+        self.num_evictions = 0
+
+    # ---- lookup -----------------------------------------------------------------------
+    def match(self, hashes: list[BlockHash], token_ids: list[int], block_size: int, first: int,
+              max_blocks: int) -> list[TierEntry]:
+        """Ready entries for blocks ``first, first + 1, ...`` (below ``max_blocks``) until the
+        first block the tier does not hold with exactly these tokens."""
+        out = []
+        for i in range(first, min(max_blocks, len(hashes))):
+            e = self.entries.get(hashes[i])
+            if e is None or not e.ready or e.token_ids != tuple(token_ids[i * block_size:(i + 1) * block_size]):
+                break
+            out.append(e)
+        return out
+
+    def pin(self, entries: list[TierEntry]) -> None:
+        for e in entries:
+            e.pins += 1
+
+    def unpin(self, entries: list[TierEntry]) -> None:
+        for e in entries:
+            if e.pins <= 0:
+                raise RuntimeError("tier entry unpinned more often than pinned")
+            e.pins -= 1
+
+    def touch(self, block_hash: BlockHash, hit: bool = False) -> None:
+        """Mark an entry as just used (LRU) and, for a hit, count it (LFU)."""
+        e = self.entries.get(block_hash)
+        if e is not None:
+            self.entries.move_to_end(block_hash)
+            e.hits += int(hit)
+
+    # ---- storing ----------------------------------------------------------------------
+    def reserve(self, block_hash: BlockHash, parent: BlockHash, token_ids: tuple[int, ...], step: int) -> int | None:
+        """A slot for a new pending entry, evicting a victim if the tier is full; None when
+        the block is already held, its parent is not resident, or nothing can be evicted."""
+        if block_hash in self.entries or (parent != ROOT_HASH and parent not in self.entries):
+            return None
+        if not self._free and not self._evict_one():
+            return None
+        slot = self._free.pop()
+        self.entries[block_hash] = TierEntry(slot, parent, tuple(token_ids), step=step)
+        if parent != ROOT_HASH:
+            self.entries[parent].children += 1
+        return slot
+
+    def complete(self, up_to_step: int, failed: bool = False) -> None:
+        """Saves of steps up to ``up_to_step`` ended: their entries become ready, or are
+        dropped if ``failed`` (the step raised; what it wrote is unknown). Pending entries
+        of earlier steps that were never confirmed are dropped too."""
+        for h, e in list(self.entries.items()):
+            if not e.ready and e.step <= up_to_step:
+                if failed or e.step < up_to_step:
+                    self._drop(h)
+                else:
+                    e.ready = True
+
+    def _victim(self) -> BlockHash | None:
+        leaves = ((h, e) for h, e in self.entries.items() if e.ready and not e.pins and not e.children)
+        if self.policy == "lru":
+            return next((h for h, _ in leaves), None)
+        best = min(leaves, key=lambda he: he[1].hits, default=None)  # min keeps the oldest of a tie
+        return best[0] if best else None
+
+    def _evict_one(self) -> bool:
+        h = self._victim()
+        if h is None:
+            return False
+        self._drop(h)
+        self.num_evictions += 1
+        return True
+
+    def _drop(self, block_hash: BlockHash) -> None:
+        e = self.entries.pop(block_hash)
+        if e.children:  # only a failed save's pending chain: drop its descendants as well
+            for child in [h for h, c in self.entries.items() if c.parent == block_hash]:
+                self._drop(child)
+        if e.parent in self.entries:
+            self.entries[e.parent].children -= 1
+        self._free.append(e.slot)
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def num_used(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(1 for e in self.entries.values() if e.pins)
+
+    def check_invariants(self) -> None:
+        assert len(self._free) + len(self.entries) == self.capacity, "tier slots lost or doubled"
+        slots = [e.slot for e in self.entries.values()] + self._free
+        assert sorted(slots) == list(range(self.capacity)), "tier slot map broken"
+        for h, e in self.entries.items():
+            assert e.parent == ROOT_HASH or e.parent in self.entries, "tier chain not prefix-closed"
+            kids = sum(1 for c in self.entries.values() if c.parent == h)
+            assert e.children == kids, f"child count {e.children} != {kids}"
+            assert e.pins >= 0 and (e.ready or not e.pins), "a pending entry is pinned"
