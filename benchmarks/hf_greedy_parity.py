@@ -28,7 +28,7 @@ def main() -> int:
     with open(args.jsonl) as f:
         questions = [json.loads(line)["prompt"] for line in f][: args.num_prompts]
 
-    llm = LLM(kv_cache_memory="512MiB")
+    llm = LLM(kv_cache_memory="512MiB", weight_dtype="float32")  # the reference: HF runs the fp32 weights
     tok = llm.get_tokenizer()
     prompts = []
     for q in questions:

@@ -168,10 +168,24 @@ def test_random_schedules_keep_device_and_tier_invariants(tiered, schedule):
             assert done[rid] == _solo(solo, ids, n), f"{rid} differs from its solo run"
 
 
-def test_the_random_schedules_did_load_from_the_tier(tiered):
-    """Not vacuous: the schedules above (same module engine) hit the tier."""
-    s = tiered["tiered"].stats().kv_offload
-    assert s["blocks_loaded"] > 0 and s["hit_tokens"] > 0 and s["evictions"] > 0, s
+def test_concurrent_requests_on_a_tight_cache_load_shared_prefixes_from_the_tier(tiered):
+    """Deterministic companion of the schedules above: fillers push a shared prefix out of
+    the 6-block cache, then two requests sharing it run together and load it from the tier."""
+    eng, solo = tiered["tiered"], tiered["solo"]
+    before = eng.stats().kv_offload["blocks_loaded"]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for kind, n in ((0, 44), (1, 48), (3, 48), (0, 46), (2, 47)):
+        eng.add_request({"prompt_token_ids": _sched_prompt(kind, n)}, params, request_id=f"c{kind}-{n}")
+        if kind in (1, 3):
+            while eng.has_unfinished_requests():
+                eng.step()
+    done = {}
+    while eng.has_unfinished_requests():
+        done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
+        _check(eng)
+    assert eng.stats().kv_offload["blocks_loaded"] > before
+    for rid, (kind, n) in {"c0-46": (0, 46), "c2-47": (2, 47)}.items():
+        assert done[rid] == _solo(solo, _sched_prompt(kind, n), 4), rid
 
 
 def test_tier_counters_reach_stats_and_prometheus(tiny_llm_factory):

@@ -176,3 +176,46 @@ def test_weight_dtypes_are_flags(dtype, tiny_model_dir):
     r = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout.splitlines()[0])["token_ids"]) == 3
+
+
+def test_the_blocks_are_cached_beside_the_conversion_and_a_bad_cache_is_reparsed(default_model_files, tmp_path):
+    from pagedkv.model.gguf_convert import BLOCKS_FILE, read_blocks
+
+    parsed = read_blocks(default_model_files.gguf_path, tmp_path)
+    assert (tmp_path / BLOCKS_FILE).exists()
+    cached = read_blocks(default_model_files.gguf_path, tmp_path)
+    assert cached.keys() == parsed.keys()
+    for name in ("model.embed_tokens.weight", "model.layers.7.self_attn.k_proj.weight"):
+        assert cached[name].qtype == parsed[name].qtype and torch.equal(cached[name].packed, parsed[name].packed)
+    (tmp_path / BLOCKS_FILE).write_bytes(b"\x00garbage")
+    again = read_blocks(default_model_files.gguf_path, tmp_path)
+    assert torch.equal(again["model.layers.0.mlp.up_proj.weight"].packed, parsed["model.layers.0.mlp.up_proj.weight"].packed)
+
+
+def test_the_fp32_copies_of_kept_blocks_are_never_loaded(default_model_files):
+    from pagedkv.model.loader import load_state_dict
+
+    skip = {"model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"}
+    state = load_state_dict(default_model_files.folder, skip=skip)
+    assert not skip & set(state) and "model.layers.0.mlp.up_proj.weight" in state
+
+
+def test_weights_a_block_scale_cannot_hold_and_non_byte_blocks_are_refused():
+    w = torch.zeros(2, 32)
+    w[0, 0] = 1e7
+    with pytest.raises(ValueError, match="overflows fp16"):
+        GGMLWeight.quantize(w, Q8_0)
+    with pytest.raises(ValueError, match="uint8"):
+        GGMLWeight(torch.zeros(2, 20, dtype=torch.int64), Q4_1, 32)
+    good = GGMLWeight.quantize(torch.randn(4, 64), Q4_1)
+    with pytest.raises(RuntimeError, match="x has 32 features per row but the weight rows have 64"):
+        good(torch.randn(3, 32))
+
+
+def test_int4_on_widths_that_are_not_multiples_of_32_names_the_layer(tmp_path, default_model_files):
+    from conftest import make_hf_folder
+
+    folder = make_hf_folder(tmp_path / "w48", tokenizer_from=default_model_files.folder, hidden_size=48,
+                            num_attention_heads=3, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"int4: model\.layers\.0\.self_attn\.q_proj\.weight: .*multiple of 32"):
+        LlamaModel(load_model_config(folder), load_state_dict(folder), weight_dtype="int4")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedkv.bench import baselines, report
+from pagedkv.config import EngineConfig
 from pagedkv.bench.driver import drive, warm_up
 from pagedkv.bench.load import LoadMeter
 from pagedkv.bench.roofline import Machine, as_float32, model_cost
@@ -245,7 +246,7 @@ def finish(ctx: Context, result: dict, best_key: str = "metrics.output_tokens_pe
         run["roofline"] = fn()
     result["machine"] = ctx.machine_info()
     result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict() if ctx.cost else None,
-                       "weight_dtype": ctx.settings.engine.get("weight_dtype", "float32")}
+                       "weight_dtype": ctx.settings.engine.get("weight_dtype", EngineConfig.weight_dtype)}
     result["series"] = ctx.series
     report.summarize(result, best_key, higher)
     return result

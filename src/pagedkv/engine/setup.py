@@ -19,6 +19,7 @@ from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_convert import read_blocks
+from pagedkv.model.weight_formats import EMBED
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
 from pagedkv.model.validate import check_weights
@@ -100,15 +101,16 @@ def build_parts(config: EngineConfig) -> EngineParts:
             ("weight_dtype", config.weight_dtype))
     groups = single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
-    state = load_state_dict(files.folder)
+    blocks = (read_blocks(files.gguf_path, files.folder) if config.weight_dtype in ("auto", "int4") and files.gguf_path
+              else {})
+    kept = {k: v for k, v in blocks.items() if k != EMBED}  # used as stored: no fp32 copy is loaded
+    state = load_state_dict(files.folder, skip=set(kept)) | kept
     check_weights(cfg, state)
     invariant = config.batch_invariant or env_requests_invariance()
     if invariant and attention_mode() == "reference":
         warnings.warn("pagedkv: batch-invariant mode with PAGEDKV_ATTENTION=reference: the reference "
                       "attention's products change shape with the chunk, so log-probs can differ in "
                       "the last bits with batching; the fused kernel is batch-invariant", RuntimeWarning)
-    blocks = (read_blocks(files.gguf_path) if config.weight_dtype in ("auto", "int4") and files.gguf_path
-              else None)
     model = LlamaModel(cfg, state, batch_invariant=invariant, weight_dtype=config.weight_dtype, quantized=blocks)
     tokenizer = load_tokenizer(files.folder)
     storage = KVCacheStorage(spec, kv.pool.num_pages)  # page 0 is the null page

@@ -42,12 +42,15 @@ class GGMLWeight:
     def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int) -> None:
         if qtype not in FORMATS:
             raise ValueError(f"ggml type {qtype} is not one the kernel computes with (Q4_1=3, Q8_0=8)")
-        if in_features % GROUP or blocks.dim() != 2 or blocks.shape[1] != in_features // GROUP * FORMATS[qtype][1]:
+        if blocks.dtype != torch.uint8:
+            raise ValueError(f"GGML blocks are bytes (uint8), got {blocks.dtype}")
+        if (in_features < GROUP or in_features % GROUP or blocks.dim() != 2
+                or blocks.shape[1] != in_features // GROUP * FORMATS[qtype][1]):
             raise ValueError(f"{FORMATS[qtype][0]} blocks of shape {tuple(blocks.shape)} do not hold rows "
                              f"of {in_features} weights")
         self.qtype = qtype
         self.shape = (int(blocks.shape[0]), int(in_features))
-        self.packed = _panels(blocks.to(torch.uint8), qtype, inverse=False)  # what the kernel reads
+        self.packed = _panels(blocks, qtype, inverse=False)  # what the kernel reads
         self._dequantized: torch.Tensor | None = None  # made on first use without the kernel
 
     @property
@@ -65,7 +68,8 @@ class GGMLWeight:
         reference rounding: per block the min and max for Q4_1, absmax / 127 for Q8_0).
 
         Raises:
-            ValueError: K is not a multiple of 32, or a weight is NaN or infinite.
+            ValueError: K is not a multiple of 32, a weight is NaN or infinite, or a block's
+                scale overflows fp16 (weights beyond ~1e6).
         """
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
@@ -76,8 +80,14 @@ class GGMLWeight:
                              f"weights; got shape {tuple(w.shape)}")
         if not torch.isfinite(w).all():
             raise ValueError("quantized weights: the checkpoint has a NaN or infinite weight")
-        blocks = quantize(np.ascontiguousarray(w.numpy()), GGMLQuantizationType(qtype))
-        return cls(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, w.shape[1])
+        with np.errstate(over="ignore", invalid="ignore"):
+            blocks = quantize(np.ascontiguousarray(w.numpy()), GGMLQuantizationType(qtype))
+            out = cls(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, w.shape[1])
+            finite = bool(torch.isfinite(out.dequantize()).all())
+        if not finite:
+            raise ValueError(f"{out.format} cannot hold these weights: a block's scale overflows fp16 "
+                             f"(largest |weight| {w.abs().max().item():.3g})")
+        return out
 
     @staticmethod
     def concat(parts: list["GGMLWeight"]) -> "GGMLWeight":

@@ -107,14 +107,34 @@ def _convert(gguf_path: Path, out: Path, digest: str) -> None:
     tmp.rename(out)
 
 
-def read_blocks(gguf_path: str | Path) -> dict:
+BLOCKS_FILE = "ggml_blocks.safetensors"  # the kept-quantized blocks, cached beside the fp32 weights
+
+
+def read_blocks(gguf_path: str | Path, cache_dir: str | Path | None = None) -> dict:
     """The file's Q4_1 and Q8_0 matrices as :class:`~pagedkv.model.ggml_weights.GGMLWeight`
     by HF tensor name, their bytes as stored (Q/K rows un-permuted as :func:`_convert` does;
     a permutation of whole rows moves whole blocks). Other tensors are left out.
 
+    With ``cache_dir`` (the converted folder) the blocks are kept there in
+    ``ggml_blocks.safetensors`` after the first read (parsing a GGUF's metadata costs
+    seconds; reading the cache, milliseconds), written under a temporary name and renamed.
+
     Raises:
         ValueError: the file is not a readable llama GGUF.
     """
+    cached = Path(cache_dir) / BLOCKS_FILE if cache_dir is not None else None
+    if cached is not None and cached.exists():
+        try:
+            return _load_blocks(cached)
+        except Exception:  # noqa: BLE001 - a truncated or foreign cache file: parse the GGUF again
+            pass
+    out = _parse_blocks(gguf_path)
+    if cached is not None:
+        _save_blocks(out, cached)
+    return out
+
+
+def _parse_blocks(gguf_path) -> dict:
     import torch
     from gguf import GGUFReader
 
@@ -135,6 +155,32 @@ def read_blocks(gguf_path: str | Path) -> dict:
         elif name.endswith("k_proj.weight"):
             rows = unpermute_rows(rows, config["num_key_value_heads"])
         out[name] = GGMLWeight(torch.from_numpy(np.ascontiguousarray(rows)), int(t.tensor_type), int(t.shape[0]))
+    return out
+
+
+def _save_blocks(blocks: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    meta = {name: f"{w.qtype},{w.shape[1]}" for name, w in blocks.items()}
+    try:
+        save_file({name: w.blocks for name, w in blocks.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: parse again next time
+        tmp.unlink(missing_ok=True)
+
+
+def _load_blocks(path: Path) -> dict:
+    from safetensors import safe_open
+
+    from pagedkv.model.ggml_weights import GGMLWeight
+
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        for name in f.keys():
+            qtype, width = (int(v) for v in meta[name].split(","))
+            out[name] = GGMLWeight(f.get_tensor(name), qtype, width)
     return out
 
 

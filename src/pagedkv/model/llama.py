@@ -19,7 +19,8 @@ from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.int8_weights import Int8Weight, weight_bytes
-from pagedkv.model.weight_formats import WEIGHT_DTYPES, keep_quantized
+from pagedkv.model.ggml_weights import GGMLWeight
+from pagedkv.model.weight_formats import EMBED, WEIGHT_DTYPES, lm_head_for, prepare_state
 from pagedkv.model.rope import RotaryEmbedding
 from pagedkv.numerics import linear_for
 
@@ -42,6 +43,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fuse(parts: list):
+    """Row-wise concatenation of a layer's weights (q/k/v, gate/up): tensors, or GGML blocks."""
+    if all(isinstance(p, GGMLWeight) for p in parts):
+        return GGMLWeight.concat(parts)
+    return torch.cat(parts).contiguous()
+
+
 class LlamaLayer:
     """One decoder layer's weights (fused) and forward."""
 
@@ -50,12 +58,11 @@ class LlamaLayer:
         self.cfg = cfg
         self.linear = F.linear  # or numerics.invariant_linear (LlamaModel.set_batch_invariant)
         self.in_norm, self.post_norm = get("input_layernorm.weight"), get("post_attention_layernorm.weight")
-        q, k, v = (get(f"self_attn.{p}_proj.weight") for p in "qkv")
-        self.qkv = torch.cat([q, k, v]).contiguous()  # [(H + 2 Hkv) * D, hidden]
+        self.qkv = fuse([get(f"self_attn.{p}_proj.weight") for p in "qkv"])  # [(H + 2 Hkv) * D, hidden]
         self.qkv_bias = (torch.cat([get(f"self_attn.{p}_proj.bias") for p in "qkv"])
                          if f"{prefix}.self_attn.q_proj.bias" in w else None)
         self.o = get("self_attn.o_proj.weight")
-        self.gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
+        self.gate_up = fuse([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
         self.down = get("mlp.down_proj.weight")
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
@@ -93,6 +100,11 @@ class LlamaLayer:
 class LlamaModel:
     """Embeddings, decoder layers, final norm and LM head, built from an HF state dict.
 
+    ``quantized``: the checkpoint's own GGML blocks by HF tensor name
+    (:func:`pagedkv.model.gguf_convert.read_blocks`), which ``weight_dtype`` ``auto`` and
+    ``int4`` keep (:mod:`pagedkv.model.weight_formats`); ``state`` may then leave those
+    tensors out (the fp32 embedding table is always needed for row lookups).
+
     Raises:
         KeyError: if a tensor the config implies is missing from ``state``.
     """
@@ -101,6 +113,9 @@ class LlamaModel:
                  weight_dtype: str = "float32", quantized: dict | None = None) -> None:
         w = dict(state)
         self.cfg = cfg
+        if weight_dtype in ("auto", "int4"):
+            w.update({k: v for k, v in (quantized or {}).items() if k != EMBED})
+            prepare_state(w, weight_dtype, cfg.num_hidden_layers)
         self.embed = w.pop("model.embed_tokens.weight")         # [vocab, hidden]
         self.layers = [LlamaLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)]
         self.norm = w.pop("model.norm.weight")
@@ -112,7 +127,8 @@ class LlamaModel:
         if weight_dtype == "int8":
             self._quantize_int8()
         elif weight_dtype in ("auto", "int4"):
-            keep_quantized(self, weight_dtype, quantized or {})
+            tied = self.lm_head is self.embed
+            self.lm_head = lm_head_for(self.lm_head, (quantized or {}).get(EMBED), tied, weight_dtype)
         elif weight_dtype != "float32":
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         self.set_batch_invariant(batch_invariant)

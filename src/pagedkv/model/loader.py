@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.model.config import ModelConfig, for_engine
-from pagedkv.model.gguf_convert import converted_dir
+from pagedkv.model.gguf_convert import BLOCKS_FILE, converted_dir
 from pagedkv.model.hf_config import load_config
 
 #: Bundled names: name -> (package, file inside it).
@@ -93,24 +93,27 @@ def _folder_version(folder: Path) -> str:
     return h.hexdigest()
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All ``*.safetensors`` tensors of the folder, as fp32 CPU tensors.
+def load_state_dict(folder: Path, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The ``*.safetensors`` tensors of the folder (the model's: not ``ggml_blocks.safetensors``),
+    as fp32 CPU tensors, leaving out the names in ``skip`` (never read).
 
     Raises:
         FileNotFoundError: if the folder holds no safetensors file.
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name != BLOCKS_FILE)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     state = {}
     for f in files:
         try:
-            tensors = load_file(str(f))
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    if k not in skip:
+                        state[k] = sf.get_tensor(k).float()
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"cannot read weights {f}: {e}") from None
-        state.update({k: v.float() for k, v in tensors.items()})
     return state
 
 

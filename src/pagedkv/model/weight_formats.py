@@ -15,8 +15,6 @@ Fused weights (q/k/v, gate/up) are kept quantized only when all their parts are.
 
 from __future__ import annotations
 
-import torch
-
 from pagedkv.config import WEIGHT_DTYPES  # noqa: F401 - the names, re-exported
 from pagedkv.model.ggml_weights import FORMATS, Q4_1, Q8_0, GGMLWeight
 #: Fused linear weight of a layer -> the checkpoint names of its parts (``model.layers.i.`` + name).
@@ -26,38 +24,45 @@ FUSED = {"qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
          "down": ("mlp.down_proj.weight",)}
 
 
-def keep_quantized(model, weight_dtype: str, raw: dict[str, GGMLWeight]) -> None:
-    """Replace ``model``'s fp32 linear weights by :class:`GGMLWeight` ones as ``weight_dtype``
-    (``auto`` or ``int4``) says. ``raw``: the checkpoint's own blocks by HF tensor name.
+EMBED = "model.embed_tokens.weight"
+
+
+def prepare_state(state: dict, weight_dtype: str, num_layers: int) -> None:
+    """Choose, in ``state`` (HF names -> fp32 tensors or the checkpoint's own
+    :class:`GGMLWeight` blocks), the format of every layer's linear weights for
+    ``weight_dtype`` ``auto`` or ``int4``, before the model fuses them: a fused group stays
+    in blocks only when all its parts can.
 
     Raises:
         ValueError: ``int4`` with a layer width that is not a multiple of 32, or non-finite weights.
     """
-    for i, layer in enumerate(model.layers):
-        for attr, names in FUSED.items():
-            parts = [raw.get(f"model.layers.{i}.{n}") for n in names]
-            setattr(layer, attr, _layer_weight(getattr(layer, attr), parts, weight_dtype))
-        layer.in_norm, layer.post_norm = layer.in_norm.clone(), layer.post_norm.clone()
-        if layer.qkv_bias is not None:
-            layer.qkv_bias = layer.qkv_bias.clone()
-    tied = model.lm_head is model.embed
-    model.embed, model.norm = model.embed.clone(), model.norm.clone()
-    head = raw.get("lm_head.weight") or (raw.get("model.embed_tokens.weight") if tied else None)
-    if head is not None:
-        model.lm_head = head
-    elif weight_dtype == "int4":
-        model.lm_head = GGMLWeight.quantize(model.lm_head, Q8_0)
-    elif tied:
-        model.lm_head = model.embed  # still one table
+    for i in range(num_layers):
+        for names in FUSED.values():
+            keys = [f"model.layers.{i}.{n}" for n in names]
+            try:
+                parts = _layer_parts([state[k] for k in keys], weight_dtype)
+            except ValueError as e:
+                raise ValueError(f"--weight-dtype {weight_dtype}: {keys[0]}: {e} (use auto, float32 or int8 "
+                                 "for this model)") from None
+            state.update(zip(keys, parts))
 
 
-def _layer_weight(fp32: torch.Tensor, parts: list[GGMLWeight | None], weight_dtype: str):
-    qtypes = {p.qtype if p is not None else None for p in parts}
-    if weight_dtype == "auto":
-        return GGMLWeight.concat(parts) if len(qtypes) == 1 and None not in qtypes else fp32
-    if qtypes == {Q4_1}:
-        return GGMLWeight.concat(parts)
-    return GGMLWeight.quantize(fp32, Q4_1)
+def _layer_parts(parts: list, weight_dtype: str) -> list:
+    qtypes = {p.qtype if isinstance(p, GGMLWeight) else None for p in parts}
+    if qtypes == {Q4_1} or (weight_dtype == "auto" and len(qtypes) == 1 and None not in qtypes):
+        return parts
+    fp32 = [p.dequantize() if isinstance(p, GGMLWeight) else p for p in parts]
+    return fp32 if weight_dtype == "auto" else [GGMLWeight.quantize(p, Q4_1) for p in fp32]
+
+
+def lm_head_for(head, embed_blocks: GGMLWeight | None, tied: bool, weight_dtype: str):
+    """The LM head to keep: the checkpoint's blocks where it has them (the embedding's, for a
+    tied head), else for ``int4`` Q8_0 made at load, else ``head`` as it is."""
+    if isinstance(head, GGMLWeight):
+        return head
+    if tied and embed_blocks is not None:
+        return embed_blocks
+    return GGMLWeight.quantize(head, Q8_0) if weight_dtype == "int4" else head
 
 
 def describe(model) -> str:

@@ -51,9 +51,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-scale", "--kv-scale", dest="kv_scale", default="per-token-head",
                    help="scales of quantized KV: per-tensor|per-head|per-token-head|per-channel (default: per-token-head)")
     p.add_argument("--weight-dtype", default="auto",
-                   help="the --kv-cache-dtype names, or q4_1 / q8_0 (GGML blocks, scales counted: 0.625 / "
-                        "1.0625 bytes per weight, what the CPU engine's --weight-dtype auto reads for a "
-                        "Q4_1 GGUF) (default: auto)")
+                   help="the --kv-cache-dtype names (int4: 4 bits, scales not counted), or q4_1 / q8_0 "
+                        "(GGML blocks, scales counted: 0.625 / 1.0625 bytes per weight; the CPU engine's "
+                        "--weight-dtype auto on the default Q4_1 GGUF keeps its layers in q4_1 and its LM "
+                        "head in q8_0, so it reads between the two) (default: auto)")
     p.add_argument("--seq-len", default="4096", help="tokens per request, prompt + output (default: 4096)")
     p.add_argument("--batch", default="1", help="concurrent requests (default: 1)")
     p.add_argument("--tp", default="1", help="tensor-parallel devices (default: 1)")

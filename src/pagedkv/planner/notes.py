@@ -16,7 +16,8 @@ def _dtype_notes(r, dev: Device | None, kv_arg: str, w_arg: str) -> list[str]:
     if str(kv_arg).lower() == "auto":
         out.append(f"kv cache dtype auto -> {r.kv_cache_dtype} ({where})")
     if str(w_arg).lower() == "auto":
-        out.append(f"weight dtype auto -> {r.weight_dtype} ({where})")
+        out.append(f"weight dtype auto -> {r.weight_dtype} ({where}; the CPU engine's --weight-dtype auto "
+                   "keeps a GGUF's Q4_1/Q8_0 blocks instead: plan them with --weight-dtype q4_1 or q8_0)")
     if dev and r.weight_dtype.startswith("fp8") and not dev.flops_fp8:
         out.append(f"{dev.label} has no FP8 matrix units: FP8 weights save memory and bandwidth, "
                    "but the compute bound uses its 16-bit rate")

@@ -1,8 +1,9 @@
 // Linear layer over GGML block-quantized weights, kept quantized: y[M, N] = x[M, K] . W^T.
 //
 // Registers torch.ops.pagedkv.ggml_linear(x, blocks, qtype) -> y. ``blocks`` is uint8
-// [N, K / 32 * block_bytes], each row the weight row's blocks exactly as a GGUF file stores
-// them (ggml-common.h, block_q4_1 and block_q8_0):
+// [N, K / 32 * block_bytes]: the bytes of a GGUF file's blocks (ggml-common.h, block_q4_1
+// and block_q8_0), rearranged into panels as described below (GGMLWeight.packed; the
+// file's row-major order gives wrong results):
 //   Q4_1 (qtype 3), 20 bytes per 32 weights: fp16 d, fp16 m, 16 bytes of nibbles; byte j's
 //        low nibble is weight j and its high nibble weight j + 16; w = d * q + m.
 //   Q8_0 (qtype 8), 34 bytes per 32 weights: fp16 d, 32 int8 q; w = d * q.
@@ -250,8 +251,11 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
   const int64_t K = x.size(1);
   TORCH_CHECK(K % kGroup == 0, "ggml_linear: K = ", K, " is not a multiple of 32");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-              blocks.size(1) == K / kGroup * block_bytes(qtype),
-              "ggml_linear: blocks must be contiguous uint8 [N, K / 32 * ", block_bytes(qtype), "] with K = ", K);
+              blocks.size(1) % block_bytes(qtype) == 0,
+              "ggml_linear: blocks must be contiguous uint8 [N, K / 32 * ", block_bytes(qtype), "] (panels, "
+              "as GGMLWeight.packed holds them)");
+  TORCH_CHECK(blocks.size(1) == K / kGroup * block_bytes(qtype), "ggml_linear: x has ", K,
+              " features per row but the weight rows have ", blocks.size(1) / block_bytes(qtype) * kGroup);
   at::Tensor y = at::empty({x.size(0), blocks.size(0)}, x.options());
   at::internal::lazy_init_num_threads();  // this thread's OpenMP team size = torch.get_num_threads()
   ggml_linear_cpu(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), qtype, y.data_ptr<float>(), x.size(0), K,

@@ -81,7 +81,8 @@ void rope_rotate_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_rows(cos, "rope_rotate_ cos");
   check_rows(sin, "rope_rotate_ sin");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
-  TORCH_CHECK(D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D, "rope_rotate_: tables must be [T, D]");
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D && cos.size(-1) == D && sin.size(-1) == D,
+              "rope_rotate_: tables must be [T, D] (or [T, 1, D])");
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
