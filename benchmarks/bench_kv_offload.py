@@ -1,0 +1,82 @@
+"""The CPU KV tier on a multi-turn replay (issue 12): mean TTFT of returning turns with the
+tier vs without, when the KV cache is too small to keep every conversation.
+
+hh-rlhf conversations (``../shared/data``, via ``pagedkv.bench.workloads``) are replayed
+turn by turn, one request at a time, conversation after conversation: turn k of every
+conversation, then turn k + 1 (each turn resent with its history, the model's own replies
+included), so by the time a conversation returns, the other conversations have pushed
+its prefix out of the KV cache. Both engines run the same requests (greedy, replies cut at
+``--max-tokens``); TTFT is arrival to first token. Reported: mean TTFT of turns >= 2 per
+engine and the ratio, prompt tokens computed, tier hit tokens, blocks loaded/saved and
+the tier's load bandwidth, and whether the two engines produced the same tokens
+(batch-invariant mode is off here, as in serving: equal tokens are expected, not promised).
+
+    python benchmarks/bench_kv_offload.py --conversations 32 --turns 4 --kv-cache-memory 64MiB \
+        --kv-offload-memory 2GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from pagedkv.bench.driver import drive
+from pagedkv.bench.workloads import BenchRequest, chat_ids, hh_rlhf_conversations
+from pagedkv.engine.engine import LLMEngine
+
+
+def replay(engine, convs: list[list[str]], turns: int, max_tokens: int) -> list[dict]:
+    tok, history, out = engine.tokenizer, [[] for _ in convs], []
+    for k in range(turns):
+        for i, conv in enumerate(convs):
+            if len(conv) <= k:
+                continue
+            history[i].append({"role": "user", "content": conv[k]})
+            ids = chat_ids(tok, history[i])
+            rec = drive(engine, [BenchRequest(tuple(ids), max_tokens, max_tokens)], ignore_eos=False).records[0]
+            out.append({"conv": i, "turn": k + 1, "prompt_tokens": len(ids), "cached": rec.num_cached_tokens,
+                        "ttft": rec.ttft, "output": rec.output_token_ids})
+            history[i].append({"role": "assistant", "content": tok.decode(rec.output_token_ids, skip_special_tokens=True)})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-memory", default="64MiB")
+    p.add_argument("--kv-offload-memory", default="2GiB")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    a = p.parse_args()
+    convs = [c for c in hh_rlhf_conversations(4 * a.conversations, min_turns=a.turns, max_turns=a.turns)]
+    results = {}
+    for name, extra in (("no tier", {}), ("cpu tier", {"kv_offload_memory": a.kv_offload_memory})):
+        engine = LLMEngine(kv_cache_memory=a.kv_cache_memory, max_model_len=a.max_model_len, **extra)
+        fits = [c for c in convs if len(chat_ids(engine.tokenizer, [{"role": "user", "content": "\n".join(c)}]))
+                + (a.max_tokens + 16) * a.turns <= a.max_model_len][:a.conversations]
+        t = time.perf_counter()
+        turns = replay(engine, fits, a.turns, a.max_tokens)
+        wall = time.perf_counter() - t
+        later = [r for r in turns if r["turn"] > 1]
+        results[name] = {"mean_ttft_turns_2plus_s": statistics.mean(r["ttft"] for r in later),
+                         "mean_ttft_turn_1_s": statistics.mean(r["ttft"] for r in turns if r["turn"] == 1),
+                         "requests": len(turns), "returning": len(later), "wall_s": wall,
+                         "prompt_tokens": sum(r["prompt_tokens"] for r in turns),
+                         "cached_tokens": sum(r["cached"] for r in turns),
+                         "kv_blocks": engine.stats().num_blocks, "tier": engine.stats().kv_offload,
+                         "outputs": [r["output"] for r in turns]}
+        del engine
+    a_, b_ = results["no tier"], results["cpu tier"]
+    same = sum(x == y for x, y in zip(a_.pop("outputs"), b_.pop("outputs")))
+    tier = b_["tier"]
+    summary = {"ttft_ratio_turns_2plus": a_["mean_ttft_turns_2plus_s"] / b_["mean_ttft_turns_2plus_s"],
+               "same_tokens_requests": same, "load_GBps": tier["bytes_read"] / max(tier["load_seconds"], 1e-9) / 1e9}
+    print(json.dumps({"args": vars(a), "results": results, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
