@@ -13,6 +13,14 @@ the tier's load bandwidth, and whether the two engines produced the same tokens
 
     python benchmarks/bench_kv_offload.py --conversations 32 --turns 4 --kv-cache-memory 64MiB \
         --kv-offload-memory 2GiB
+
+``--restart DIR``: the disk tier's warm restart instead. A 1,024-token shared system prompt
+(the first tokens of *The Count of Monte Cristo*, ``../shared/data/long-context``) with a
+question; TTFT cold (an engine on an empty ``DIR``), then after a restart on the same
+``DIR`` with another question (the prefix comes from disk), medians of ``--repeats``
+restarts; each engine is deleted before the next opens ``DIR``.
+
+    python benchmarks/bench_kv_offload.py --restart /tmp/kvdisk --repeats 3
 """
 
 from __future__ import annotations
@@ -42,6 +50,34 @@ def replay(engine, convs: list[list[str]], turns: int, max_tokens: int) -> list[
     return out
 
 
+def restart(directory: str, repeats: int, prefix_tokens: int = 1024) -> dict:
+    import gc
+    import shutil
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "long-context" / "pg1184.txt").read_text()
+    args = dict(kv_cache_memory="256MiB", kv_offload_memory="1GiB", kv_offload_dir=directory)
+
+    def ttft(question: str) -> tuple[float, dict]:
+        engine = LLMEngine(**args)
+        system = engine.tokenizer(text, add_special_tokens=False).input_ids[:prefix_tokens]
+        ids = system + engine.tokenizer(question, add_special_tokens=False).input_ids
+        rec = drive(engine, [BenchRequest(tuple(ids), 8, 8)]).records[0]
+        stats = engine.stats().kv_offload
+        del engine
+        gc.collect()
+        return rec.ttft, stats
+
+    cold, warm, last = [], [], {}
+    for r in range(repeats):
+        shutil.rmtree(directory, ignore_errors=True)
+        cold.append(ttft(f" Question {r}: who is the captain?")[0])
+        t, last = ttft(f" Question {r}: where does the ship come from?")
+        warm.append(t)
+    return {"cold_ttft_s": cold, "warm_restart_ttft_s": warm, "ratio": statistics.median(cold) / statistics.median(warm),
+            "prefix_tokens": prefix_tokens, "warm_engine_tier": last}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=32)
@@ -50,7 +86,12 @@ def main() -> int:
     p.add_argument("--kv-cache-memory", default="64MiB")
     p.add_argument("--kv-offload-memory", default="2GiB")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--restart", metavar="DIR", help="measure the disk tier's warm restart in DIR (emptied)")
+    p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
+    if a.restart:
+        print(json.dumps(restart(a.restart, a.repeats), indent=1))
+        return 0
     convs = [c for c in hh_rlhf_conversations(4 * a.conversations, min_turns=a.turns, max_turns=a.turns)]
     results = {}
     for name, extra in (("no tier", {}), ("cpu tier", {"kv_offload_memory": a.kv_offload_memory})):

@@ -72,6 +72,10 @@ class EngineConfig:
             prefix caching.
         kv_offload_policy: which tier block goes first when the tier is full: lru (least
             recently used) or lfu (least often hit); always a chain's tail before its head.
+        kv_offload_dir: a directory for the disk KV tier behind the CPU tier (default: none):
+            blocks are kept there as checked records and found again after a restart; one
+            engine per directory; needs kv_offload_memory (:mod:`pagedkv.kv.disk_tier`).
+        kv_offload_disk_size: the disk tier's budget, e.g. 20GiB.
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output) in tokens (default: the model's limit).
@@ -100,6 +104,8 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_offload_memory: int | str | None = None
     kv_offload_policy: str = "lru"
+    kv_offload_dir: str | None = None
+    kv_offload_disk_size: int | str = "4GiB"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -114,6 +120,9 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_size(self.kv_offload_memory)
+        self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
+        if self.kv_offload_dir is not None and not self.kv_offload_memory:
+            raise ValueError("kv_offload_dir: the disk tier stages through the CPU tier; set kv_offload_memory too")
         if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {KV_OFFLOAD_POLICIES}, got {self.kv_offload_policy!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

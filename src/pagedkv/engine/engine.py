@@ -53,8 +53,9 @@ class LLMEngine:
         if self.config.kv_offload_memory:
             if kv_connector is not None:
                 raise ValueError("kv_offload_memory and a kv_connector cannot be combined (one connector per engine)")
-            kv_connector = cpu_offload_connector(self.kv, parts.spec, self.config.kv_offload_memory,
-                                                 self.config.kv_offload_policy)
+            c = self.config
+            kv_connector = cpu_offload_connector(self.kv, parts.spec, c.kv_offload_memory, c.kv_offload_policy,
+                                                 c.kv_offload_dir, c.kv_offload_disk_size)
         scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, self.eos_token_ids,
                               kv_connector.scheduler if kv_connector else None,

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from pagedkv.kv.disk_offload import RECORD_OVERHEAD, DiskIO, DiskPlan
+from pagedkv.kv.disk_tier import DiskDirectory
 from pagedkv.kv.hashing import ROOT_HASH
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.kv.tier_index import TierEntry, TierIndex
@@ -39,10 +41,15 @@ from pagedkv.kv.tier_index import TierEntry, TierIndex
 @dataclass
 class OffloadMeta:
     """One step's transfers: ``loads`` (tier slot, device page) before the forward, ``saves``
-    (device page, tier slot) as each layer is written; ``step`` numbers the step."""
+    (device page, tier slot) as each layer is written; ``step`` numbers the step. With a
+    disk tier: ``disk_loads`` (hash, token ids, device page), ``disk_writes`` (CPU slot,
+    hash, parent hash, token ids) and ``disk_removes`` (hashes evicted from disk)."""
     step: int
     loads: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    disk_loads: list[tuple[bytes, tuple, int]] = field(default_factory=list)
+    disk_writes: list[tuple[int, bytes, bytes, tuple]] = field(default_factory=list)
+    disk_removes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -57,46 +64,69 @@ class OffloadStats:
     bytes_written: int = 0
     load_seconds: float = 0.0
     evictions: int = 0
+    disk_capacity_blocks: int = 0
+    disk_blocks_used: int = 0
+    disk_hit_tokens: int = 0
+    disk_blocks_loaded: int = 0
+    disk_blocks_written: int = 0
+    disk_bytes_read: int = 0
+    disk_corrupt_records: int = 0
 
 
 class CPUOffloadScheduler(KVConnectorScheduler):
     """Scheduler side: the tier's index, lookups, pins and the plan of each step's copies."""
 
-    def __init__(self, kv, capacity: int, policy: str, page_bytes: int) -> None:
+    def __init__(self, kv, capacity: int, policy: str, page_bytes: int, disk: DiskPlan | None = None) -> None:
         self.kv, self.bs, self.page_bytes = kv, kv.block_size, page_bytes
         self.index = TierIndex(capacity, policy)
+        self.disk = disk
         self.stats = OffloadStats(capacity)
+        if disk is not None:  # what a restart found on disk
+            self.stats.disk_capacity_blocks, self.stats.disk_blocks_used = disk.index.capacity, disk.index.num_used
+            self.stats.disk_corrupt_records = disk.dir.num_corrupt
         self._step = 0
-        self._matched: dict[str, tuple[int, list[TierEntry]]] = {}  # request -> (first block, entries)
+        self._matched: dict[str, tuple[int, list, list]] = {}  # request -> (first block, CPU, disk entries)
         self._loads: list[tuple[TierEntry, int]] = []
-        self._pinned: dict[int, list[TierEntry]] = {}  # step -> entries its loads read
+        self._disk_loads: list[tuple[TierEntry, bytes, tuple, int]] = []
+        self._pinned: dict[int, tuple[list, list]] = {}  # step -> (CPU, disk) entries its loads read
+        self._ready: list[bytes] = []  # CPU entries that became ready: disk write candidates
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         hashes, first = self.kv.block_hashes(request), num_computed_tokens // self.bs
         max_blocks = (len(request.all_token_ids) - 1) // self.bs  # leave a token to compute
         found = self.index.match(hashes, request.all_token_ids, self.bs, first, max_blocks)
-        self._matched[request.request_id] = (first, found)
-        return len(found) * self.bs
+        on_disk = (self.disk.match(hashes, request.all_token_ids, self.bs, first + len(found), max_blocks)
+                   if self.disk else [])
+        self._matched[request.request_id] = (first, found, on_disk)
+        return (len(found) + len(on_disk)) * self.bs
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
-        first, found = self._matched.pop(request.request_id, (0, []))
-        found = found[:num_external_tokens // self.bs]
-        if not found:
-            return
-        self.index.pin(found)
+        first, found, on_disk = self._matched.pop(request.request_id, (0, [], []))
+        n = num_external_tokens // self.bs
+        found, on_disk = found[:n], on_disk[:max(0, n - len(found))]
         hashes = self.kv.block_hashes(request)
+        self.index.pin(found)
         for k, e in enumerate(found):
             self._loads.append((e, block_ids[0][first + k]))
             self.index.touch(hashes[first + k], hit=True)
+        if on_disk:
+            self.disk.index.pin(on_disk)
+            for k, e in enumerate(on_disk, start=first + len(found)):
+                self._disk_loads.append((e, hashes[k], e.token_ids, block_ids[0][k]))
+                self.disk.index.touch(hashes[k], hit=True)
         self.stats.hit_tokens += len(found) * self.bs
+        self.stats.disk_hit_tokens += len(on_disk) * self.bs
 
     def build_connector_meta(self, out) -> OffloadMeta:
         self._step += 1
         meta = OffloadMeta(self._step)
-        if self._loads:
-            meta.loads = [(e.slot, page) for e, page in self._loads]
-            self._pinned[self._step] = [e for e, _ in self._loads]
-            self._loads = []
+        meta.loads = [(e.slot, page) for e, page in self._loads]
+        meta.disk_loads = [(h, tokens, page) for _, h, tokens, page in self._disk_loads]
+        self._pinned[self._step] = ([e for e, _ in self._loads], [e for e, *_ in self._disk_loads])
+        self._loads, self._disk_loads = [], []
+        if self.disk is not None:
+            meta.disk_writes = self.disk.plan_writes(self.index, self._ready)
+            meta.disk_removes, self.disk.removes, self._ready = self.disk.removes, [], []
         for new in out.scheduled_new_reqs:  # device hits the tier lacks, then what this step fills
             self._plan_saves(meta, new.req_id, 0, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
         c = out.scheduled_cached_reqs
@@ -126,22 +156,40 @@ class CPUOffloadScheduler(KVConnectorScheduler):
     requests: dict | None = None  # the scheduler's live requests, set by the engine
 
     def update_connector_output(self, output) -> None:
-        """The runner finished a step: ``output`` is ``(step, ok, stats)`` from the worker."""
+        """The runner finished a step: ``output`` is :meth:`CPUOffloadWorker.get_connector_output`'s."""
         if output is None:
             return
-        step, ok, worker_stats = output
-        self.index.complete(step, failed=not ok)
+        step, ok, counts, disk = output
+        self._ready += self.index.complete(step, failed=not ok)
         for s in [s for s in self._pinned if s <= step]:
-            self.index.unpin(self._pinned.pop(s))
+            cpu, on_disk = self._pinned.pop(s)
+            self.index.unpin(cpu)
+            if on_disk:
+                self.disk.index.unpin(on_disk)
+        if self.disk is not None:
+            written, failed, corrupt = disk
+            self.disk.finish_writes(self.index, written, failed)
+            self.disk.drop_corrupt(corrupt)
+        self._count(counts)
+
+    def _count(self, counts) -> None:
         st = self.stats
-        st.blocks_loaded += worker_stats[0]
-        st.blocks_saved += worker_stats[1]
-        st.load_seconds += worker_stats[2]
+        st.blocks_loaded += counts[0]
+        st.blocks_saved += counts[1]
+        st.load_seconds += counts[2]
+        st.disk_blocks_loaded += counts[3]
+        st.disk_bytes_read += counts[4]
         st.bytes_read, st.bytes_written = st.blocks_loaded * self.page_bytes, st.blocks_saved * self.page_bytes
         st.blocks_used, st.evictions = self.index.num_used, self.index.num_evictions
+        if self.disk is not None:
+            st.disk_blocks_used = self.disk.index.num_used
+            st.disk_blocks_written = self.disk.num_written
+            st.disk_corrupt_records = self.disk.dir.num_corrupt
 
     def check_invariants(self) -> None:
         self.index.check_invariants()
+        if self.disk is not None:
+            self.disk.index.check_invariants()
 
 
 class CPUTierStorage(KVCacheStorage):
@@ -161,27 +209,37 @@ class CPUTierStorage(KVCacheStorage):
 
 
 class CPUOffloadWorker(KVConnectorWorker):
-    """Worker side: copies pages between the device storage and the tier's tensors."""
+    """Worker side: copies pages between the device storage and the tier's tensors, and
+    (with a disk tier) between records and pages."""
 
-    def __init__(self, tier: CPUTierStorage) -> None:
-        self.tier = tier
+    def __init__(self, tier: CPUTierStorage, disk: DiskIO | None = None) -> None:
+        self.tier, self.disk = tier, disk
         self.metadata: OffloadMeta | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-kv-save")
         self._futures: list[Future] = []
-        self._storage = None
-        self._counts = [0, 0, 0.0]
+        self._counts = [0, 0, 0.0, 0, 0]
         self._done_step = 0
+        self._load_errors: set[int] = set()
 
     def start_load_kv(self, storage) -> None:
-        self._storage, meta = storage, self.metadata
-        if meta is None or not meta.loads:
+        for f in self._futures:  # copies left by a step that raised
+            f.result()
+        self._futures, self._load_errors, meta = [], set(), self.metadata
+        if meta is None:
             return
         t = time.perf_counter()
-        src = torch.tensor([s for s, _ in meta.loads], dtype=torch.int64)
-        dst = torch.tensor([p for _, p in meta.loads], dtype=torch.int64)
-        for layer in range(self.tier.spec.num_layers):
-            for a, b in zip(self.tier.page_tensors(layer), _page_tensors(storage, layer)):
-                _copy_pages(b, dst, a, src)
+        if meta.loads:
+            src = torch.tensor([s for s, _ in meta.loads], dtype=torch.int64)
+            dst = torch.tensor([p for _, p in meta.loads], dtype=torch.int64)
+            for layer in range(self.tier.spec.num_layers):
+                for a, b in zip(self.tier.page_tensors(layer), _page_tensors(storage, layer)):
+                    _copy_pages(b, dst, a, src)
+        if self.disk is not None:
+            read = self.disk.bytes_read
+            self._load_errors = self.disk.load(meta.disk_loads, storage, self.tier, _page_tensors)
+            self._counts[3] += len(meta.disk_loads) - len(self._load_errors)
+            self._counts[4] += self.disk.bytes_read - read
+            self.disk.write(meta.disk_writes, meta.disk_removes, self.tier)  # overlaps the forward
         self._counts[0] += len(meta.loads)
         self._counts[2] += time.perf_counter() - t
 
@@ -198,18 +256,28 @@ class CPUOffloadWorker(KVConnectorWorker):
         futures, self._futures = self._futures, []
         for f in futures:
             f.result()
+        if self.disk is not None:
+            self.disk.drain()
         meta = self.metadata
         if meta is not None:
             self._counts[1] += len(meta.saves)
             self._done_step = meta.step
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self._load_errors)
+
     def get_connector_output(self):
-        """``(step, ok, (blocks loaded, blocks saved, load seconds))`` since the last call."""
+        """``(step, ok, counts, disk)``: counts = (blocks loaded, blocks saved, load seconds,
+        disk blocks loaded, disk bytes read); disk = (written, failed, corrupt) hashes."""
         meta = self.metadata
         if meta is None:
             return None
-        out = (meta.step, self._done_step == meta.step, tuple(self._counts))
-        self._counts = [0, 0, 0.0]
+        disk = None
+        if self.disk is not None:
+            written, failed = self.disk.finished()
+            disk, self.disk.corrupt = (written, failed, self.disk.corrupt), []
+        out = (meta.step, self._done_step == meta.step, tuple(self._counts), disk)
+        self._counts = [0, 0, 0.0, 0, 0]
         return out
 
 
@@ -228,12 +296,15 @@ def _copy_pages(dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, s
     dst.index_copy_(0, dst_pages, src.index_select(0, src_pages))
 
 
-def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str) -> KVConnector:
+def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: str | None = None,
+                          disk_bytes: int = 0) -> KVConnector:
     """Both sides of a CPU tier of ``memory_bytes`` (pages of ``spec``, its static scales not
-    counted twice) over the KV manager ``kv``.
+    counted twice) over the KV manager ``kv``, with a disk tier of ``disk_bytes`` in
+    ``disk_dir`` behind it if given.
 
     Raises:
-        ValueError: prefix caching off, several KV cache groups, or a size under one page.
+        ValueError: prefix caching off, several KV cache groups, a size under one page, or
+            an unusable disk directory (see :class:`~pagedkv.kv.disk_tier.DiskDirectory`).
     """
     if not kv.enable_prefix_caching:
         raise ValueError("the CPU KV tier (kv_offload_memory) needs prefix caching: its blocks are "
@@ -244,5 +315,12 @@ def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str) -> KVConnect
     if capacity < 1:
         raise ValueError(f"kv_offload_memory of {int(memory_bytes)} bytes holds no page of "
                          f"{spec.page_size_bytes} bytes")
-    return KVConnector(CPUOffloadScheduler(kv, capacity, policy, spec.page_size_bytes),
-                       CPUOffloadWorker(CPUTierStorage(spec, capacity)))
+    plan = io = None
+    if disk_dir is not None:
+        disk_capacity = int(disk_bytes) // (spec.page_size_bytes + RECORD_OVERHEAD)
+        if disk_capacity < 1:
+            raise ValueError(f"kv_offload_disk_size of {int(disk_bytes)} bytes holds no block record")
+        directory = DiskDirectory(disk_dir)
+        plan, io = DiskPlan(directory, disk_capacity, policy), DiskIO(directory)
+    return KVConnector(CPUOffloadScheduler(kv, capacity, policy, spec.page_size_bytes, plan),
+                       CPUOffloadWorker(CPUTierStorage(spec, capacity), io))

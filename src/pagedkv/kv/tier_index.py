@@ -56,6 +56,7 @@ class TierIndex:
         self.entries: OrderedDict[BlockHash, TierEntry] = OrderedDict()  # LRU order, oldest first
         self._free = list(range(capacity - 1, -1, -1))
         self.num_evictions = 0
+        self._evicted: list[BlockHash] = []
 
     # ---- lookup -----------------------------------------------------------------------
     def match(self, hashes: list[BlockHash], token_ids: list[int], block_size: int, first: int,
@@ -88,12 +89,14 @@ class TierIndex:
             e.hits += int(hit)
 
     # ---- storing ----------------------------------------------------------------------
-    def reserve(self, block_hash: BlockHash, parent: BlockHash, token_ids: tuple[int, ...], step: int) -> int | None:
-        """A slot for a new pending entry, evicting a victim if the tier is full; None when
-        the block is already held, its parent is not resident, or nothing can be evicted."""
+    def reserve(self, block_hash: BlockHash, parent: BlockHash, token_ids: tuple[int, ...], step: int,
+                evict: bool = True) -> int | None:
+        """A slot for a new pending entry, evicting a victim if the tier is full (and
+        ``evict``); None when the block is already held, its parent is not resident, or no
+        slot can be had. Evicted hashes are kept for :meth:`take_evicted`."""
         if block_hash in self.entries or (parent != ROOT_HASH and parent not in self.entries):
             return None
-        if not self._free and not self._evict_one():
+        if not self._free and not (evict and self._evict_one()):
             return None
         slot = self._free.pop()
         self.entries[block_hash] = TierEntry(slot, parent, tuple(token_ids), step=step)
@@ -101,16 +104,34 @@ class TierIndex:
             self.entries[parent].children += 1
         return slot
 
-    def complete(self, up_to_step: int, failed: bool = False) -> None:
+    def complete(self, up_to_step: int, failed: bool = False) -> list[BlockHash]:
         """Saves of steps up to ``up_to_step`` ended: their entries become ready, or are
         dropped if ``failed`` (the step raised; what it wrote is unknown). Pending entries
-        of earlier steps that were never confirmed are dropped too."""
+        of earlier steps that were never confirmed are dropped too. Returns the hashes
+        that became ready, parents first."""
+        ready = []
         for h, e in list(self.entries.items()):
-            if not e.ready and e.step <= up_to_step:
+            if h in self.entries and not e.ready and e.step <= up_to_step:
                 if failed or e.step < up_to_step:
                     self._drop(h)
                 else:
                     e.ready = True
+                    ready.append(h)
+        return ready
+
+    def mark_ready(self, block_hash: BlockHash) -> None:
+        """A pending entry's write ended (tiers whose writes end one by one, e.g. disk)."""
+        self.entries[block_hash].ready = True
+
+    def drop(self, block_hash: BlockHash) -> None:
+        """Remove an entry whose write failed or whose record failed a check (with its
+        descendants: a chain never keeps a block past a gap)."""
+        self._drop(block_hash)
+
+    def take_evicted(self) -> list[BlockHash]:
+        """Hashes evicted since the last call (a disk tier removes their records)."""
+        out, self._evicted = self._evicted, []
+        return out
 
     def _victim(self) -> BlockHash | None:
         leaves = ((h, e) for h, e in self.entries.items() if e.ready and not e.pins and not e.children)
@@ -124,12 +145,13 @@ class TierIndex:
         if h is None:
             return False
         self._drop(h)
+        self._evicted.append(h)
         self.num_evictions += 1
         return True
 
     def _drop(self, block_hash: BlockHash) -> None:
         e = self.entries.pop(block_hash)
-        if e.children:  # only a failed save's pending chain: drop its descendants as well
+        if e.children:  # a failed save's pending chain or a corrupt record: drop its descendants
             for child in [h for h, c in self.entries.items() if c.parent == block_hash]:
                 self._drop(child)
         if e.parent in self.entries:

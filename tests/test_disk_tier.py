@@ -1,0 +1,131 @@
+"""The disk KV tier (issue 12: ``kv_offload_dir``): a prefix cache that survives a restart
+with bit-identical output; checked records (truncated, bit-flipped, another layout: a miss,
+recomputed); one engine per directory; a full disk stops writes, not the engine."""
+
+from __future__ import annotations
+
+import errno
+import gc
+
+import pytest
+import torch
+
+from pagedkv import SamplingParams
+from pagedkv.kv.disk_tier import RecordError, decode, encode
+from pagedkv.kv.hashing import ROOT_HASH
+
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _prompt(n: int) -> list[int]:
+    return list(range(900, 900 + n))
+
+
+def _run(llm, ids):
+    o = llm.generate([{"prompt_token_ids": ids}], PARAMS)[0]
+    return o.token_ids, o.logprobs
+
+
+def _tiered(factory, path, **kw):
+    return factory(num_blocks=12, batch_invariant=True, kv_offload_memory=16 * 8192, kv_offload_dir=str(path), **kw)
+
+
+def _hits(llm) -> int:
+    """Prompt tokens found so far: device prefix cache, CPU tier and disk tier."""
+    s = llm.engine.stats()
+    return s.prefix_cache_hits + s.kv_offload["hit_tokens"] + s.kv_offload["disk_hit_tokens"]
+
+
+def _restart() -> None:
+    gc.collect()  # after `del engine`: the directory's lock goes with the engine
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_a_restarted_engine_serves_prefixes_from_disk_with_identical_output(tiny_llm_factory, tmp_path, kv_dtype):
+    ref = tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False, kv_cache_dtype=kv_dtype)
+    lengths = (1, 15, 16, 17, 33, 64)
+    want = {n: _run(ref, _prompt(n) if n != 64 else list(range(2000, 2064))) for n in lengths}
+    first = _tiered(tiny_llm_factory, tmp_path, kv_cache_dtype=kv_dtype)
+    for n in lengths:
+        assert _run(first, _prompt(n) if n != 64 else list(range(2000, 2064))) == want[n]
+    s = first.engine.stats().kv_offload
+    assert s["disk_blocks_written"] == s["blocks_saved"] >= 4  # every block the CPU tier got reached disk
+    del first
+    _restart()
+    second = _tiered(tiny_llm_factory, tmp_path, kv_cache_dtype=kv_dtype)
+    assert second.engine.stats().kv_offload["disk_blocks_used"] == s["disk_blocks_written"]
+    for n in lengths:
+        before = _hits(second)
+        assert _run(second, _prompt(n) if n != 64 else list(range(2000, 2064))) == want[n], n
+        assert _hits(second) - before == 16 * ((n - 1) // 16), n  # nothing recomputed that a tier had
+    assert second.engine.stats().kv_offload["disk_blocks_loaded"] > 0
+
+
+def test_records_round_trip_byte_for_byte_and_any_damage_is_refused():
+    like = [torch.randn(16, 2, 16), torch.randint(-127, 127, (16, 2, 16), dtype=torch.int8),
+            torch.randn(16, 2).to(torch.bfloat16)]
+    h, tokens = b"\x01" * 32, tuple(range(16))
+    rec = encode(h, ROOT_HASH, tokens, like)
+    back = decode(rec, h, tokens, like)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(like, back))
+    flipped = bytearray(rec)
+    flipped[-5] ^= 0x10
+    for bad, why in ((rec[:-3], "short|checksum"), (bytes(flipped), "checksum"), (rec[:10], "truncated|version")):
+        with pytest.raises(RecordError, match=why):
+            decode(bad, h, tokens, like)
+    with pytest.raises(RecordError, match="another block"):
+        decode(rec, b"\x02" * 32, tokens, like)
+    with pytest.raises(RecordError, match="layout"):
+        decode(rec, h, tokens, [t.float() for t in like])
+
+
+@pytest.mark.filterwarnings("ignore:pagedkv. KV disk tier. unreadable record")
+def test_a_damaged_record_is_a_miss_and_the_output_stays_right(tiny_llm_factory, tmp_path):
+    ref = tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False)
+    want = _run(ref, _prompt(40))
+    first = _tiered(tiny_llm_factory, tmp_path)
+    assert _run(first, _prompt(40)) == want
+    del first
+    _restart()
+    records = sorted(tmp_path.glob("*.kvb"))
+    assert len(records) == 2
+    for f in records:  # flip a payload bit in both: the header still reads, the checksum fails
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0x01
+        f.write_bytes(bytes(data))
+    second = _tiered(tiny_llm_factory, tmp_path)
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        assert _run(second, _prompt(40)) == want
+    s = second.engine.stats().kv_offload
+    assert s["disk_corrupt_records"] >= 1 and s["disk_blocks_loaded"] == 0
+    del second
+    _restart()
+    (tmp_path / "junk.kvb").write_bytes(b"PKVB\x01")  # truncated: dropped when the index is rebuilt
+    third = _tiered(tiny_llm_factory, tmp_path)
+    assert not (tmp_path / "junk.kvb").exists() and third.engine.stats().kv_offload["disk_corrupt_records"] >= 1
+
+
+def test_one_engine_per_directory_and_unwritable_directories_fail_at_start(tiny_llm_factory, tmp_path):
+    first = _tiered(tiny_llm_factory, tmp_path)
+    with pytest.raises(ValueError, match="in use by another engine"):
+        _tiered(tiny_llm_factory, tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a writable directory"):
+        _tiered(tiny_llm_factory, tmp_path / "file")
+    with pytest.raises(ValueError, match="set kv_offload_memory too"):
+        tiny_llm_factory(kv_offload_dir=str(tmp_path / "d"))
+    del first
+
+
+def test_a_full_disk_stops_disk_writes_not_the_engine(tiny_llm_factory, tmp_path, monkeypatch):
+    import pagedkv.kv.disk_tier as disk_tier
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    llm = _tiered(tiny_llm_factory, tmp_path)
+    monkeypatch.setattr(disk_tier.os, "replace", full)
+    with pytest.warns(RuntimeWarning, match="writes stopped"):
+        first = _run(llm, _prompt(40))
+    assert _run(llm, _prompt(50))[0] and len(first[0]) == 5
+    assert not list(tmp_path.glob("*.kvb")) and not list(tmp_path.glob(".*tmp*"))
+    assert llm.engine.stats().kv_offload["disk_blocks_written"] == 0
