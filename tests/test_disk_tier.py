@@ -129,3 +129,14 @@ def test_a_full_disk_stops_disk_writes_not_the_engine(tiny_llm_factory, tmp_path
     assert _run(llm, _prompt(50))[0] and len(first[0]) == 5
     assert not list(tmp_path.glob("*.kvb")) and not list(tmp_path.glob(".*tmp*"))
     assert llm.engine.stats().kv_offload["disk_blocks_written"] == 0
+
+
+def test_disk_counters_reach_prometheus(tiny_llm_factory, tmp_path):
+    from pagedkv.server.metrics import ServerMetrics
+
+    llm = _tiered(tiny_llm_factory, tmp_path)
+    _run(llm, _prompt(40))
+    text = ServerMetrics(llm.engine.stats).render().decode()
+    assert 'pagedkv_kv_offload_blocks{state="used",tier="disk"} 2.0' in text
+    assert 'pagedkv_kv_offload_blocks_saved_total{tier="disk"} 2.0' in text
+    assert 'pagedkv_kv_offload_corrupt_records_total{tier="disk"} 0.0' in text

@@ -70,23 +70,34 @@ class _StatsCollector:
         yield rej
 
 
+_OFFLOAD_COUNTERS = (  # metric name, help, key per tier (cpu, disk)
+    ("hit_tokens", "prompt tokens loaded from the tier", "hit_tokens", "disk_hit_tokens"),
+    ("blocks_loaded", "blocks copied tier -> cache", "blocks_loaded", "disk_blocks_loaded"),
+    ("blocks_saved", "blocks written to the tier", "blocks_saved", "disk_blocks_written"),
+    ("read_bytes", "bytes read from the tier", "bytes_read", "disk_bytes_read"),
+    ("written_bytes", "bytes written to the tier", "bytes_written", None),
+    ("load_seconds", "seconds spent loading from the tiers before forwards", "load_seconds", None),
+    ("evictions", "tier blocks evicted", "evictions", None),
+    ("corrupt_records", "records that failed a check (a miss)", None, "disk_corrupt_records"),
+)
+
+
 def _offload_metrics(o: dict | None):
-    """``pagedkv_kv_offload_*`` of the CPU tier, when one is configured."""
+    """``pagedkv_kv_offload_*`` of the CPU tier and, if configured, the disk tier."""
     if not o:
         return
-    blocks = GaugeMetricFamily("pagedkv_kv_offload_blocks", "CPU KV tier blocks", labels=["tier", "state"])
-    blocks.add_metric(["cpu", "used"], o["blocks_used"])
-    blocks.add_metric(["cpu", "capacity"], o["capacity_blocks"])
+    tiers = [("cpu", 0)] + ([("disk", 1)] if o.get("disk_capacity_blocks") else [])
+    blocks = GaugeMetricFamily("pagedkv_kv_offload_blocks", "KV tier blocks", labels=["tier", "state"])
+    for tier, _ in tiers:
+        prefix = "" if tier == "cpu" else "disk_"
+        blocks.add_metric([tier, "used"], o[prefix + "blocks_used"])
+        blocks.add_metric([tier, "capacity"], o[prefix + "capacity_blocks"])
     yield blocks
-    for name, key, help_text in (("hit_tokens", "hit_tokens", "prompt tokens loaded from the tier"),
-                                 ("blocks_loaded", "blocks_loaded", "blocks copied tier -> cache"),
-                                 ("blocks_saved", "blocks_saved", "blocks copied cache -> tier"),
-                                 ("read_bytes", "bytes_read", "bytes read from the tier"),
-                                 ("written_bytes", "bytes_written", "bytes written to the tier"),
-                                 ("load_seconds", "load_seconds", "seconds spent loading from the tier"),
-                                 ("evictions", "evictions", "tier blocks evicted")):
+    for name, help_text, *keys in _OFFLOAD_COUNTERS:
         c = CounterMetricFamily(f"pagedkv_kv_offload_{name}", help_text, labels=["tier"])
-        c.add_metric(["cpu"], o[key])
+        for tier, i in tiers:
+            if keys[i] is not None:
+                c.add_metric([tier], o[keys[i]])
         yield c
 
 
