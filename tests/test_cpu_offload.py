@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+from hypothesis import HealthCheck, given, settings
+from schedules import OPS, run_schedule, schedule_prompt, solo_tokens
+
 from pagedkv import SamplingParams
 from pagedkv.kv.hashing import ROOT_HASH
 from pagedkv.kv.tier_index import TierIndex
@@ -101,35 +104,11 @@ def test_the_flags_work_from_the_cli(tiny_model_dir):
 
 
 # ---- random schedules with a tiny device cache and a tiny tier ----------------------------
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-SHARED = list(range(1000, 1040))
-
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 5), st.integers(1, 48), st.integers(1, 12)),
-    st.tuples(st.just("abort"), st.integers(0, 30)),
-    st.tuples(st.just("step"), st.integers(1, 4))), min_size=1, max_size=25)
-
-
-def _sched_prompt(kind: int, length: int) -> list[int]:
-    base = SHARED if kind % 2 == 0 else list(range(2000 + kind * 50, 2100 + kind * 50))
-    return (base + list(range(3000 + kind, 3000 + kind + length)))[:length]
-
-
 @pytest.fixture(scope="module")
 def tiered(tiny_llm_factory):
     return {"tiered": tiny_llm_factory(num_blocks=6, max_model_len=64, max_num_batched_tokens=20,
                                        kv_offload_memory=8 * 8192, batch_invariant=True).engine,
             "solo": tiny_llm_factory(num_blocks=64, enable_prefix_caching=False, batch_invariant=True).engine}
-
-
-def _solo(solo, ids, n):
-    solo.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    while solo.has_unfinished_requests():
-        for o in solo.step():
-            if o.finished:
-                return o.token_ids
 
 
 def _check(eng):
@@ -138,34 +117,17 @@ def _check(eng):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops)
+@given(OPS)
 def test_random_schedules_keep_device_and_tier_invariants(tiered, schedule):
     eng, solo = tiered["tiered"], tiered["solo"]
     assert eng.scheduler.connector.index.capacity == 8
-    added, done, aborted = {}, {}, set()
-    for op in schedule:
-        if op[0] == "add":
-            ids = _sched_prompt(op[1], op[2])
-            r = eng.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=op[3], temperature=0, ignore_eos=True))
-            added[r.request_id] = (ids, op[3])
-        elif op[0] == "abort" and added:
-            rid = sorted(added)[op[1] % len(added)]
-            if rid not in done:
-                eng.abort_request(rid)
-                aborted.add(rid)
-        else:
-            for _ in range(op[1]):
-                done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
-                _check(eng)
-    while eng.has_unfinished_requests():
-        done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
-        _check(eng)
+    added, done, aborted = run_schedule(eng, schedule, _check)
     index = eng.scheduler.connector.index
     assert eng.kv.pool.num_used == 0 and index.num_pinned == 0
     assert all(e.ready for e in index.entries.values())  # nothing in flight after the drain
     for rid, (ids, n) in added.items():
         if rid not in aborted:
-            assert done[rid] == _solo(solo, ids, n), f"{rid} differs from its solo run"
+            assert done[rid] == solo_tokens(solo, ids, n), f"{rid} differs from its solo run"
 
 
 def test_concurrent_requests_on_a_tight_cache_load_shared_prefixes_from_the_tier(tiered):
@@ -175,7 +137,7 @@ def test_concurrent_requests_on_a_tight_cache_load_shared_prefixes_from_the_tier
     before = eng.stats().kv_offload["blocks_loaded"]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for kind, n in ((0, 44), (1, 48), (3, 48), (0, 46), (2, 47)):
-        eng.add_request({"prompt_token_ids": _sched_prompt(kind, n)}, params, request_id=f"c{kind}-{n}")
+        eng.add_request({"prompt_token_ids": schedule_prompt(kind, n)}, params, request_id=f"c{kind}-{n}")
         if kind in (1, 3):
             while eng.has_unfinished_requests():
                 eng.step()
@@ -185,7 +147,7 @@ def test_concurrent_requests_on_a_tight_cache_load_shared_prefixes_from_the_tier
         _check(eng)
     assert eng.stats().kv_offload["blocks_loaded"] > before
     for rid, (kind, n) in {"c0-46": (0, 46), "c2-47": (2, 47)}.items():
-        assert done[rid] == _solo(solo, _sched_prompt(kind, n), 4), rid
+        assert done[rid] == solo_tokens(solo, schedule_prompt(kind, n), 4), rid
 
 
 def test_tier_counters_reach_stats_and_prometheus(tiny_llm_factory):

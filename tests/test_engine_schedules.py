@@ -6,23 +6,9 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from schedules import OPS, run_schedule, solo_tokens
 
 from pagedkv import SamplingParams
-
-SHARED = list(range(1000, 1040))  # a 40-token prefix several prompts share
-
-
-def _prompt(kind: int, length: int) -> list[int]:
-    base = SHARED if kind % 2 == 0 else list(range(2000 + kind * 50, 2100 + kind * 50))
-    return (base + list(range(3000 + kind, 3000 + kind + length)))[:length]
-
-
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 5), st.integers(1, 48), st.integers(1, 12)),
-    st.tuples(st.just("abort"), st.integers(0, 30)),
-    st.tuples(st.just("step"), st.integers(1, 4))), min_size=1, max_size=25)
-
 
 @pytest.fixture(scope="module")
 def engines(tiny_llm_factory):
@@ -31,41 +17,15 @@ def engines(tiny_llm_factory):
             "solo": tiny_llm_factory(num_blocks=64, enable_prefix_caching=False).engine}
 
 
-def _solo_tokens(solo, ids, max_tokens):
-    solo.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    while solo.has_unfinished_requests():
-        for o in solo.step():
-            if o.finished:
-                return o.token_ids
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops)
+@given(OPS)
 def test_random_schedules_keep_invariants(engines, schedule):
     eng, solo = engines["tight"], engines["solo"]
-    added, done, aborted = {}, {}, set()
-    for op in schedule:
-        if op[0] == "add":
-            ids = _prompt(op[1], op[2])
-            r = eng.add_request({"prompt_token_ids": ids},
-                                SamplingParams(max_tokens=op[3], temperature=0, ignore_eos=True))
-            added[r.request_id] = (ids, op[3])
-        elif op[0] == "abort" and added:
-            rid = sorted(added)[op[1] % len(added)]
-            if rid not in done:
-                eng.abort_request(rid)
-                aborted.add(rid)
-        else:
-            for _ in range(op[1]):
-                done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
-                eng.kv.check_invariants()
-    while eng.has_unfinished_requests():
-        done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
-        eng.kv.check_invariants()
+    added, done, aborted = run_schedule(eng, schedule, lambda e: e.kv.check_invariants())
     assert eng.kv.pool.num_used == 0 and not eng.kv.block_tables
     for rid, (ids, n) in added.items():
         if rid not in aborted:
-            assert done[rid] == _solo_tokens(solo, ids, n), f"{rid} differs from its solo run"
+            assert done[rid] == solo_tokens(solo, ids, n), f"{rid} differs from its solo run"
 
 
 def test_rejects_what_can_never_fit_while_others_complete(tiny_llm_factory):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedkv.model.int8_weights import kernel_op
+from pagedkv.model.int8_weights import quantized_linear
 
 GROUP = 32  # weights per block
 PANEL = 8   # rows whose blocks the kernel reads interleaved (ggml_linear.cpp)
@@ -113,15 +113,8 @@ class GGMLWeight:
         return self.packed.numel()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, fallback=F.linear) -> torch.Tensor:
-        """``x [M, K]`` -> ``[M, N]``; ``fallback(x, weight, bias)``: the fp32 linear function
-        used when the kernel is unavailable (the model's: batch-invariant in that mode)."""
-        op = kernel_op("ggml_linear")
-        if op is None:
-            if self._dequantized is None:
-                self._dequantized = self.dequantize()
-            return fallback(x, self._dequantized, bias)
-        y = op(x.contiguous(), self.packed, self.qtype)
-        return y if bias is None else y + bias
+        """``x [M, K]`` -> ``[M, N]``; see :func:`~pagedkv.model.int8_weights.quantized_linear`."""
+        return quantized_linear(self, "ggml_linear", (self.packed, self.qtype), x, bias, fallback)
 
 
 def _panels(blocks: torch.Tensor, qtype: int, inverse: bool) -> torch.Tensor:

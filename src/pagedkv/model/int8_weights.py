@@ -69,15 +69,21 @@ class Int8Weight:
         return self.q.numel() + 4 * self.scale.numel()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, fallback=F.linear) -> torch.Tensor:
-        """``x [M, K]`` -> ``[M, N]``; ``fallback(x, weight, bias)``: the fp32 linear function
-        used when the kernel is unavailable (the model's: batch-invariant in that mode)."""
-        op = kernel_op("int8_linear")
-        if op is None:
-            if self._dequantized is None:
-                self._dequantized = self.dequantize()
-            return fallback(x, self._dequantized, bias)
-        y = op(x.contiguous(), self.q, self.scale)
-        return y if bias is None else y + bias
+        """``x [M, K]`` -> ``[M, N]``; see :func:`quantized_linear`."""
+        return quantized_linear(self, "int8_linear", (self.q, self.scale), x, bias, fallback)
+
+
+def quantized_linear(w, op_name: str, args: tuple, x: torch.Tensor, bias, fallback) -> torch.Tensor:
+    """``x`` times the quantized weight ``w`` by the kernel op ``op_name(x, *args)``, or, where
+    the kernel is unavailable, by ``fallback(x, weight, bias)`` (the model's fp32 linear
+    function: batch-invariant in that mode) over ``w.dequantize()``, made once and kept."""
+    op = kernel_op(op_name)
+    if op is None:
+        if w._dequantized is None:
+            w._dequantized = w.dequantize()
+        return fallback(x, w._dequantized, bias)
+    y = op(x.contiguous(), *args)
+    return y if bias is None else y + bias
 
 
 
