@@ -159,3 +159,43 @@ def test_tier_counters_reach_stats_and_prometheus(tiny_llm_factory):
     assert 'pagedkv_kv_offload_blocks{state="capacity",tier="cpu"} 16.0' in text
     assert 'pagedkv_kv_offload_blocks_saved_total{tier="cpu"} 2.0' in text  # 40 tokens + 4 outputs: 2 full pages
     assert "pagedkv_kv_offload_blocks" not in ServerMetrics(tiny_llm_factory().engine.stats).render().decode()
+
+
+def test_copy_blocks_moves_whole_pages_byte_for_byte_and_nothing_else():
+    import torch
+
+    from pagedkv.attention.kernel import load_kernel
+    from pagedkv.kv.cpu_offload import copy_pages
+
+    load_kernel()
+    torch.manual_seed(0)
+    src = [torch.randn(9, 16, 2, 8), torch.randint(-127, 127, (9, 16, 2, 8), dtype=torch.int8),
+           torch.randn(9, 16, 2).to(torch.bfloat16), torch.randn(9, 16, 2, 8).to(torch.float8_e4m3fn)]
+    dst = [torch.zeros(5, *t.shape[1:], dtype=t.dtype) for t in src]
+    before = [d.clone() for d in dst]
+    sp, dp = torch.tensor([7, 0, 3]), torch.tensor([4, 1, 2])
+    copy_pages(dst, dp, src, sp)
+    for d, b, s in zip(dst, before, src):
+        for i, j in zip(dp.tolist(), sp.tolist()):
+            assert torch.equal(d[i].view(torch.uint8), s[j].view(torch.uint8))
+        for i in (0, 3):  # pages not in the list are untouched
+            assert torch.equal(d[i].view(torch.uint8), b[i].view(torch.uint8))
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.pagedkv.copy_blocks(dst, src, torch.tensor([5]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="pages of another size"):
+        torch.ops.pagedkv.copy_blocks([dst[0]], [src[2]], dp, sp)
+
+
+def test_the_planner_sizes_the_tiers_as_the_engine_does(tiny_llm_factory, tiny_model_dir, tmp_path):
+    from pagedkv.planner.plan import plan
+
+    llm = tiny_llm_factory(kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path), kv_offload_disk_size="5MiB")
+    s = llm.engine.stats().kv_offload
+    p = plan(model=str(tiny_model_dir / "config.json"), kv_cache_dtype="float32", kv_offload_memory="1MiB",
+             kv_offload_disk_size="5MiB")
+    assert (p.offload_cpu_blocks, p.offload_disk_blocks) == (s["capacity_blocks"], s["disk_capacity_blocks"]) == (128, 320)
+    assert p.offload_cpu_tokens == 128 * 16 and p.offload_cpu_block_load_seconds is None  # no device: sizes only
+    gpu = plan(model=str(tiny_model_dir / "config.json"), gpu="h100-sxm", kv_cache_dtype="float32",
+               kv_offload_memory="1MiB", kv_offload_disk_size="5MiB")
+    assert gpu.offload_cpu_block_load_seconds == pytest.approx(8192 / 63.02e9)
+    assert gpu.offload_disk_block_load_seconds > gpu.offload_cpu_block_load_seconds

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.attention.dispatch import layer_op
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from pagedkv.kv.disk_offload import RECORD_OVERHEAD, DiskIO, DiskPlan
 from pagedkv.kv.disk_tier import DiskDirectory
@@ -231,9 +232,9 @@ class CPUOffloadWorker(KVConnectorWorker):
         if meta.loads:
             src = torch.tensor([s for s, _ in meta.loads], dtype=torch.int64)
             dst = torch.tensor([p for _, p in meta.loads], dtype=torch.int64)
-            for layer in range(self.tier.spec.num_layers):
-                for a, b in zip(self.tier.page_tensors(layer), _page_tensors(storage, layer)):
-                    _copy_pages(b, dst, a, src)
+            layers = range(self.tier.spec.num_layers)
+            copy_pages([t for i in layers for t in _page_tensors(storage, i)], dst,
+                       [t for i in layers for t in self.tier.page_tensors(i)], src)
         if self.disk is not None:
             read = self.disk.bytes_read
             self._load_errors = self.disk.load(meta.disk_loads, storage, self.tier, _page_tensors)
@@ -249,8 +250,8 @@ class CPUOffloadWorker(KVConnectorWorker):
             return
         src = torch.tensor([p for p, _ in meta.saves], dtype=torch.int64)
         dst = torch.tensor([s for _, s in meta.saves], dtype=torch.int64)
-        pairs = list(zip(_page_tensors(storage, layer), self.tier.page_tensors(layer)))
-        self._futures.append(self._pool.submit(lambda: [_copy_pages(b, dst, a, src) for a, b in pairs]))
+        self._futures.append(self._pool.submit(copy_pages, self.tier.page_tensors(layer), dst,
+                                               _page_tensors(storage, layer), src))
 
     def wait_for_save(self) -> None:
         futures, self._futures = self._futures, []
@@ -289,11 +290,17 @@ def _page_tensors(storage, layer: int) -> list[torch.Tensor]:
     return out
 
 
-def _copy_pages(dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor) -> None:
-    """``dst[dst_pages] = src[src_pages]``, as raw bytes (index_copy_ has no fp8 kernel)."""
-    if dst.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-    dst.index_copy_(0, dst_pages, src.index_select(0, src_pages))
+def copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch.Tensor], src_pages: torch.Tensor) -> None:
+    """``dst[j][dst_pages] = src[j][src_pages]`` for every j, as bytes: the kernel library's
+    ``copy_blocks`` (one memcpy per page), else torch's gather and scatter."""
+    op = layer_op("copy_blocks")
+    if op is not None and all(t.is_contiguous() for t in dst + src):
+        op(dst, src, dst_pages, src_pages)
+        return
+    for d, s in zip(dst, src):
+        if d.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # index_copy_ has no fp8 kernel
+            d, s = d.view(torch.uint8), s.view(torch.uint8)
+        d.index_copy_(0, dst_pages, s.index_select(0, src_pages))
 
 
 def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: str | None = None,

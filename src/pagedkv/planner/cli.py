@@ -64,6 +64,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", default="16", help="token slots per KV page (default: 16)")
     p.add_argument("--kv-cache-memory", help="KV budget per device, e.g. 256MiB or 20GB (replaces "
                                              "memory left after weights); num_blocks is then the engine's")
+    p.add_argument("--kv-offload-memory", help="the engine's CPU KV tier, e.g. 2GiB: its blocks and "
+                                               "per-block load time")
+    p.add_argument("--kv-offload-disk-size", help="the engine's disk KV tier, e.g. 20GiB (NVMe read rate "
+                                                  "from the catalog)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write cache-vs-context and step-vs-batch plots")
     p.add_argument("--plot-batches", help="batch sizes for the memory plot, e.g. 1,8,32 (default: 1,8,32,128)")
@@ -104,7 +108,8 @@ def _plan_kwargs(args) -> dict:
                 tp=_int(args.tp, "--tp"), block_size=_int(args.block_size, "--block-size"),
                 gpu_memory_utilization=_fraction(args.gpu_memory_utilization, "--gpu-memory-utilization"),
                 kv_heads=None if args.kv_heads is None else _int(args.kv_heads, "--kv-heads"),
-                kv_cache_memory=args.kv_cache_memory, kv_scale_granularity=args.kv_scale)
+                kv_cache_memory=args.kv_cache_memory, kv_scale_granularity=args.kv_scale,
+                kv_offload_memory=args.kv_offload_memory, kv_offload_disk_size=args.kv_offload_disk_size)
 
 
 def _split(text: str | None) -> list[str] | None:

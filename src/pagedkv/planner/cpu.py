@@ -2,7 +2,8 @@
 
 Method (torch, default threads): read bandwidth is the best of several
 ``x.sum()`` passes over a float32 tensor much larger than the last-level cache
-(bytes read / seconds); the matmul rate is the best of several ``a @ b`` on square
+(bytes read / seconds); copy bandwidth the best of several copies of half of it (bytes
+copied / seconds: what moving KV pages between pools in host memory runs at); the matmul rate is the best of several ``a @ b`` on square
 float32 matrices (``2 n^3`` FLOPs / seconds). Best-of-N, because these machines
 are shared and noise only ever slows a run down. Device memory is the machine's
 physical RAM.
@@ -57,13 +58,18 @@ def measure(read_bytes: int | None = None, matmul_n: int | None = None, repeats:
     read_bytes, matmul_n, repeats = read_bytes or READ_BYTES, matmul_n or MATMUL_N, repeats or REPEATS
     x = torch.ones(read_bytes // 4, dtype=torch.float32)       # [read_bytes / 4]
     bw = read_bytes / _best_seconds(lambda: x.sum(), repeats)
-    del x
+    half = x[: x.numel() // 2]
+    dst = torch.empty_like(half)
+    copy = half.numel() * 4 / _best_seconds(lambda: dst.copy_(half), repeats)  # bytes copied / s
+    del x, half, dst
     a = torch.randn(matmul_n, matmul_n)                         # [n, n]
     b = torch.randn(matmul_n, matmul_n)
     flops = 2 * matmul_n**3 / _best_seconds(lambda: a @ b, repeats)
-    return {"key": _machine_key(), "read_bandwidth_bytes_per_s": bw, "fp32_flops": flops,
+    return {"key": _machine_key(), "read_bandwidth_bytes_per_s": bw, "copy_bandwidth_bytes_per_s": copy,
+            "fp32_flops": flops,
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "method": f"best of {repeats}: sum over {read_bytes} B float32; {matmul_n}^3 fp32 matmul",
+            "method": f"best of {repeats}: sum over {read_bytes} B float32; copy of half of it; "
+                      f"{matmul_n}^3 fp32 matmul",
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -72,7 +78,7 @@ def load_or_measure(path: Path | None = None) -> dict:
     path = path or cache_path()
     try:
         cached = json.loads(path.read_text())
-        if cached.get("key") == _machine_key():
+        if cached.get("key") == _machine_key() and "copy_bandwidth_bytes_per_s" in cached:
             return cached
     except (OSError, ValueError):
         pass

@@ -49,6 +49,7 @@ class Device:
     pcie_gen: int | None
     nvlink: float | None
     source: str
+    copy_bandwidth: float | None = None  # host memory to host memory, bytes copied/s (cpu: measured)
 
     @property
     def is_cpu(self) -> bool:
@@ -103,7 +104,8 @@ def cpu_device() -> Device:
     return Device(name="cpu", label=f"this machine ({os.cpu_count()} CPUs, measured)",
                   memory_bytes=int(m["memory_bytes"]), bandwidth=float(m["read_bandwidth_bytes_per_s"]),
                   flops_16=float(m["fp32_flops"]), flops_fp8=None, host_link=None, pcie_gen=None,
-                  nvlink=None, source=f"measured {m['measured_at']} ({m['method']}); cached in {cache_path()}")
+                  nvlink=None, source=f"measured {m['measured_at']} ({m['method']}); cached in {cache_path()}",
+                  copy_bandwidth=float(m["copy_bandwidth_bytes_per_s"]))
 
 
 def get_device(name: str) -> Device:

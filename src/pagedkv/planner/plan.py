@@ -129,6 +129,25 @@ def _speed(c: _Inputs, max_req: int | None) -> dict:
                 nvme_seconds=c.whole.paged_bytes_for_tokens(c.seq_len) / nvme_read_bandwidth())
 
 
+def _tiers(c: _Inputs, memory, disk) -> dict:
+    """The KV offload tiers' capacity (whole pages per device) and per-block load time."""
+    from pagedkv.kv.disk_offload import RECORD_OVERHEAD
+
+    page, out = c.spec.page_size_bytes, {}
+    link = (c.dev.host_link or c.dev.copy_bandwidth) if c.dev else None
+    if memory is not None:
+        n = parse_size(memory) // page
+        out.update(offload_cpu_blocks=n, offload_cpu_tokens=n * c.spec.block_size,
+                   offload_cpu_block_load_seconds=page / link if link else None)
+    if disk is not None:
+        n = parse_size(disk) // (page + RECORD_OVERHEAD)
+        read = page / nvme_read_bandwidth()
+        out.update(offload_disk_blocks=n, offload_disk_tokens=n * c.spec.block_size,
+                   offload_disk_block_load_seconds=(read + (page / c.dev.host_link if c.dev.host_link else 0.0))
+                   if c.dev else None)
+    return out
+
+
 def _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, util, kv_heads, block_size,
              kv_cache_memory, scale) -> _Inputs:
     for name, v in (("seq_len", seq_len), ("batch", batch), ("tp", tp), ("block_size", block_size)):
@@ -153,7 +172,8 @@ def _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, util,
 def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_dtype: str = "auto",
          weight_dtype: str = "auto", seq_len: int = 4096, batch: int = 1, tp: int = 1,
          gpu_memory_utilization: float = 0.9, kv_heads: int | None = None, block_size: int = 16,
-         kv_cache_memory: int | str | None = None, kv_scale_granularity: str = "per-token-head") -> PlanResult:
+         kv_cache_memory: int | str | None = None, kv_scale_granularity: str = "per-token-head",
+         kv_offload_memory: int | str | None = None, kv_offload_disk_size: int | str | None = None) -> PlanResult:
     """Plan ``batch`` requests of ``seq_len`` tokens of ``model`` on ``tp`` × ``gpu``.
 
     Args:
@@ -167,6 +187,8 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
         kv_cache_memory: cache budget per device (bytes or text such as ``"256MiB"``), replacing
             ``usable − weights``; ``num_blocks`` is then the engine's pool size for it.
         kv_scale_granularity: where quantized KV dtypes keep scales (see ``KVCacheSpec``).
+        kv_offload_memory, kv_offload_disk_size: the engine's CPU and disk KV tiers (bytes or
+            text), sized in blocks with their per-block load time.
 
     Raises:
         ValueError: on an unknown model, GPU or dtype, a malformed config.json, or a bad number.
@@ -176,5 +198,6 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
     fields = {**_model_fields(c), **_capacity(c)}
     if c.dev:
         fields.update(_speed(c, fields.get("max_concurrent_requests")))
+    fields.update(_tiers(c, kv_offload_memory, kv_offload_disk_size))
     notes = plan_notes(PlanResult(**fields), c.m, c.dev, kv_cache_dtype, weight_dtype)
     return PlanResult(**fields, notes=tuple(notes))

@@ -123,9 +123,26 @@ def _transfer(r: PlanResult) -> list[str]:
     return lines
 
 
+def _tiers(r: PlanResult) -> list[str]:
+    if r.offload_cpu_blocks is None and r.offload_disk_blocks is None:
+        return []
+    lines = ["", "KV offload tiers (per device; a block is one page of every layer)"]
+    for tier, blocks, tokens, secs, how in (
+            ("CPU tier", r.offload_cpu_blocks, r.offload_cpu_tokens, r.offload_cpu_block_load_seconds,
+             "over the host link" if r.gpu != "cpu" else "at the measured host copy rate"),
+            ("disk tier", r.offload_disk_blocks, r.offload_disk_tokens, r.offload_disk_block_load_seconds,
+             f"NVMe read at {fmt_rate(nvme_read_bandwidth())}" + (", then the host link" if r.gpu != "cpu" else ""))):
+        if blocks is None:
+            continue
+        load = f"; load {fmt_seconds(secs)} per block {how}" if secs is not None else ""
+        lines.append(_row(tier, f"{blocks:,} blocks = {tokens:,} tokens{load}"))
+    return lines
+
+
 def render(r: PlanResult) -> str:
     """The full text report."""
-    lines = _header(r) + _kv(r) + _weights(r) + _capacity(r) + _speed(r) + _sweep(r) + _transfer(r)
+    lines = (_header(r) + _kv(r) + _weights(r) + _capacity(r) + _speed(r) + _sweep(r) + _transfer(r)
+             + _tiers(r))
     if r.notes:
         lines += ["", "Notes"] + [f"  - {n}" for n in r.notes]
     return "\n".join(lines)

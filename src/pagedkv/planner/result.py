@@ -57,6 +57,13 @@ class PlanResult:
     ``kv_bound_tokens_per_s`` (limit of decode tokens/s as batch grows), ``host_link_seconds``
     and ``nvme_seconds`` (moving one request's paged cache over the host link / from NVMe).
 
+    KV offload tiers (with ``kv_offload_memory`` / ``kv_offload_disk_size``, per device):
+    ``offload_cpu_blocks`` / ``_tokens`` and ``offload_disk_blocks`` / ``_tokens`` (what
+    the engine's tiers hold: whole pages; a disk record also budgets 8 KiB of header), and
+    the time to load one block into the cache, ``offload_cpu_block_load_seconds`` (over
+    PCIe on a GPU; at the measured host copy rate on ``cpu``) and
+    ``offload_disk_block_load_seconds`` (NVMe read, then the host link on a GPU).
+
     ``notes``: plain-language findings and caveats.
     """
     model: str
@@ -110,6 +117,12 @@ class PlanResult:
     kv_bound_tokens_per_s: float | None = None
     host_link_seconds: float | None = None
     nvme_seconds: float | None = None
+    offload_cpu_blocks: int | None = None
+    offload_cpu_tokens: int | None = None
+    offload_cpu_block_load_seconds: float | None = None
+    offload_disk_blocks: int | None = None
+    offload_disk_tokens: int | None = None
+    offload_disk_block_load_seconds: float | None = None
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
