@@ -165,7 +165,7 @@ def test_copy_blocks_moves_whole_pages_byte_for_byte_and_nothing_else():
     import torch
 
     from pagedkv.attention.kernel import load_kernel
-    from pagedkv.kv.cpu_offload import copy_pages
+    from pagedkv.attention.dispatch import copy_pages
 
     load_kernel()
     torch.manual_seed(0)

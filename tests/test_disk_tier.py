@@ -140,3 +140,73 @@ def test_disk_counters_reach_prometheus(tiny_llm_factory, tmp_path):
     assert 'pagedkv_kv_offload_blocks{state="used",tier="disk"} 2.0' in text
     assert 'pagedkv_kv_offload_blocks_saved_total{tier="disk"} 2.0' in text
     assert 'pagedkv_kv_offload_corrupt_records_total{tier="disk"} 0.0' in text
+
+
+# ---- found by a break-it pass -------------------------------------------------------------
+def test_saving_a_block_never_evicts_the_parent_it_chains_from(tiny_llm_factory):
+    """A full one-block tier: the next block's save may not evict its own parent (that left
+    the tier without the chain's head and crashed the step)."""
+    ref = tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False)
+    for policy in ("lru", "lfu"):
+        llm = tiny_llm_factory(num_blocks=16, batch_invariant=True, kv_offload_memory=8192, kv_offload_policy=policy)
+        ids = _prompt(20)
+        params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=2)
+        got, want = llm.generate([{"prompt_token_ids": ids}], params)[0], ref.generate([{"prompt_token_ids": ids}], params)[0]
+        assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+        llm.engine.scheduler.connector.check_invariants()
+
+
+def test_a_record_lost_while_running_never_poisons_the_cpu_tier(tiny_llm_factory, tmp_path):
+    """A disk load that fails leaves a page unwritten: nothing that step saved may be kept,
+    or the garbage would be served (and written to disk) later."""
+    ref = tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False)
+    want = _run(ref, _prompt(40))
+    first = _tiered(tiny_llm_factory, tmp_path)
+    assert _run(first, _prompt(40)) == want
+    del first
+    _restart()
+    second = _tiered(tiny_llm_factory, tmp_path)
+    for f in tmp_path.glob("*.kvb"):
+        f.unlink()  # gone while the engine runs: the loads fail
+    with pytest.warns(RuntimeWarning, match="missing record"):
+        assert _run(second, _prompt(40)) == want
+    for other in (list(range(5000 + 100 * i, 5060 + 100 * i)) for i in range(3)):
+        _run(second, other)  # push the prompt out of the 12-block device cache
+    hits = second.engine.stats().kv_offload["hit_tokens"]
+    assert _run(second, _prompt(40)) == want  # from the CPU tier now: must be the recomputed pages
+    assert second.engine.stats().kv_offload["hit_tokens"] == hits + 32
+
+
+@pytest.mark.parametrize("damage", ["parent-hex", "no-tokens", "tokens-int", "list", "dir"])
+def test_a_malformed_header_is_a_miss_not_a_failed_start(tiny_llm_factory, tmp_path, damage):
+    import json as _json
+    import struct
+
+    first = _tiered(tiny_llm_factory, tmp_path)
+    _run(first, _prompt(40))
+    del first
+    _restart()
+    f = sorted(tmp_path.glob("*.kvb"))[0]
+    if damage == "dir":
+        (tmp_path / "sub.kvb").mkdir()
+    else:
+        data = f.read_bytes()
+        n = struct.unpack_from("<I", data, 8)[0]
+        head = _json.loads(data[12:12 + n])
+        head = {"parent-hex": head | {"parent": "zz" + head["parent"][2:]}, "no-tokens": {k: v for k, v in head.items()
+                if k != "tokens"}, "tokens-int": head | {"tokens": 5}, "list": [head]}[damage]
+        raw = _json.dumps(head).encode()
+        f.write_bytes(data[:8] + struct.pack("<I", len(raw)) + raw + data[12 + n:])
+    with pytest.warns(RuntimeWarning):
+        second = _tiered(tiny_llm_factory, tmp_path)
+    assert _run(second, _prompt(40))[0]
+
+
+def test_a_relative_directory_is_resolved_at_start(tiny_llm_factory, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    llm = tiny_llm_factory(num_blocks=12, kv_offload_memory=16 * 8192, kv_offload_dir="rel")
+    monkeypatch.chdir("/")
+    _run(llm, _prompt(40))
+    assert len(list((tmp_path / "rel").glob("*.kvb"))) == 2
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm_factory(kv_offload_memory=16 * 8192, kv_offload_dir=" ")

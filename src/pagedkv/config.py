@@ -74,7 +74,9 @@ class EngineConfig:
             recently used) or lfu (least often hit); always a chain's tail before its head.
         kv_offload_dir: a directory for the disk KV tier behind the CPU tier (default: none):
             blocks are kept there as checked records and found again after a restart; one
-            engine per directory; needs kv_offload_memory (:mod:`pagedkv.kv.disk_tier`).
+            engine per directory; needs kv_offload_memory (--kv-offload-memory); the directory
+            must be trusted: records hold prompt token ids and any writer there can inject KV
+            (:mod:`pagedkv.kv.disk_tier`).
         kv_offload_disk_size: the disk tier's budget, e.g. 20GiB.
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).

@@ -80,6 +80,20 @@ def layer_op(name: str):
     return getattr(torch.ops.pagedkv, name)
 
 
+def copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch.Tensor],
+               src_pages: torch.Tensor) -> None:
+    """``dst[j][dst_pages] = src[j][src_pages]`` for every j, as bytes (KV pages between
+    pools, e.g. the CPU tier): the kernel library's ``copy_blocks``, one memcpy per page,
+    else torch's gather and scatter (:func:`pagedkv.kv.cpu_offload.torch_copy_pages`)."""
+    from pagedkv.kv.cpu_offload import torch_copy_pages
+
+    op = layer_op("copy_blocks")
+    if op is not None and all(t.is_contiguous() for t in dst + src):
+        op(dst, src, dst_pages, src_pages)
+    else:
+        torch_copy_pages(dst, dst_pages, src, src_pages)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:

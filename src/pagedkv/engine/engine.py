@@ -22,8 +22,9 @@ from pagedkv.engine.request import Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.setup import EngineParts, build_parts
+from pagedkv.engine.setup import EngineParts, build_parts, check_fits_in_ram
 from pagedkv.engine.stats import EngineStats, collect_stats
+from pagedkv.attention.dispatch import copy_pages
 from pagedkv.kv.connector import KVConnector
 from pagedkv.kv.cpu_offload import cpu_offload_connector
 from pagedkv.reprs import brief
@@ -54,8 +55,9 @@ class LLMEngine:
             if kv_connector is not None:
                 raise ValueError("kv_offload_memory and a kv_connector cannot be combined (one connector per engine)")
             c = self.config
+            check_fits_in_ram(parts.spec.cache_bytes(self.kv.pool.num_blocks) + c.kv_offload_memory)  # cache + tier
             kv_connector = cpu_offload_connector(self.kv, parts.spec, c.kv_offload_memory, c.kv_offload_policy,
-                                                 c.kv_offload_dir, c.kv_offload_disk_size)
+                                                 c.kv_offload_dir, c.kv_offload_disk_size, copy_pages)
         scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, self.eos_token_ids,
                               kv_connector.scheduler if kv_connector else None,

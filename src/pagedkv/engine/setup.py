@@ -61,6 +61,11 @@ def engine_calibration_ids(tokenizer, cfg: ModelConfig) -> list[int]:
     return calibration_ids(tokenizer, min(CALIBRATION_TOKENS, resolve_max_model_len(cfg, None)))
 
 
+#: Part of every block hash: bump when the KV a model writes for the same tokens changes
+#: (RoPE, attention, quantization code), so no tier serves pages the running code would not write.
+KV_FORMAT_VERSION = "1"
+
+
 def cap_to_cache(max_len: int, cache_tokens: int, explicit: bool) -> int:
     """``max_model_len`` capped at what the whole cache holds when it came from the model
     (so ``max_tokens=None`` means "fill the cache", not "be rejected"). A value the user set
@@ -95,7 +100,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory)
     check_fits_in_ram(spec.cache_bytes(num_blocks))
     max_len = cap_to_cache(max_len, num_blocks * config.block_size, config.max_model_len is not None)
-    keys = (("model", str(files.folder.name)), ("weights", files.weights_version),
+    keys = (("kv_format", KV_FORMAT_VERSION), ("model", str(files.folder.name)), ("weights", files.weights_version),
             ("kv_dtype", dtype), ("block_size", str(config.block_size)),
             ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"),
             ("weight_dtype", config.weight_dtype))

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.attention.dispatch import layer_op
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from pagedkv.kv.disk_offload import RECORD_OVERHEAD, DiskIO, DiskPlan
 from pagedkv.kv.disk_tier import DiskDirectory
@@ -117,6 +116,10 @@ class CPUOffloadScheduler(KVConnectorScheduler):
                 self.disk.index.touch(hashes[k], hit=True)
         self.stats.hit_tokens += len(found) * self.bs
         self.stats.disk_hit_tokens += len(on_disk) * self.bs
+
+    def request_finished(self, request, block_ids) -> bool:
+        self._matched.pop(request.request_id, None)  # matched while waiting, then ended
+        return False
 
     def build_connector_meta(self, out) -> OffloadMeta:
         self._step += 1
@@ -213,8 +216,8 @@ class CPUOffloadWorker(KVConnectorWorker):
     """Worker side: copies pages between the device storage and the tier's tensors, and
     (with a disk tier) between records and pages."""
 
-    def __init__(self, tier: CPUTierStorage, disk: DiskIO | None = None) -> None:
-        self.tier, self.disk = tier, disk
+    def __init__(self, tier: CPUTierStorage, disk: DiskIO | None = None, copy_pages=None) -> None:
+        self.tier, self.disk, self.copy_pages = tier, disk, copy_pages or torch_copy_pages
         self.metadata: OffloadMeta | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-kv-save")
         self._futures: list[Future] = []
@@ -233,7 +236,7 @@ class CPUOffloadWorker(KVConnectorWorker):
             src = torch.tensor([s for s, _ in meta.loads], dtype=torch.int64)
             dst = torch.tensor([p for _, p in meta.loads], dtype=torch.int64)
             layers = range(self.tier.spec.num_layers)
-            copy_pages([t for i in layers for t in _page_tensors(storage, i)], dst,
+            self.copy_pages([t for i in layers for t in _page_tensors(storage, i)], dst,
                        [t for i in layers for t in self.tier.page_tensors(i)], src)
         if self.disk is not None:
             read = self.disk.bytes_read
@@ -250,7 +253,7 @@ class CPUOffloadWorker(KVConnectorWorker):
             return
         src = torch.tensor([p for p, _ in meta.saves], dtype=torch.int64)
         dst = torch.tensor([s for _, s in meta.saves], dtype=torch.int64)
-        self._futures.append(self._pool.submit(copy_pages, self.tier.page_tensors(layer), dst,
+        self._futures.append(self._pool.submit(self.copy_pages, self.tier.page_tensors(layer), dst,
                                                _page_tensors(storage, layer), src))
 
     def wait_for_save(self) -> None:
@@ -277,7 +280,10 @@ class CPUOffloadWorker(KVConnectorWorker):
         if self.disk is not None:
             written, failed = self.disk.finished()
             disk, self.disk.corrupt = (written, failed, self.disk.corrupt), []
-        out = (meta.step, self._done_step == meta.step, tuple(self._counts), disk)
+        # a failed load leaves a page unwritten that this step's later tokens attended to:
+        # nothing the step saved is kept (the request recomputes from before that page)
+        ok = self._done_step == meta.step and not self._load_errors
+        out = (meta.step, ok, tuple(self._counts), disk)
         self._counts = [0, 0, 0.0, 0, 0]
         return out
 
@@ -290,13 +296,11 @@ def _page_tensors(storage, layer: int) -> list[torch.Tensor]:
     return out
 
 
-def copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch.Tensor], src_pages: torch.Tensor) -> None:
-    """``dst[j][dst_pages] = src[j][src_pages]`` for every j, as bytes: the kernel library's
-    ``copy_blocks`` (one memcpy per page), else torch's gather and scatter."""
-    op = layer_op("copy_blocks")
-    if op is not None and all(t.is_contiguous() for t in dst + src):
-        op(dst, src, dst_pages, src_pages)
-        return
+def torch_copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch.Tensor],
+                     src_pages: torch.Tensor) -> None:
+    """``dst[j][dst_pages] = src[j][src_pages]`` for every j, as bytes, by torch's gather and
+    scatter (the engine passes the kernel library's one-pass ``copy_blocks`` instead:
+    :func:`pagedkv.attention.dispatch.copy_pages`)."""
     for d, s in zip(dst, src):
         if d.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # index_copy_ has no fp8 kernel
             d, s = d.view(torch.uint8), s.view(torch.uint8)
@@ -304,10 +308,11 @@ def copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch
 
 
 def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: str | None = None,
-                          disk_bytes: int = 0) -> KVConnector:
+                          disk_bytes: int = 0, copy_pages=torch_copy_pages) -> KVConnector:
     """Both sides of a CPU tier of ``memory_bytes`` (pages of ``spec``, its static scales not
     counted twice) over the KV manager ``kv``, with a disk tier of ``disk_bytes`` in
-    ``disk_dir`` behind it if given.
+    ``disk_dir`` behind it if given; ``copy_pages`` moves pages between pools (see
+    :func:`torch_copy_pages`).
 
     Raises:
         ValueError: prefix caching off, several KV cache groups, a size under one page, or
@@ -330,4 +335,4 @@ def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: st
         directory = DiskDirectory(disk_dir)
         plan, io = DiskPlan(directory, disk_capacity, policy), DiskIO(directory)
     return KVConnector(CPUOffloadScheduler(kv, capacity, policy, spec.page_size_bytes, plan),
-                       CPUOffloadWorker(CPUTierStorage(spec, capacity), io))
+                       CPUOffloadWorker(CPUTierStorage(spec, capacity), io, copy_pages))

@@ -141,19 +141,23 @@ class DiskIO:
             self._futures.append(self._pool.submit(self._write_one, h, parent, tokens, tensors))
 
     def _write_one(self, h, parent, tokens, tensors):
-        return h, self.dir.write(h, encode(h, parent, tokens, tensors))
+        try:
+            return h, self.dir.write(h, encode(h, parent, tokens, tensors))
+        except Exception:  # noqa: BLE001 - a write that fails in any way is a failed write
+            return h, False
 
     def finished(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """``(written, failed)`` hashes of the writes that ended since the last call."""
         done, self._futures = [f for f in self._futures if f.done()], [f for f in self._futures if not f.done()]
         written, failed = [], []
         for f in done:
-            r = f.result()
+            r = None if f.exception() is not None else f.result()
             if isinstance(r, tuple):
                 (written if r[1] else failed).append(r[0])
         return written, failed
 
     def drain(self) -> None:
+        """Wait for every queued write and removal (none raises: see _write_one, remove)."""
         for f in self._futures:
-            f.result()
+            f.exception()
 

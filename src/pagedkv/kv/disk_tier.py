@@ -91,6 +91,27 @@ def decode(data: bytes, block_hash: bytes, token_ids: tuple[int, ...], like: lis
     return out
 
 
+def check_header(head) -> None:
+    """Raise RecordError unless ``head`` has a 32-byte hash and parent (hex) and int token ids."""
+    ok = (isinstance(head, dict) and all(isinstance(head.get(k), str) and len(head[k]) == 64 for k in ("hash", "parent"))
+          and isinstance(head.get("tokens"), list) and all(type(t) is int for t in head["tokens"]))
+    if ok:
+        try:
+            bytes.fromhex(head["hash"]), bytes.fromhex(head["parent"])
+        except ValueError:
+            ok = False
+    if not ok or head["hash"] == head["parent"]:
+        raise RecordError("malformed header")
+
+
+def _quiet_unlink(path: Path) -> None:
+    """Remove a file if possible (a read-only or vanished directory is not an error here)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 class DiskDirectory:
     """The records in one directory, owned by this engine (an exclusive ``flock``).
 
@@ -99,7 +120,9 @@ class DiskDirectory:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path).expanduser()
+        if not str(path).strip():
+            raise ValueError("--kv-offload-dir is empty")
+        self.path = Path(path).expanduser().resolve()  # a later chdir must not move it
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe = self.path / f".probe{os.getpid()}"
@@ -140,10 +163,11 @@ class DiskDirectory:
                     head = fh.read(_HEAD.size)
                     n = _HEAD.unpack(head)[2] if len(head) == _HEAD.size else 0
                     header, _ = read_header(head + fh.read(n))
-                if header.get("hash") + SUFFIX != f.name:
+                check_header(header)
+                if header["hash"] + SUFFIX != f.name:
                     raise RecordError("file name and hash differ")
                 out.append(header)
-            except (OSError, RecordError, struct.error, TypeError):
+            except (OSError, RecordError, struct.error):
                 self.corrupt(f, "unreadable record")
         return out
 
@@ -160,7 +184,7 @@ class DiskDirectory:
             os.replace(tmp, target)
             return True
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            _quiet_unlink(tmp)
             self.writable = False
             warnings.warn(f"pagedkv: KV disk tier writes stopped ({e.strerror}); the engine goes on without them",
                           RuntimeWarning, stacklevel=2)
@@ -173,12 +197,12 @@ class DiskDirectory:
             return None
 
     def remove(self, block_hash: bytes) -> None:
-        self.file(block_hash).unlink(missing_ok=True)
+        _quiet_unlink(self.file(block_hash))
 
     def corrupt(self, f: Path, why: str) -> None:
         """Count and remove a record that failed a check; log each reason once."""
         self.num_corrupt += 1
-        f.unlink(missing_ok=True)
+        _quiet_unlink(f)
         if why not in self._warned:
             self._warned.add(why)
             warnings.warn(f"pagedkv: KV disk tier: {why} in {f.name}: treated as a miss", RuntimeWarning, stacklevel=2)

@@ -96,12 +96,14 @@ class TierIndex:
         slot can be had. Evicted hashes are kept for :meth:`take_evicted`."""
         if block_hash in self.entries or (parent != ROOT_HASH and parent not in self.entries):
             return None
+        if parent != ROOT_HASH:  # counted first: the parent is no leaf, so never the victim
+            self.entries[parent].children += 1
         if not self._free and not (evict and self._evict_one()):
+            if parent != ROOT_HASH:
+                self.entries[parent].children -= 1
             return None
         slot = self._free.pop()
         self.entries[block_hash] = TierEntry(slot, parent, tuple(token_ids), step=step)
-        if parent != ROOT_HASH:
-            self.entries[parent].children += 1
         return slot
 
     def complete(self, up_to_step: int, failed: bool = False) -> list[BlockHash]:

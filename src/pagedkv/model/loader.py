@@ -85,11 +85,15 @@ def _packaged_gguf(name: str) -> Path:
 
 
 def _folder_version(folder: Path) -> str:
-    """Cheap identity of a folder's weights: names, sizes and mtimes of its safetensors."""
+    """Cheap identity of a folder's weights: names, sizes and mtimes of its safetensors, and
+    its config.json's bytes (the same weights under another config compute other KV)."""
     h = hashlib.sha256()
     for f in sorted(folder.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    config = folder / "config.json"
+    if config.exists():
+        h.update(config.read_bytes())
     return h.hexdigest()
 
 
