@@ -19,6 +19,8 @@
 namespace pagedkv {
 namespace {
 
+constexpr int64_t kParallelBytes = 8 << 20;  // copies below this run on the calling thread
+
 void copy_blocks(at::TensorList dst, at::TensorList src, const at::Tensor& dst_pages, const at::Tensor& src_pages) {
   TORCH_CHECK(dst.size() == src.size(), "copy_blocks: ", dst.size(), " destination tensors but ", src.size(), " sources");
   TORCH_CHECK(dst_pages.dim() == 1 && src_pages.dim() == 1 && dst_pages.scalar_type() == at::kLong &&
@@ -45,12 +47,18 @@ void copy_blocks(at::TensorList dst, at::TensorList src, const at::Tensor& dst_p
     page_bytes.push_back(d.numel() / std::max<int64_t>(d.size(0), 1) * d.element_size());
   }
   const int64_t total = static_cast<int64_t>(dst.size()) * n;
-  at::parallel_for(0, total, 8, [&](int64_t a, int64_t b) {
+  int64_t bytes = 0;
+  for (int64_t pb : page_bytes) bytes += pb * n;
+  const auto copy = [&](int64_t a, int64_t b) {
     for (int64_t k = a; k < b; ++k) {
       const int64_t j = k / n, i = k % n, pb = page_bytes[j];
       std::memcpy(dptr[j] + di[i] * pb, sptr[j] + si[i] * pb, pb);
     }
-  });
+  };
+  // Threads only for large copies: a layer's few pages saved beside a running forward must
+  // not start a second OpenMP team on the same cores.
+  if (bytes >= kParallelBytes) at::parallel_for(0, total, 8, copy);
+  else copy(0, total);
 }
 
 }  // namespace
