@@ -112,7 +112,7 @@ def test_one_engine_per_directory_and_unwritable_directories_fail_at_start(tiny_
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a writable directory"):
         _tiered(tiny_llm_factory, tmp_path / "file")
-    with pytest.raises(ValueError, match="set kv_offload_memory too"):
+    with pytest.raises(ValueError, match=r"set kv_offload_memory \(--kv-offload-memory\) too"):
         tiny_llm_factory(kv_offload_dir=str(tmp_path / "d"))
     del first
 
@@ -210,3 +210,24 @@ def test_a_relative_directory_is_resolved_at_start(tiny_llm_factory, tmp_path, m
     assert len(list((tmp_path / "rel").glob("*.kvb"))) == 2
     with pytest.raises(ValueError, match="empty"):
         tiny_llm_factory(kv_offload_memory=16 * 8192, kv_offload_dir=" ")
+
+
+def test_a_dead_writers_temporary_files_are_cleared_and_a_disk_size_needs_a_directory(tiny_llm_factory, tmp_path):
+    (tmp_path / ".ab.kvb.tmp123").write_bytes(b"partial")
+    llm = _tiered(tiny_llm_factory, tmp_path)
+    assert not (tmp_path / ".ab.kvb.tmp123").exists() and llm.engine.stats().kv_offload["disk_capacity_blocks"] > 0
+    with pytest.raises(ValueError, match="set kv_offload_dir"):
+        tiny_llm_factory(kv_offload_memory="1MiB", kv_offload_disk_size="1GiB")
+
+
+def test_records_are_owner_only_and_the_server_names_its_tiers(tiny_llm_factory, tmp_path):
+    import stat
+
+    from pagedkv.server.cli import _tiers
+
+    llm = _tiered(tiny_llm_factory, tmp_path)
+    _run(llm, _prompt(40))
+    modes = {stat.S_IMODE(f.stat().st_mode) for f in tmp_path.glob("*.kvb")}
+    assert modes == {0o600}
+    assert _tiers(llm.engine.stats()) == "; KV tiers: cpu 16 blocks, disk 262,144 blocks (2 found)"
+    assert _tiers(tiny_llm_factory().engine.stats()) == ""

@@ -77,7 +77,8 @@ class EngineConfig:
             engine per directory; needs kv_offload_memory (--kv-offload-memory); the directory
             must be trusted: records hold prompt token ids and any writer there can inject KV
             (:mod:`pagedkv.kv.disk_tier`).
-        kv_offload_disk_size: the disk tier's budget, e.g. 20GiB.
+        kv_offload_disk_size: the disk tier's budget, e.g. 20GiB (default with a
+            kv_offload_dir: 4GiB).
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output) in tokens (default: the model's limit).
@@ -107,7 +108,7 @@ class EngineConfig:
     kv_offload_memory: int | str | None = None
     kv_offload_policy: str = "lru"
     kv_offload_dir: str | None = None
-    kv_offload_disk_size: int | str = "4GiB"
+    kv_offload_disk_size: int | str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -122,9 +123,15 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_size(self.kv_offload_memory)
-        self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
+        if self.kv_offload_disk_size is not None:
+            if self.kv_offload_dir is None:
+                raise ValueError("kv_offload_disk_size sizes the disk tier: set kv_offload_dir (--kv-offload-dir) too")
+            self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
+        elif self.kv_offload_dir is not None:
+            self.kv_offload_disk_size = parse_size("4GiB")
         if self.kv_offload_dir is not None and not self.kv_offload_memory:
-            raise ValueError("kv_offload_dir: the disk tier stages through the CPU tier; set kv_offload_memory too")
+            raise ValueError("kv_offload_dir (--kv-offload-dir): the disk tier stages through the CPU tier; "
+                             "set kv_offload_memory (--kv-offload-memory) too")
         if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {KV_OFFLOAD_POLICIES}, got {self.kv_offload_policy!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

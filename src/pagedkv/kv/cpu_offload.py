@@ -319,8 +319,8 @@ def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: st
             an unusable disk directory (see :class:`~pagedkv.kv.disk_tier.DiskDirectory`).
     """
     if not kv.enable_prefix_caching:
-        raise ValueError("the CPU KV tier (kv_offload_memory) needs prefix caching: its blocks are "
-                         "keyed by their prefix hash")
+        raise ValueError("the CPU KV tier (kv_offload_memory, --kv-offload-memory) needs prefix caching "
+                         "(--enable-prefix-caching): its blocks are keyed by their prefix hash")
     if len(kv.groups) != 1:
         raise ValueError("the CPU KV tier supports one KV cache group (full attention) so far")
     capacity = int(memory_bytes) // spec.page_size_bytes

@@ -140,6 +140,8 @@ class DiskDirectory:
         self.writable = True
         self.num_corrupt = 0
         self._warned: set[str] = set()
+        for tmp in self.path.glob(".*" + SUFFIX + ".tmp*"):  # left by a writer that died mid-write
+            _quiet_unlink(tmp)
 
     def close(self) -> None:
         """Release the directory (another engine may then open it)."""
@@ -179,8 +181,8 @@ class DiskDirectory:
         target = self.file(block_hash)
         tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(record)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(record)  # owner-only: records hold prompt token ids
             os.replace(tmp, target)
             return True
         except OSError as e:

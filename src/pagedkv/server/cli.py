@@ -131,7 +131,7 @@ def _serve(a: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv: serving {names[0]} on http://{shown}:{port} ({s.num_blocks} KV blocks of "
           f"{s.block_size} tokens = {s.num_blocks * s.block_size} tokens, {s.kv_cache_bytes / 2**20:.0f} MiB; "
-          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}: {describe(engine.model)}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
+          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}: {describe(engine.model)}{_tiers(s)}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
     limits = HTTPLimits(limit_concurrency=a.limit_concurrency or None)
     uvicorn_server(app, a.shutdown_timeout, limits, log_level=a.log_level,
                    access_log=a.access_log).run(sockets=[sock])
@@ -220,3 +220,13 @@ def graceful_server(config, abort_all, drain_s: float, on_begin=lambda: None):
                     signal.signal(sig, handler)
 
     return Server(config)
+
+
+def _tiers(stats) -> str:
+    """``; KV tiers: cpu N blocks, disk M blocks (K found)`` for the ready line, if any."""
+    o = stats.kv_offload
+    if not o:
+        return ""
+    disk = (f", disk {o['disk_capacity_blocks']:,} blocks ({o['disk_blocks_used']:,} found)"
+            if o["disk_capacity_blocks"] else "")
+    return f"; KV tiers: cpu {o['capacity_blocks']:,} blocks{disk}"
