@@ -40,6 +40,17 @@ def _restart() -> None:
     gc.collect()  # after `del engine`: the directory's lock goes with the engine
 
 
+def _records_of_prompt_40(factory, path):
+    """The reference output of ``_prompt(40)``, after an engine wrote its records to
+    ``path`` and released the directory."""
+    want = _run(factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False), _prompt(40))
+    first = _tiered(factory, path)
+    assert _run(first, _prompt(40)) == want
+    del first
+    _restart()
+    return want
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_a_restarted_engine_serves_prefixes_from_disk_with_identical_output(tiny_llm_factory, tmp_path, kv_dtype):
     ref = tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False, kv_cache_dtype=kv_dtype)
@@ -81,12 +92,7 @@ def test_records_round_trip_byte_for_byte_and_any_damage_is_refused():
 
 @pytest.mark.filterwarnings("ignore:pagedkv. KV disk tier. unreadable record")
 def test_a_damaged_record_is_a_miss_and_the_output_stays_right(tiny_llm_factory, tmp_path):
-    ref = tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False)
-    want = _run(ref, _prompt(40))
-    first = _tiered(tiny_llm_factory, tmp_path)
-    assert _run(first, _prompt(40)) == want
-    del first
-    _restart()
+    want = _records_of_prompt_40(tiny_llm_factory, tmp_path)
     records = sorted(tmp_path.glob("*.kvb"))
     assert len(records) == 2
     for f in records:  # flip a payload bit in both: the header still reads, the checksum fails
@@ -159,12 +165,7 @@ def test_saving_a_block_never_evicts_the_parent_it_chains_from(tiny_llm_factory)
 def test_a_record_lost_while_running_never_poisons_the_cpu_tier(tiny_llm_factory, tmp_path):
     """A disk load that fails leaves a page unwritten: nothing that step saved may be kept,
     or the garbage would be served (and written to disk) later."""
-    ref = tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False)
-    want = _run(ref, _prompt(40))
-    first = _tiered(tiny_llm_factory, tmp_path)
-    assert _run(first, _prompt(40)) == want
-    del first
-    _restart()
+    want = _records_of_prompt_40(tiny_llm_factory, tmp_path)
     second = _tiered(tiny_llm_factory, tmp_path)
     for f in tmp_path.glob("*.kvb"):
         f.unlink()  # gone while the engine runs: the loads fail

@@ -87,7 +87,7 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         self._step = 0
         self._matched: dict[str, tuple[int, list, list]] = {}  # request -> (first block, CPU, disk entries)
         self._loads: list[tuple[TierEntry, int]] = []
-        self._disk_loads: list[tuple[TierEntry, bytes, tuple, int]] = []
+        self._disk_loads: list[tuple[TierEntry, bytes, int]] = []  # (entry, hash, device page)
         self._pinned: dict[int, tuple[list, list]] = {}  # step -> (CPU, disk) entries its loads read
         self._ready: list[bytes] = []  # CPU entries that became ready: disk write candidates
 
@@ -112,7 +112,7 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         if on_disk:
             self.disk.index.pin(on_disk)
             for k, e in enumerate(on_disk, start=first + len(found)):
-                self._disk_loads.append((e, hashes[k], e.token_ids, block_ids[0][k]))
+                self._disk_loads.append((e, hashes[k], block_ids[0][k]))
                 self.disk.index.touch(hashes[k], hit=True)
         self.stats.hit_tokens += len(found) * self.bs
         self.stats.disk_hit_tokens += len(on_disk) * self.bs
@@ -125,7 +125,7 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         self._step += 1
         meta = OffloadMeta(self._step)
         meta.loads = [(e.slot, page) for e, page in self._loads]
-        meta.disk_loads = [(h, tokens, page) for _, h, tokens, page in self._disk_loads]
+        meta.disk_loads = [(h, e.token_ids, page) for e, h, page in self._disk_loads]
         self._pinned[self._step] = ([e for e, _ in self._loads], [e for e, *_ in self._disk_loads])
         self._loads, self._disk_loads = [], []
         if self.disk is not None:
@@ -196,27 +196,11 @@ class CPUOffloadScheduler(KVConnectorScheduler):
             self.disk.index.check_invariants()
 
 
-class CPUTierStorage(KVCacheStorage):
-    """The tier's page tensors: the device storage's layout (pages, and per-token scales of
-    quantized pages) with ``capacity`` pages, in host memory."""
-
-    def __init__(self, spec, capacity: int) -> None:
-        super().__init__(spec, capacity)
-
-    def page_tensors(self, layer: int) -> list[torch.Tensor]:
-        """Every tensor of ``layer`` indexed by page: K, V, and per-token scales if any."""
-        out = [self.k[layer], self.v[layer]]
-        for scales in (self.k_scale, self.v_scale):
-            if scales and scales[layer].dim() >= 3:  # per-token-head: [pages, block, heads]
-                out.append(scales[layer])
-        return out
-
-
 class CPUOffloadWorker(KVConnectorWorker):
     """Worker side: copies pages between the device storage and the tier's tensors, and
     (with a disk tier) between records and pages."""
 
-    def __init__(self, tier: CPUTierStorage, disk: DiskIO | None = None, copy_pages=None) -> None:
+    def __init__(self, tier: KVCacheStorage, disk: DiskIO | None = None, copy_pages=None) -> None:
         self.tier, self.disk, self.copy_pages = tier, disk, copy_pages or torch_copy_pages
         self.metadata: OffloadMeta | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-kv-save")
@@ -236,11 +220,11 @@ class CPUOffloadWorker(KVConnectorWorker):
             src = torch.tensor([s for s, _ in meta.loads], dtype=torch.int64)
             dst = torch.tensor([p for _, p in meta.loads], dtype=torch.int64)
             layers = range(self.tier.spec.num_layers)
-            self.copy_pages([t for i in layers for t in _page_tensors(storage, i)], dst,
-                       [t for i in layers for t in self.tier.page_tensors(i)], src)
+            self.copy_pages([t for i in layers for t in storage.page_tensors(i)], dst,
+                            [t for i in layers for t in self.tier.page_tensors(i)], src)
         if self.disk is not None:
             read = self.disk.bytes_read
-            self._load_errors = self.disk.load(meta.disk_loads, storage, self.tier, _page_tensors)
+            self._load_errors = self.disk.load(meta.disk_loads, storage, self.tier)
             self._counts[3] += len(meta.disk_loads) - len(self._load_errors)
             self._counts[4] += self.disk.bytes_read - read
             self.disk.write(meta.disk_writes, meta.disk_removes, self.tier)  # overlaps the forward
@@ -254,7 +238,7 @@ class CPUOffloadWorker(KVConnectorWorker):
         src = torch.tensor([p for p, _ in meta.saves], dtype=torch.int64)
         dst = torch.tensor([s for _, s in meta.saves], dtype=torch.int64)
         self._futures.append(self._pool.submit(self.copy_pages, self.tier.page_tensors(layer), dst,
-                                               _page_tensors(storage, layer), src))
+                                               storage.page_tensors(layer), src))
 
     def wait_for_save(self) -> None:
         futures, self._futures = self._futures, []
@@ -286,14 +270,6 @@ class CPUOffloadWorker(KVConnectorWorker):
         out = (meta.step, ok, tuple(self._counts), disk)
         self._counts = [0, 0, 0.0, 0, 0]
         return out
-
-
-def _page_tensors(storage, layer: int) -> list[torch.Tensor]:
-    out = [storage.k[layer], storage.v[layer]]
-    for scales in (storage.k_scale, storage.v_scale):
-        if scales and scales[layer].dim() >= 3:
-            out.append(scales[layer])
-    return out
 
 
 def torch_copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch.Tensor],
@@ -335,4 +311,4 @@ def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: st
         directory = DiskDirectory(disk_dir)
         plan, io = DiskPlan(directory, disk_capacity, policy), DiskIO(directory)
     return KVConnector(CPUOffloadScheduler(kv, capacity, policy, spec.page_size_bytes, plan),
-                       CPUOffloadWorker(CPUTierStorage(spec, capacity), io, copy_pages))
+                       CPUOffloadWorker(KVCacheStorage(spec, capacity), io, copy_pages))

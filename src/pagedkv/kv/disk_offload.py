@@ -110,7 +110,7 @@ class DiskIO:
         self.corrupt: list[BlockHash] = []
         self.bytes_read = 0
 
-    def load(self, loads, storage, tier, page_tensors) -> set[int]:
+    def load(self, loads, storage, tier) -> set[int]:
         """Read each ``(hash, tokens, device page)`` record into ``storage``; returns the pages
         whose record failed a check (their hashes go to :attr:`corrupt`)."""
         like = [t[0] for layer in range(tier.spec.num_layers) for t in tier.page_tensors(layer)]
@@ -128,7 +128,7 @@ class DiskIO:
                 continue
             self.bytes_read += len(data)
             for layer in range(tier.spec.num_layers):
-                for dst in page_tensors(storage, layer):
+                for dst in storage.page_tensors(layer):
                     dst[page].view(torch.uint8).copy_(next(values).view(torch.uint8))
         return bad
 

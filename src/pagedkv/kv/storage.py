@@ -78,6 +78,15 @@ class KVCacheStorage:
         this storage holds ``num_pages = num_blocks + 1``, the null page included)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
 
+    def page_tensors(self, layer: int) -> list[torch.Tensor]:
+        """Every tensor of ``layer`` indexed by page (dim 0): K, V, and per-token-head scales
+        if any (static scales are per layer, not per page). Moving a page moves these."""
+        out = [self.k[layer], self.v[layer]]
+        for scales in (self.k_scale, self.v_scale):
+            if scales and scales[layer].dim() >= 3:  # per-token-head: [pages, block, heads]
+                out.append(scales[layer])
+        return out
+
     def layer(self, layer: int) -> LayerKV:
         if not self.spec.is_quantized:
             return LayerKV(self.k[layer], self.v[layer], None, None)
