@@ -17,6 +17,7 @@ KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOAD_POLICIES = ("lru", "lfu")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # see pagedkv.engine.preemption
 WEIGHT_DTYPES = ("auto", "float32", "int8", "int4")  # see pagedkv.model.weight_formats
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -79,6 +80,10 @@ class EngineConfig:
             (:mod:`pagedkv.kv.disk_tier`).
         kv_offload_disk_size: the disk tier's budget, e.g. 20GiB (default with a
             kv_offload_dir: 4GiB).
+        preemption_mode: what a preempted request's KV becomes: recompute (freed, computed
+            again on resume), swap (copied to the CPU KV tier and back; needs
+            ``kv_offload_memory``; recompute when the tier is full) or auto (whichever is
+            predicted cheaper per request, from this engine's measured copy and compute rates).
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output) in tokens (default: the model's limit).
@@ -109,6 +114,7 @@ class EngineConfig:
     kv_offload_policy: str = "lru"
     kv_offload_dir: str | None = None
     kv_offload_disk_size: int | str | None = None
+    preemption_mode: str = "recompute"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -132,6 +138,11 @@ class EngineConfig:
         if self.kv_offload_dir is not None and not self.kv_offload_memory:
             raise ValueError("kv_offload_dir (--kv-offload-dir): the disk tier stages through the CPU tier; "
                              "set kv_offload_memory (--kv-offload-memory) too")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode != "recompute" and not self.kv_offload_memory:
+            raise ValueError(f"preemption_mode {self.preemption_mode!r} (--preemption-mode) swaps to the CPU KV "
+                             "tier: set kv_offload_memory (--kv-offload-memory) too")
         if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {KV_OFFLOAD_POLICIES}, got {self.kv_offload_policy!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

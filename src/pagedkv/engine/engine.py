@@ -18,6 +18,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.core import EngineCore
 from pagedkv.engine.core_io import EngineCoreOutput
 from pagedkv.engine.outputs import RequestOutput, TextRequest
+from pagedkv.engine.preemption import model_preemption_cost
 from pagedkv.engine.request import Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampling_params import SamplingParams
@@ -61,7 +62,8 @@ class LLMEngine:
         scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, self.eos_token_ids,
                               kv_connector.scheduler if kv_connector else None,
-                              self.config.scheduling_policy)
+                              self.config.scheduling_policy,
+                              model_preemption_cost(self.config.preemption_mode, self.model))
         runner = ModelRunner(self.model, parts.storage, self.kv.kv_groups,
                              torch.Generator().manual_seed(self.config.seed),
                              kv_connector.worker if kv_connector else None)

@@ -12,6 +12,7 @@ samples a token for every request whose chunk reached its last token.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the step; returns the sampled tokens of each request whose chunk reached
         its last token, and prompt log-probs where asked."""
+        t0 = time.perf_counter()
         self.update_states(out)
         result = ModelRunnerOutput()
         hooks = self._start_connector(out)
@@ -124,6 +126,7 @@ class ModelRunner:
         samplers = [rid for rid in out.req_ids if self._samples(rid, out) and rid not in bad]
         if samplers:
             result.sampled = self._sample(samplers, hidden[rows])
+        result.execute_seconds = time.perf_counter() - t0
         return result
 
     def _read_failed_loads(self, out: SchedulerOutput, invalid: set[int]) -> set[str]:

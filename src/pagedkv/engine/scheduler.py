@@ -1,11 +1,13 @@
-"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+"""Scheduler: continuous batching with chunked prefill and preemption (recompute or swap).
 
 Each step, under a token budget (``max_num_batched_tokens``):
 
 1. running requests, oldest first, get ``num_tokens - num_computed_tokens`` tokens (1 for a
    decode, a chunk for an unfinished prefill). When pages run out, the most recently
    admitted running request is preempted: its pages are freed, its progress reset, and
-   it goes back to the front of the waiting queue (its tokens are recomputed later).
+   it goes back to the front of the waiting queue (its tokens are recomputed later, or,
+   with ``preemption_mode`` swap/auto, its KV is first copied to the KV connector's tier
+   and found there on resume: :mod:`pagedkv.engine.preemption`).
 2. if nothing was preempted, waiting requests are admitted in order while the budget,
    ``max_num_seqs`` and the pool allow. The prefix lookup (local cache, then the KV
    connector) comes first; the tokens to schedule are derived from its hit, then the
@@ -26,6 +28,7 @@ from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedkv.engine.core_io import EngineCoreOutput, check_stop
 from pagedkv.engine.policy import SCHEDULING_POLICY_MAP
+from pagedkv.engine.preemption import PreemptionCost
 from pagedkv.kv.connector import KVConnectorScheduler
 from pagedkv.kv.manager import KVCacheManager
 
@@ -41,11 +44,14 @@ class Scheduler:
         eos_token_ids: ids that end a request unless its params say ``ignore_eos``.
         connector: the scheduler side of a KV connector, or None.
         policy: ``fcfs`` or ``priority`` (:mod:`pagedkv.engine.policy`).
+        preemption: swap-or-recompute pricing (:mod:`pagedkv.engine.preemption`); None:
+            always recompute.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
-                 connector: KVConnectorScheduler | None = None, policy: str = "fcfs") -> None:
+                 connector: KVConnectorScheduler | None = None, policy: str = "fcfs",
+                 preemption: PreemptionCost | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +63,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.preemption = preemption
         self.num_kv_load_failures = 0
         # what the runner holds of each request it has seen: (tokens, pages per group), or
         # None after a preemption (it keeps only the request's generator then)
@@ -143,6 +151,8 @@ class Scheduler:
         self._sent[rid] = (req.num_tokens, [len(g) for g in blocks])
 
     def _preempt(self, req: Request) -> None:
+        mode = "swap" if self._swap_out(req) else "recompute"
+        self.preemptions_by_mode[mode] += 1
         self.kv.free(req.request_id)
         if req.request_id in self._sent:
             self._sent[req.request_id] = None  # the runner drops its pages; sent in full again
@@ -152,11 +162,26 @@ class Scheduler:
         self.num_preemptions += 1
         self.policy.requeue(self.waiting, req)
 
+    def _swap_out(self, req: Request) -> bool:
+        """Whether the connector keeps ``req``'s KV through this preemption (see
+        :mod:`pagedkv.engine.preemption`). Prompt log-prob requests always recompute."""
+        p = self.preemption
+        if (p is None or p.mode == "recompute" or self.connector is None or not req.num_computed_tokens
+                or req.sampling_params.prompt_logprobs is not None):
+            return False
+        plan = self.connector.swap_plan(req, req.num_computed_tokens)
+        if p.choose(req.request_id, plan) != "swap":
+            return False
+        return self.connector.swap_out(req, self.kv.get_block_ids(req.request_id), plan)
+
     # ---- update -----------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput, now: float) -> list[EngineCoreOutput]:
         """Apply one step's result: advance progress, publish full pages, append sampled
         tokens (stamped ``now``) and finish requests that hit a stop condition."""
         outputs = []
+        if self.preemption is not None:
+            self.preemption.observe([(self.requests[r].num_computed_tokens, sched.num_scheduled_tokens[r])
+                                     for r in sched.req_ids if r in self.requests], result.execute_seconds)
         for rid in sched.req_ids:
             req = self.requests.get(rid)
             if req is None or req.is_finished:  # ended while the step ran

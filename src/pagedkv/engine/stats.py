@@ -25,6 +25,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_offload: dict | None = None  # the CPU tier's counters (kv.cpu_offload.OffloadStats), if on
+    preemptions_by_mode: dict | None = None  # {"recompute": n, "swap": m}
 
     @property
     def kv_usage(self) -> float:
@@ -44,7 +45,7 @@ def collect_stats(engine) -> EngineStats:
         num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
         num_rejected=engine.num_rejected, num_generated_tokens=engine.num_generated_tokens,
         prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-        kv_offload=_offload_stats(sched.connector))
+        kv_offload=_offload_stats(sched.connector), preemptions_by_mode=dict(sched.preemptions_by_mode))
 
 
 def _offload_stats(connector) -> dict | None:

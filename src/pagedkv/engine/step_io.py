@@ -141,3 +141,4 @@ class ModelRunnerOutput:
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)  # pages whose KV load failed
     kv_connector_output: object | None = None  # the connector worker's report of the step
+    execute_seconds: float = 0.0  # wall time of the step's execution (0.0: not measured)

@@ -7,8 +7,10 @@ tier, another engine). It has two halves, named as vLLM's KV connector v1 API:
   how many more prompt tokens it can supply beyond the local prefix hit
   (``get_num_new_matched_tokens``), learns which pages were allocated for them
   (``update_state_after_alloc``), says at a request's end whether it still needs the
-  pages (``request_finished``: a delayed free), and packs what the worker must do this
-  step into plain data (``build_connector_meta``, carried by the SchedulerOutput);
+  pages (``request_finished``: a delayed free), may keep a preempted request's KV
+  (``swap_plan`` prices it, ``swap_out`` keeps it; the request's resume then finds it
+  through ``get_num_new_matched_tokens``), and packs what the worker must do this step into
+  plain data (``build_connector_meta``, carried by the SchedulerOutput);
 - the **worker side** (:class:`KVConnectorWorker`) runs beside the model: it starts loads
   before the forward (``start_load_kv``), blocks until a layer's pages are in
   (``wait_for_layer_load``), saves a layer's pages after they are written
@@ -18,7 +20,8 @@ tier, another engine). It has two halves, named as vLLM's KV connector v1 API:
 
 Step order::
 
-    scheduler: lookup local -> get_num_new_matched_tokens -> allocate -> update_state_after_alloc
+    scheduler: [preemption: swap_plan -> swap_out (or recompute)] -> lookup local
+               -> get_num_new_matched_tokens -> allocate -> update_state_after_alloc
                -> build_connector_meta -> SchedulerOutput
     worker:    bind_connector_metadata -> start_load_kv -> per layer: wait_for_layer_load,
                attention, save_kv_layer -> wait_for_save -> get_finished,
@@ -39,6 +42,26 @@ from typing import NamedTuple
 LOAD_FAILURE_POLICIES = ("recompute",)
 
 
+class SwapPlan(NamedTuple):
+    """What swapping a preempted request out (and back in on resume) would move.
+
+    Attributes:
+        copy_blocks: pages copied out now and back on resume.
+        copy_bytes: their bytes, one way.
+        copy_seconds: predicted seconds of both copies at the connector's measured copy
+            rate (0.0 when it has none yet).
+        kept_tokens: tokens whose KV the swap keeps (the request's computed tokens).
+        reused_tokens: leading tokens the connector holds already (its own prefix blocks):
+            a recompute would load them too, so only ``reused_tokens .. kept_tokens``
+            differ in cost between swap and recompute.
+    """
+    copy_blocks: int
+    copy_bytes: int
+    copy_seconds: float
+    kept_tokens: int
+    reused_tokens: int
+
+
 class KVConnectorScheduler:
     """Scheduler side. The defaults: no external tokens, free at once, no metadata."""
 
@@ -56,6 +79,17 @@ class KVConnectorScheduler:
     def request_finished(self, request, block_ids: tuple[list[int], ...]) -> bool:
         """``request`` ended. Return True to keep its pages until the worker reports it in
         ``finished_sending`` (e.g. a save or a send still reads them)."""
+        return False
+
+    def swap_plan(self, request, num_computed_tokens: int) -> SwapPlan | None:
+        """The cost of keeping the KV of ``request``'s first ``num_computed_tokens`` tokens
+        through a preemption, or None when this connector cannot (the default; or no room)."""
+        return None
+
+    def swap_out(self, request, block_ids: tuple[list[int], ...], plan: SwapPlan) -> bool:
+        """Keep what ``plan`` priced: the pages in ``block_ids`` are copied out before the
+        next forward (they are freed right after this call), and when the request is
+        admitted again ``get_num_new_matched_tokens`` reports them. False if it could not."""
         return False
 
     def build_connector_meta(self, scheduler_output) -> object | None:

@@ -16,6 +16,9 @@ block copy, whole pages (quantized pages with their per-token scales, byte for b
   device hit, never past a gap, always leaving a token to compute); the tier entries are
   pinned from allocation until the step that copies them into the request's new device
   pages, before its forward.
+- **Swap** (``--preemption-mode swap|auto``): a preempted request's pages are kept in the
+  tier and copied back when it resumes (:mod:`pagedkv.kv.cpu_swap`); copies out run first
+  in the next step, before any page they free can be written again.
 
 Requires prefix caching (the tier is keyed by the chained block hash) and one KV cache
 group. Sources: vLLM's KV connector v1 API and its CPU offloading connector (the seam's
@@ -30,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker, SwapPlan
+from pagedkv.kv.cpu_swap import SwapSpace
 from pagedkv.kv.disk_offload import RECORD_OVERHEAD, DiskIO, DiskPlan
 from pagedkv.kv.disk_tier import DiskDirectory
 from pagedkv.kv.hashing import ROOT_HASH
@@ -40,13 +44,16 @@ from pagedkv.kv.tier_index import TierEntry, TierIndex
 
 @dataclass
 class OffloadMeta:
-    """One step's transfers: ``loads`` (tier slot, device page) before the forward, ``saves``
-    (device page, tier slot) as each layer is written; ``step`` numbers the step. With a
+    """One step's transfers: ``swap_outs`` (device page, tier slot) first, ``loads`` and
+    ``swap_ins`` (tier slot, device page) before the forward, ``saves`` (device page, tier
+    slot) as each layer is written; ``step`` numbers the step. With a
     disk tier: ``disk_loads`` (hash, token ids, device page), ``disk_writes`` (CPU slot,
     hash, parent hash, token ids) and ``disk_removes`` (hashes evicted from disk)."""
     step: int
     loads: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    swap_outs: list[tuple[int, int]] = field(default_factory=list)
+    swap_ins: list[tuple[int, int]] = field(default_factory=list)
     disk_loads: list[tuple[bytes, tuple, int]] = field(default_factory=list)
     disk_writes: list[tuple[int, bytes, bytes, tuple]] = field(default_factory=list)
     disk_removes: list[bytes] = field(default_factory=list)
@@ -71,15 +78,26 @@ class OffloadStats:
     disk_blocks_written: int = 0
     disk_bytes_read: int = 0
     disk_corrupt_records: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swap_blocks_out: int = 0
+    swap_blocks_in: int = 0
+    swap_no_room: int = 0
+    swap_bytes: int = 0
+    swap_seconds: float = 0.0
+    copy_bytes_per_s: float = 0.0
 
 
 class CPUOffloadScheduler(KVConnectorScheduler):
     """Scheduler side: the tier's index, lookups, pins and the plan of each step's copies."""
 
-    def __init__(self, kv, capacity: int, policy: str, page_bytes: int, disk: DiskPlan | None = None) -> None:
+    def __init__(self, kv, capacity: int, policy: str, page_bytes: int, disk: DiskPlan | None = None,
+                 copy_probe: tuple[int, float] = (0, 0.0)) -> None:
         self.kv, self.bs, self.page_bytes = kv, kv.block_size, page_bytes
         self.index = TierIndex(capacity, policy)
+        self.swap = SwapSpace(self.index, self.bs, page_bytes)
         self.disk = disk
+        self._copied = list(copy_probe)  # (bytes, seconds) of timed page copies: probe, loads, swaps
         self.stats = OffloadStats(capacity)
         if disk is not None:  # what a restart found on disk
             self.stats.disk_capacity_blocks, self.stats.disk_blocks_used = disk.index.capacity, disk.index.num_used
@@ -88,10 +106,17 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         self._matched: dict[str, tuple[int, list, list]] = {}  # request -> (first block, CPU, disk entries)
         self._loads: list[tuple[TierEntry, int]] = []
         self._disk_loads: list[tuple[TierEntry, bytes, int]] = []  # (entry, hash, device page)
-        self._pinned: dict[int, tuple[list, list]] = {}  # step -> (CPU, disk) entries its loads read
+        self._pinned: dict[int, tuple[list, list, list]] = {}  # step -> (CPU, disk) entries, swaps its loads read
+        self._swap_ins: list[tuple[int, int]] = []
+        self._swapped_in: list = []  # swap records copied back this step
+        self._swap_local: dict[str, int] = {}  # swapped request -> its device hit at lookup
         self._ready: list[bytes] = []  # CPU entries that became ready: disk write candidates
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        swapped = self.swap.matched(request.request_id, num_computed_tokens)
+        if swapped is not None:
+            self._swap_local[request.request_id] = num_computed_tokens
+            return swapped
         hashes, first = self.kv.block_hashes(request), num_computed_tokens // self.bs
         max_blocks = (len(request.all_token_ids) - 1) // self.bs  # leave a token to compute
         found = self.index.match(hashes, request.all_token_ids, self.bs, first, max_blocks)
@@ -101,6 +126,12 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         return (len(found) + len(on_disk)) * self.bs
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if rid in self._swap_local:
+            copies, rec = self.swap.swap_in(rid, block_ids[0], self._swap_local.pop(rid), num_external_tokens)
+            self._swap_ins += copies
+            self._swapped_in.append(rec)
+            return
         first, found, on_disk = self._matched.pop(request.request_id, (0, [], []))
         n = num_external_tokens // self.bs
         found, on_disk = found[:n], on_disk[:max(0, n - len(found))]
@@ -119,15 +150,32 @@ class CPUOffloadScheduler(KVConnectorScheduler):
 
     def request_finished(self, request, block_ids) -> bool:
         self._matched.pop(request.request_id, None)  # matched while waiting, then ended
+        self._swap_local.pop(request.request_id, None)
+        self.swap.release(request.request_id)
         return False
+
+    def swap_plan(self, request, num_computed_tokens: int) -> SwapPlan | None:
+        return self.swap.plan(self.kv.block_hashes(request), request.all_token_ids, num_computed_tokens,
+                              self.copy_bytes_per_s)
+
+    def swap_out(self, request, block_ids, plan: SwapPlan) -> bool:
+        return self.swap.swap_out(request.request_id, block_ids[0], self.kv.block_hashes(request),
+                                  request.all_token_ids, plan.kept_tokens, self._step + 1)
+
+    @property
+    def copy_bytes_per_s(self) -> float | None:
+        """Measured rate of page copies between the cache and the tier (bytes/s): a probe at
+        start, then every timed load and swap."""
+        return self._copied[0] / self._copied[1] if self._copied[1] > 0 else None
 
     def build_connector_meta(self, out) -> OffloadMeta:
         self._step += 1
         meta = OffloadMeta(self._step)
         meta.loads = [(e.slot, page) for e, page in self._loads]
         meta.disk_loads = [(h, e.token_ids, page) for e, h, page in self._disk_loads]
-        self._pinned[self._step] = ([e for e, _ in self._loads], [e for e, *_ in self._disk_loads])
-        self._loads, self._disk_loads = [], []
+        meta.swap_outs, meta.swap_ins, self.swap.outs = self.swap.outs, self._swap_ins, []
+        self._pinned[self._step] = ([e for e, _ in self._loads], [e for e, *_ in self._disk_loads], self._swapped_in)
+        self._loads, self._disk_loads, self._swap_ins, self._swapped_in = [], [], [], []
         if self.disk is not None:
             meta.disk_writes = self.disk.plan_writes(self.index, self._ready)
             meta.disk_removes, self.disk.removes, self._ready = self.disk.removes, [], []
@@ -165,9 +213,12 @@ class CPUOffloadScheduler(KVConnectorScheduler):
             return
         step, ok, counts, disk = output
         self._ready += self.index.complete(step, failed=not ok)
+        self.swap.confirm(step)  # its copies out ran first thing in the step
         for s in [s for s in self._pinned if s <= step]:
-            cpu, on_disk = self._pinned.pop(s)
+            cpu, on_disk, swapped = self._pinned.pop(s)
             self.index.unpin(cpu)
+            for rec in swapped:
+                self.swap.free(rec)
             if on_disk:
                 self.disk.index.unpin(on_disk)
         if self.disk is not None:
@@ -183,8 +234,16 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         st.load_seconds += counts[2]
         st.disk_blocks_loaded += counts[3]
         st.disk_bytes_read += counts[4]
+        st.swap_bytes += counts[5] * self.page_bytes
+        st.swap_seconds += counts[6]
+        self._copied[0] += (counts[0] + counts[5]) * self.page_bytes
+        self._copied[1] += counts[7] + counts[6]
+        st.copy_bytes_per_s = self.copy_bytes_per_s or 0.0
+        sw = self.swap.stats
+        st.swap_outs, st.swap_ins, st.swap_blocks_out, st.swap_blocks_in, st.swap_no_room = (
+            sw.swap_outs, sw.swap_ins, sw.blocks_out, sw.blocks_in, sw.no_room)
         st.bytes_read, st.bytes_written = st.blocks_loaded * self.page_bytes, st.blocks_saved * self.page_bytes
-        st.blocks_used, st.evictions = self.index.num_used, self.index.num_evictions
+        st.blocks_used, st.evictions = self.index.num_used + self.index.num_held, self.index.num_evictions
         if self.disk is not None:
             st.disk_blocks_used = self.disk.index.num_used
             st.disk_blocks_written = self.disk.num_written
@@ -205,7 +264,7 @@ class CPUOffloadWorker(KVConnectorWorker):
         self.metadata: OffloadMeta | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-kv-save")
         self._futures: list[Future] = []
-        self._counts = [0, 0, 0.0, 0, 0]
+        self._counts = [0, 0, 0.0, 0, 0, 0, 0.0, 0.0]
         self._done_step = 0
         self._load_errors: set[int] = set()
 
@@ -216,12 +275,11 @@ class CPUOffloadWorker(KVConnectorWorker):
         if meta is None:
             return
         t = time.perf_counter()
-        if meta.loads:
-            src = torch.tensor([s for s, _ in meta.loads], dtype=torch.int64)
-            dst = torch.tensor([p for _, p in meta.loads], dtype=torch.int64)
-            layers = range(self.tier.spec.num_layers)
-            self.copy_pages([t for i in layers for t in storage.page_tensors(i)], dst,
-                            [t for i in layers for t in self.tier.page_tensors(i)], src)
+        swap_s = self._copy(storage, self.tier, meta.swap_outs)  # before anything writes the pages
+        swap_s += self._copy(self.tier, storage, meta.swap_ins)
+        self._counts[6] += swap_s
+        self._counts[5] += len(meta.swap_outs) + len(meta.swap_ins)
+        self._counts[7] += self._copy(self.tier, storage, meta.loads)
         if self.disk is not None:
             read = self.disk.bytes_read
             self._load_errors = self.disk.load(meta.disk_loads, storage, self.tier)
@@ -229,7 +287,19 @@ class CPUOffloadWorker(KVConnectorWorker):
             self._counts[4] += self.disk.bytes_read - read
             self.disk.write(meta.disk_writes, meta.disk_removes, self.tier)  # overlaps the forward
         self._counts[0] += len(meta.loads)
-        self._counts[2] += time.perf_counter() - t
+        self._counts[2] += time.perf_counter() - t - swap_s
+
+    def _copy(self, src: KVCacheStorage, dst: KVCacheStorage, pairs: list[tuple[int, int]]) -> float:
+        """Copy whole pages ``(src page, dst page)`` of every layer; returns the seconds taken."""
+        if not pairs:
+            return 0.0
+        t = time.perf_counter()
+        layers = range(self.tier.spec.num_layers)
+        self.copy_pages([x for i in layers for x in dst.page_tensors(i)],
+                        torch.tensor([d for _, d in pairs], dtype=torch.int64),
+                        [x for i in layers for x in src.page_tensors(i)],
+                        torch.tensor([s for s, _ in pairs], dtype=torch.int64))
+        return time.perf_counter() - t
 
     def save_kv_layer(self, layer: int, storage, attn_metadata) -> None:
         meta = self.metadata
@@ -256,7 +326,8 @@ class CPUOffloadWorker(KVConnectorWorker):
 
     def get_connector_output(self):
         """``(step, ok, counts, disk)``: counts = (blocks loaded, blocks saved, load seconds,
-        disk blocks loaded, disk bytes read); disk = (written, failed, corrupt) hashes."""
+        disk blocks loaded, disk bytes read, blocks swapped, swap seconds, CPU tier load copy
+        seconds); disk = (written, failed, corrupt) hashes."""
         meta = self.metadata
         if meta is None:
             return None
@@ -268,7 +339,7 @@ class CPUOffloadWorker(KVConnectorWorker):
         # nothing the step saved is kept (the request recomputes from before that page)
         ok = self._done_step == meta.step and not self._load_errors
         out = (meta.step, ok, tuple(self._counts), disk)
-        self._counts = [0, 0, 0.0, 0, 0]
+        self._counts = [0, 0, 0.0, 0, 0, 0, 0.0, 0.0]
         return out
 
 
@@ -310,5 +381,25 @@ def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: st
             raise ValueError(f"kv_offload_disk_size of {int(disk_bytes)} bytes holds no block record")
         directory = DiskDirectory(disk_dir)
         plan, io = DiskPlan(directory, disk_capacity, policy), DiskIO(directory)
-    return KVConnector(CPUOffloadScheduler(kv, capacity, policy, spec.page_size_bytes, plan),
-                       CPUOffloadWorker(KVCacheStorage(spec, capacity), io, copy_pages))
+    tier = KVCacheStorage(spec, capacity)
+    return KVConnector(CPUOffloadScheduler(kv, capacity, policy, spec.page_size_bytes, plan,
+                                           probe_copy_rate(tier, copy_pages)),
+                       CPUOffloadWorker(tier, io, copy_pages))
+
+
+def probe_copy_rate(tier: KVCacheStorage, copy_pages, max_pages: int = 16) -> tuple[int, float]:
+    """``(bytes, seconds)`` of the fastest of three copies of up to ``max_pages`` scattered
+    tier pages onto others with ``copy_pages``: the rate swap preemption is first priced at
+    (then every timed copy counts). ``(0, 0.0)`` for a tier of one page."""
+    n = min(max_pages, tier.num_blocks // 2)
+    if n < 1:
+        return 0, 0.0
+    src, dst = torch.arange(0, 2 * n, 2), torch.arange(1, 2 * n, 2)  # every other page: scattered
+    layers = range(tier.spec.num_layers)
+    tensors = [x for i in layers for x in tier.page_tensors(i)]
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        copy_pages(tensors, dst, tensors, src)
+        best = min(best, time.perf_counter() - t)
+    return n * tier.spec.page_size_bytes, best

@@ -28,7 +28,7 @@ class DiskPlan:
 
     def __init__(self, directory: DiskDirectory, capacity: int, policy: str) -> None:
         self.dir = directory
-        self.index = TierIndex(capacity, policy)
+        self.index = TierIndex(capacity, policy, track_evictions=True)
         self.writing: dict[BlockHash, TierEntry] = {}  # disk writes in flight -> the CPU entry read
         self.removes: list[BlockHash] = []
         self.num_written = 0

@@ -10,12 +10,16 @@ of its chain or its parent is resident; an entry with a resident child is never 
 so eviction takes chains tail first, and :meth:`match` never reports a block after a gap.
 
 Entry states: *pending* (a save is in flight: invisible to lookups, not evictable), then
-*ready*; a ready entry may be *pinned* (a load reads it: not evictable). Victims are the
-unpinned ready leaves, least recently used first (``lru``) or least often hit first
-(``lfu``, ties by age).
+*ready*; a ready entry may be *pinned* (a load or a swapped-out request reads it: not
+evictable). Victims are the unpinned ready leaves, least recently used first (``lru``) or
+least often hit first (``lfu``, ties by age).
 
-Invariant (:meth:`check_invariants`): free + resident == capacity; every resident entry's
-parent is resident or the chain root; child counts and slot maps agree.
+Besides entries, slots can be *held* outside the index (:meth:`acquire`): a swapped-out
+request's pages that are no prefix block of the tier (its partial last block, blocks past
+the tier's run), until :meth:`release`.
+
+Invariant (:meth:`check_invariants`): free + resident + held == capacity; every resident
+entry's parent is resident or the chain root; child counts and slot maps agree.
 """
 
 from __future__ import annotations
@@ -43,11 +47,17 @@ class TierEntry:
 class TierIndex:
     """Slots ``0..capacity-1`` of one tier.
 
+    Args:
+        capacity: slots of the tier.
+        policy: ``lru`` or ``lfu``.
+        track_evictions: keep evicted hashes for :meth:`take_evicted` (a tier whose
+            evictions remove something elsewhere, e.g. disk records).
+
     Raises:
         ValueError: a capacity under 1 or an unknown policy.
     """
 
-    def __init__(self, capacity: int, policy: str = "lru") -> None:
+    def __init__(self, capacity: int, policy: str = "lru", track_evictions: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"a KV tier needs at least one block, got {capacity}")
         if policy not in POLICIES:
@@ -56,7 +66,9 @@ class TierIndex:
         self.entries: OrderedDict[BlockHash, TierEntry] = OrderedDict()  # LRU order, oldest first
         self._free = list(range(capacity - 1, -1, -1))
         self.num_evictions = 0
+        self.track_evictions = track_evictions
         self._evicted: list[BlockHash] = []
+        self._held: set[int] = set()
 
     # ---- lookup -----------------------------------------------------------------------
     def match(self, hashes: list[BlockHash], token_ids: list[int], block_size: int, first: int,
@@ -130,6 +142,39 @@ class TierIndex:
         descendants: a chain never keeps a block past a gap)."""
         self._drop(block_hash)
 
+    def acquire(self, n: int) -> list[int] | None:
+        """``n`` slots held outside the index (evicting victims as needed), or None, taking
+        nothing, when fewer can be had."""
+        if not self.can_acquire(n):
+            return None
+        while len(self._free) < n:
+            if not self._evict_one():  # cannot happen after the count above; stay safe
+                return None
+        slots = [self._free.pop() for _ in range(n)]
+        self._held.update(slots)
+        return slots
+
+    def release(self, slots: list[int]) -> None:
+        """Give back slots from :meth:`acquire`."""
+        for s in slots:
+            self._held.remove(s)
+            self._free.append(s)
+
+    def can_acquire(self, n: int, keep: list[TierEntry] = ()) -> bool:
+        """Whether :meth:`acquire` could take ``n`` slots with ``keep`` pinned too."""
+        return n <= len(self._free) + self._num_evictable({id(e) for e in keep})
+
+    def _num_evictable(self, keep: set[int] = frozenset()) -> int:
+        """Entries evictions could free one leaf at a time: the ready, unpinned entries
+        (not in ``keep``, by id) with no pinned or pending descendant."""
+        blocked = {h for h, e in self.entries.items() if e.pins or not e.ready or id(e) in keep}
+        for h in list(blocked):
+            p = self.entries[h].parent
+            while p in self.entries and p not in blocked:
+                blocked.add(p)
+                p = self.entries[p].parent
+        return len(self.entries) - len(blocked)
+
     def take_evicted(self) -> list[BlockHash]:
         """Hashes evicted since the last call (a disk tier removes their records)."""
         out, self._evicted = self._evicted, []
@@ -147,7 +192,8 @@ class TierIndex:
         if h is None:
             return False
         self._drop(h)
-        self._evicted.append(h)
+        if self.track_evictions:
+            self._evicted.append(h)
         self.num_evictions += 1
         return True
 
@@ -166,12 +212,17 @@ class TierIndex:
         return len(self.entries)
 
     @property
+    def num_held(self) -> int:
+        """Slots held outside the index (:meth:`acquire`)."""
+        return len(self._held)
+
+    @property
     def num_pinned(self) -> int:
         return sum(1 for e in self.entries.values() if e.pins)
 
     def check_invariants(self) -> None:
-        assert len(self._free) + len(self.entries) == self.capacity, "tier slots lost or doubled"
-        slots = [e.slot for e in self.entries.values()] + self._free
+        assert len(self._free) + len(self.entries) + len(self._held) == self.capacity, "tier slots lost or doubled"
+        slots = [e.slot for e in self.entries.values()] + self._free + sorted(self._held)
         assert sorted(slots) == list(range(self.capacity)), "tier slot map broken"
         for h, e in self.entries.items():
             assert e.parent == ROOT_HASH or e.parent in self.entries, "tier chain not prefix-closed"

@@ -8,7 +8,10 @@ thread as outputs arrive. Units: seconds, tokens, blocks (``block_size`` tokens 
     pagedkv_kv_blocks_total / _kv_cache_usage_ratio  pool size; used / total
     pagedkv_prefix_cache_{queries,hits}_tokens_total prompt tokens looked up / found
     pagedkv_num_requests_{running,waiting}           scheduler queues
-    pagedkv_num_preemptions_total                    preemptions by recompute
+    pagedkv_num_preemptions_total                    preemptions (recompute or swap)
+    pagedkv_kv_offload_*{tier="cpu|disk"}            KV tier blocks, hits, bytes, loads (with a tier)
+    pagedkv_kv_offload_preemptions_total{mode}       recompute | swap (with a tier)
+    pagedkv_kv_offload_{swaps,swapped_blocks}_total{direction="out|in"}, _swap_seconds_total
     pagedkv_requests_rejected_total{reason}          never_fits (engine) | invalid | out_of_vocabulary | unauthorized
     pagedkv_requests_finished_total{finish_reason}   stop | length | abort
     pagedkv_{prompt,prompt_cached,generation}_tokens_total
@@ -60,8 +63,10 @@ class _StatsCollector:
                                   "prefix cache", value=s.prefix_cache_queries)
         yield CounterMetricFamily("pagedkv_prefix_cache_hits_tokens", "prompt tokens found in the prefix cache",
                                   value=s.prefix_cache_hits)
-        yield CounterMetricFamily("pagedkv_num_preemptions", "preemptions by recompute", value=s.num_preemptions)
+        yield CounterMetricFamily("pagedkv_num_preemptions", "preemptions (recompute or swap)",
+                                  value=s.num_preemptions)
         yield from _offload_metrics(s.kv_offload)
+        yield from _swap_metrics(s.kv_offload, s.preemptions_by_mode)
         yield CounterMetricFamily("pagedkv_generation_tokens", "tokens generated", value=s.num_generated_tokens)
         rej = CounterMetricFamily("pagedkv_requests_rejected", "requests rejected", labels=["reason"])
         rej.add_metric(["never_fits"], s.num_rejected)
@@ -99,6 +104,25 @@ def _offload_metrics(o: dict | None):
             if keys[i] is not None:
                 c.add_metric([tier], o[keys[i]])
         yield c
+
+
+def _swap_metrics(o: dict | None, by_mode: dict | None):
+    """``pagedkv_kv_offload_{preemptions,swaps,swapped_blocks,swap_seconds}_total`` with a CPU tier."""
+    if not o:
+        return
+    pre = CounterMetricFamily("pagedkv_kv_offload_preemptions", "preemptions by mode", labels=["mode"])
+    for mode, n in (by_mode or {}).items():
+        pre.add_metric([mode], n)
+    yield pre
+    for name, help_text, keys in (("swaps", "requests swapped to / from the CPU tier", ("swap_outs", "swap_ins")),
+                                  ("swapped_blocks", "blocks copied by swap preemption",
+                                   ("swap_blocks_out", "swap_blocks_in"))):
+        c = CounterMetricFamily(f"pagedkv_kv_offload_{name}", help_text, labels=["direction"])
+        c.add_metric(["out"], o[keys[0]])
+        c.add_metric(["in"], o[keys[1]])
+        yield c
+    yield CounterMetricFamily("pagedkv_kv_offload_swap_seconds", "seconds spent copying swapped blocks",
+                              value=o["swap_seconds"])
 
 
 class ServerMetrics:
