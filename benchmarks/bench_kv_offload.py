@@ -7,12 +7,13 @@ conversation, then turn k + 1 (each turn resent with its history, the model's ow
 included), so by the time a conversation returns, the other conversations have pushed
 its prefix out of the KV cache. Both engines run the same requests (greedy, replies cut at
 ``--max-tokens``); TTFT is arrival to first token. Reported: mean TTFT of turns >= 2 per
-engine and the ratio, prompt tokens computed, tier hit tokens, blocks loaded/saved and
-the tier's load bandwidth, and whether the two engines produced the same tokens
-(batch-invariant mode is off here, as in serving: equal tokens are expected, not promised).
+engine (the median of ``--repeats`` interleaved replays) and the ratio, prompt tokens
+computed, tier hit tokens, blocks loaded/saved, the tier's load bandwidth and time per
+block, and whether the two engines produced the same tokens (batch-invariant mode is off
+here, as in serving: equal tokens are expected, not promised).
 
     python benchmarks/bench_kv_offload.py --conversations 32 --turns 4 --kv-cache-memory 64MiB \
-        --kv-offload-memory 2GiB
+        --kv-offload-memory 2GiB --repeats 3
 
 ``--restart DIR``: the disk tier's warm restart instead. A 1,024-token shared system prompt
 (the first tokens of *The Count of Monte Cristo*, ``../shared/data/long-context``) with a
@@ -47,6 +48,34 @@ def replay(engine, convs: list[list[str]], turns: int, max_tokens: int) -> list[
             out.append({"conv": i, "turn": k + 1, "prompt_tokens": len(ids), "cached": rec.num_cached_tokens,
                         "ttft": rec.ttft, "output": rec.output_token_ids})
             history[i].append({"role": "assistant", "content": tok.decode(rec.output_token_ids, skip_special_tokens=True)})
+    return out
+
+
+def replay_run(a, convs: list[list[str]], extra: dict) -> dict:
+    """One engine (``extra``: its tier settings) through the replay; mean TTFTs and counters."""
+    engine = LLMEngine(kv_cache_memory=a.kv_cache_memory, max_model_len=a.max_model_len, **extra)
+    fits = [c for c in convs if len(chat_ids(engine.tokenizer, [{"role": "user", "content": "\n".join(c)}]))
+            + (a.max_tokens + 16) * a.turns <= a.max_model_len][:a.conversations]
+    t = time.perf_counter()
+    turns = replay(engine, fits, a.turns, a.max_tokens)
+    wall = time.perf_counter() - t
+    later = [r for r in turns if r["turn"] > 1]
+    out = {"mean_ttft_turns_2plus_s": statistics.mean(r["ttft"] for r in later),
+           "mean_ttft_turn_1_s": statistics.mean(r["ttft"] for r in turns if r["turn"] == 1),
+           "requests": len(turns), "returning": len(later), "wall_s": wall,
+           "prompt_tokens": sum(r["prompt_tokens"] for r in turns),
+           "cached_tokens": sum(r["cached"] for r in turns),
+           "kv_blocks": engine.stats().num_blocks, "tier": engine.stats().kv_offload,
+           "outputs": [r["output"] for r in turns]}
+    del engine
+    return out
+
+
+def median_run(rs: list[dict]) -> dict:
+    """The run of median returning-turn TTFT (outputs dropped), with every run's TTFTs beside it."""
+    out = dict(sorted(rs, key=lambda r: r["mean_ttft_turns_2plus_s"])[len(rs) // 2])
+    out.pop("outputs")
+    out["mean_ttft_turns_2plus_s_runs"] = [r["mean_ttft_turns_2plus_s"] for r in rs]
     return out
 
 
@@ -87,34 +116,25 @@ def main() -> int:
     p.add_argument("--kv-offload-memory", default="2GiB")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--restart", metavar="DIR", help="measure the disk tier's warm restart in DIR (emptied)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="replays per engine (interleaved), or restarts")
     a = p.parse_args()
     if a.restart:
         print(json.dumps(restart(a.restart, a.repeats), indent=1))
         return 0
     convs = [c for c in hh_rlhf_conversations(4 * a.conversations, min_turns=a.turns, max_turns=a.turns)]
-    results = {}
-    for name, extra in (("no tier", {}), ("cpu tier", {"kv_offload_memory": a.kv_offload_memory})):
-        engine = LLMEngine(kv_cache_memory=a.kv_cache_memory, max_model_len=a.max_model_len, **extra)
-        fits = [c for c in convs if len(chat_ids(engine.tokenizer, [{"role": "user", "content": "\n".join(c)}]))
-                + (a.max_tokens + 16) * a.turns <= a.max_model_len][:a.conversations]
-        t = time.perf_counter()
-        turns = replay(engine, fits, a.turns, a.max_tokens)
-        wall = time.perf_counter() - t
-        later = [r for r in turns if r["turn"] > 1]
-        results[name] = {"mean_ttft_turns_2plus_s": statistics.mean(r["ttft"] for r in later),
-                         "mean_ttft_turn_1_s": statistics.mean(r["ttft"] for r in turns if r["turn"] == 1),
-                         "requests": len(turns), "returning": len(later), "wall_s": wall,
-                         "prompt_tokens": sum(r["prompt_tokens"] for r in turns),
-                         "cached_tokens": sum(r["cached"] for r in turns),
-                         "kv_blocks": engine.stats().num_blocks, "tier": engine.stats().kv_offload,
-                         "outputs": [r["output"] for r in turns]}
-        del engine
+    runs: dict[str, list[dict]] = {"no tier": [], "cpu tier": []}
+    for _ in range(a.repeats):  # interleaved, so drifts in this machine's speed hit both
+        for name, extra in (("no tier", {}), ("cpu tier", {"kv_offload_memory": a.kv_offload_memory})):
+            runs[name].append(replay_run(a, convs, extra))
+    same = sum(x == y for x, y in zip(runs["no tier"][0]["outputs"], runs["cpu tier"][0]["outputs"]))
+    results = {name: median_run(rs) for name, rs in runs.items()}
     a_, b_ = results["no tier"], results["cpu tier"]
-    same = sum(x == y for x, y in zip(a_.pop("outputs"), b_.pop("outputs")))
     tier = b_["tier"]
     summary = {"ttft_ratio_turns_2plus": a_["mean_ttft_turns_2plus_s"] / b_["mean_ttft_turns_2plus_s"],
-               "same_tokens_requests": same, "load_GBps": tier["bytes_read"] / max(tier["load_seconds"], 1e-9) / 1e9}
+               "ttft_ratio_per_repeat": [x["mean_ttft_turns_2plus_s"] / y["mean_ttft_turns_2plus_s"]
+                                         for x, y in zip(runs["no tier"], runs["cpu tier"])],
+               "same_tokens_requests": same, "load_GBps": tier["bytes_read"] / max(tier["load_seconds"], 1e-9) / 1e9,
+               "load_us_per_block": 1e6 * tier["load_seconds"] / max(tier["blocks_loaded"], 1)}
     print(json.dumps({"args": vars(a), "results": results, "summary": summary}, indent=1))
     return 0
 

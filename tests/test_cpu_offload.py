@@ -97,10 +97,13 @@ def test_offload_needs_prefix_caching_and_rejects_bad_values(tiny_llm_factory):
 def test_the_flags_work_from_the_cli(tiny_model_dir):
     r = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(tiny_model_dir),
                         "--num-blocks", "16", "--kv-offload-memory", "64KiB", "--kv-offload-policy", "lfu",
-                        "--max-tokens", "3", "--no-chat", "--json", "hello there"],
+                        "--preemption-mode", "auto", "--max-tokens", "3", "--no-chat", "--json", "hello there"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout.splitlines()[0])["token_ids"]) == 3
+    bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(tiny_model_dir),
+                          "--preemption-mode", "swap", "--no-chat", "hello"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--kv-offload-memory" in bad.stderr
 
 
 # ---- random schedules with a tiny device cache and a tiny tier ----------------------------
@@ -199,3 +202,18 @@ def test_the_planner_sizes_the_tiers_as_the_engine_does(tiny_llm_factory, tiny_m
                kv_offload_memory="1MiB", kv_offload_disk_size="5MiB")
     assert gpu.offload_cpu_block_load_seconds == pytest.approx(8192 / 63.02e9)
     assert gpu.offload_disk_block_load_seconds > gpu.offload_cpu_block_load_seconds
+
+
+def test_on_this_machine_the_planner_prices_a_block_at_the_page_piece_copy_rate(tiny_model_dir, monkeypatch):
+    from pagedkv.planner import cpu
+    from pagedkv.planner.plan import plan
+
+    assert cpu.page_copy_bandwidth(4096, pool_bytes=8 * 2**20, copy_bytes=2**20, repeats=3) > 0
+    with pytest.raises(ValueError, match="page piece"):
+        cpu.page_copy_bandwidth(0)
+    asked = []
+    monkeypatch.setattr(cpu, "page_copy_bandwidth", lambda piece: asked.append(piece) or 1e9)
+    p = plan(model=str(tiny_model_dir / "config.json"), gpu="cpu", kv_cache_dtype="float32", kv_offload_memory="1MiB")
+    layers = 2  # the tiny model: a page of 8,192 B is K and V of each layer, 16 tokens x 2 heads x 16 dims x 4 B
+    assert asked == [8192 // (2 * layers)]
+    assert p.offload_cpu_block_load_seconds == pytest.approx(8192 / 1e9)

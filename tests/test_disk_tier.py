@@ -60,11 +60,12 @@ def test_a_restarted_engine_serves_prefixes_from_disk_with_identical_output(tiny
     for n in lengths:
         assert _run(first, _prompt(n) if n != 64 else list(range(2000, 2064))) == want[n]
     s = first.engine.stats().kv_offload
-    assert s["disk_blocks_written"] == s["blocks_saved"] >= 4  # every block the CPU tier got reached disk
+    first.close()  # finishes the disk writes (no step waits for them) and releases the directory
+    assert len(list(tmp_path.glob("*.kvb"))) == s["blocks_saved"] >= 4  # every block the CPU tier got reached disk
     del first
     _restart()
     second = _tiered(tiny_llm_factory, tmp_path, kv_cache_dtype=kv_dtype)
-    assert second.engine.stats().kv_offload["disk_blocks_used"] == s["disk_blocks_written"]
+    assert second.engine.stats().kv_offload["disk_blocks_used"] == s["blocks_saved"]
     for n in lengths:
         before = _hits(second)
         assert _run(second, _prompt(n) if n != 64 else list(range(2000, 2064))) == want[n], n
@@ -132,6 +133,7 @@ def test_a_full_disk_stops_disk_writes_not_the_engine(tiny_llm_factory, tmp_path
     monkeypatch.setattr(disk_tier.os, "replace", full)
     with pytest.warns(RuntimeWarning, match="writes stopped"):
         first = _run(llm, _prompt(40))
+        llm.engine.runner.connector.disk.drain()  # disk writes end off the steps
     assert _run(llm, _prompt(50))[0] and len(first[0]) == 5
     assert not list(tmp_path.glob("*.kvb")) and not list(tmp_path.glob(".*tmp*"))
     assert llm.engine.stats().kv_offload["disk_blocks_written"] == 0
@@ -232,3 +234,45 @@ def test_records_are_owner_only_and_the_server_names_its_tiers(tiny_llm_factory,
     assert modes == {0o600}
     assert _tiers(llm.engine.stats()) == "; KV tiers: cpu 16 blocks, disk 262,144 blocks (2 found)"
     assert _tiers(tiny_llm_factory().engine.stats()) == ""
+
+
+def test_no_step_waits_for_a_disk_write_and_close_finishes_them(tiny_llm_factory, tmp_path, monkeypatch):
+    import threading
+
+    from pagedkv.kv.disk_tier import DiskDirectory
+
+    gate, write = threading.Event(), DiskDirectory.write
+
+    def held_write(self, *a, **k):
+        gate.wait(30)
+        return write(self, *a, **k)
+    monkeypatch.setattr(DiskDirectory, "write", held_write)
+    llm = _tiered(tiny_llm_factory, tmp_path)
+    assert len(_run(llm, _prompt(40))[0]) == 5  # the steps ran while every disk write was held
+    assert not list(tmp_path.glob("*.kvb")) and not gate.is_set()
+    gate.set()
+    llm.close()
+    assert len(list(tmp_path.glob("*.kvb"))) == 2  # 40 tokens + 4 written outputs: 2 full blocks
+    del llm
+    _restart()
+    again = _tiered(tiny_llm_factory, tmp_path)  # the directory was released
+    assert again.engine.stats().kv_offload["disk_blocks_used"] == 2
+
+
+def test_a_damaged_records_descendants_are_removed_with_it(tiny_llm_factory, tmp_path):
+    from pagedkv.kv.disk_tier import read_header
+
+    want = _records_of_prompt_40(tiny_llm_factory, tmp_path)
+    heads = {f: read_header(f.read_bytes())[0] for f in tmp_path.glob("*.kvb")}
+    (head,) = [f for f, h in heads.items() if bytes.fromhex(h["parent"]) == ROOT_HASH]
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 0x01  # the chain's first block fails its checksum: the second is unreachable
+    head.write_bytes(bytes(data))
+    (child,) = [f for f in heads if f != head]
+    second = _tiered(tiny_llm_factory, tmp_path)
+    ids = _prompt(16) + list(range(5000, 5020))  # shares only the first block: the child is never rewritten
+    ref = tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False)
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        assert _run(second, ids) == _run(ref, ids)
+    second.close()
+    assert want and not child.exists()  # unreachable past the gap: its record went with its parent's

@@ -242,6 +242,13 @@ class LLMEngine:
         """Drop every cached prefix block (in-use blocks stay, unpublished). Returns the count."""
         return self.kv.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Finish what the KV connector has in flight (disk writes) and release what it holds
+        (the ``--kv-offload-dir`` lock), so another engine can open it. Idempotent; the
+        engine may still step afterwards, its disk tier no longer written."""
+        if self.runner.connector is not None:
+            self.runner.connector.close()
+
 
 def _is_unicode(text: str) -> bool:
     try:

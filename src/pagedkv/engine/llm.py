@@ -182,6 +182,10 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
 
+    def close(self) -> None:
+        """See :meth:`LLMEngine.close`: finishes the KV tiers' writes, releases ``kv_offload_dir``."""
+        self.engine.close()
+
     def stats(self):
         return self.engine.stats()
 

@@ -137,6 +137,10 @@ class KVConnectorWorker:
         carried by ``ModelRunnerOutput.kv_connector_output``."""
         return None
 
+    def close(self) -> None:
+        """The engine is done: finish what is in flight and release what is held (files,
+        locks, threads)."""
+
 
 class KVConnector(NamedTuple):
     """Both halves of one connector, as an engine takes them (``LLMEngine(kv_connector=...)``)."""

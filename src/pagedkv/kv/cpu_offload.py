@@ -267,6 +267,7 @@ class CPUOffloadWorker(KVConnectorWorker):
         self._counts = [0, 0, 0.0, 0, 0, 0, 0.0, 0.0]
         self._done_step = 0
         self._load_errors: set[int] = set()
+        self._cache: dict[int, tuple[KVCacheStorage, list[torch.Tensor]]] = {}
 
     def start_load_kv(self, storage) -> None:
         for f in self._futures:  # copies left by a step that raised
@@ -294,12 +295,17 @@ class CPUOffloadWorker(KVConnectorWorker):
         if not pairs:
             return 0.0
         t = time.perf_counter()
-        layers = range(self.tier.spec.num_layers)
-        self.copy_pages([x for i in layers for x in dst.page_tensors(i)],
-                        torch.tensor([d for _, d in pairs], dtype=torch.int64),
-                        [x for i in layers for x in src.page_tensors(i)],
-                        torch.tensor([s for s, _ in pairs], dtype=torch.int64))
+        self.copy_pages(self._page_tensors(dst), torch.tensor([d for _, d in pairs], dtype=torch.int64),
+                        self._page_tensors(src), torch.tensor([s for s, _ in pairs], dtype=torch.int64), parallel=True)
         return time.perf_counter() - t
+
+    def _page_tensors(self, storage: KVCacheStorage) -> list[torch.Tensor]:
+        """Every page-indexed tensor of ``storage``, all layers (built once per storage)."""
+        cached = self._cache.get(id(storage))
+        if cached is None or cached[0] is not storage:
+            cached = self._cache[id(storage)] = (storage, [x for i in range(storage.spec.num_layers)
+                                                           for x in storage.page_tensors(i)])
+        return cached[1]
 
     def save_kv_layer(self, layer: int, storage, attn_metadata) -> None:
         meta = self.metadata
@@ -313,9 +319,7 @@ class CPUOffloadWorker(KVConnectorWorker):
     def wait_for_save(self) -> None:
         futures, self._futures = self._futures, []
         for f in futures:
-            f.result()
-        if self.disk is not None:
-            self.disk.drain()
+            f.result()  # disk writes are not waited for: they end in a later step (or at close)
         meta = self.metadata
         if meta is not None:
             self._counts[1] += len(meta.saves)
@@ -323,6 +327,20 @@ class CPUOffloadWorker(KVConnectorWorker):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self._load_errors)
+
+    def close(self) -> None:
+        """Finish every copy and disk write, then release the disk directory (no more disk
+        writes; the CPU tier goes on). Idempotent."""
+        for f in self._futures:
+            f.exception()
+        if self.disk is not None:
+            self.disk.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down what close needs
+            pass
 
     def get_connector_output(self):
         """``(step, ok, counts, disk)``: counts = (blocks loaded, blocks saved, load seconds,
@@ -344,7 +362,7 @@ class CPUOffloadWorker(KVConnectorWorker):
 
 
 def torch_copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch.Tensor],
-                     src_pages: torch.Tensor) -> None:
+                     src_pages: torch.Tensor, parallel: bool = False) -> None:
     """``dst[j][dst_pages] = src[j][src_pages]`` for every j, as bytes, by torch's gather and
     scatter (the engine passes the kernel library's one-pass ``copy_blocks`` instead:
     :func:`pagedkv.attention.dispatch.copy_pages`)."""
@@ -400,6 +418,6 @@ def probe_copy_rate(tier: KVCacheStorage, copy_pages, max_pages: int = 16) -> tu
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        copy_pages(tensors, dst, tensors, src)
+        copy_pages(tensors, dst, tensors, src, parallel=True)
         best = min(best, time.perf_counter() - t)
     return n * tier.spec.page_size_bytes, best

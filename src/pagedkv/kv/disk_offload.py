@@ -95,9 +95,13 @@ class DiskPlan:
             cpu.unpin([self.writing.pop(h)])
 
     def drop_corrupt(self, hashes: list[BlockHash]) -> None:
+        """Forget records that failed a check (already removed) and their descendants, whose
+        records are removed too: no lookup could reach them past the gap."""
         for h in hashes:
             if h in self.index.entries:
+                before = set(self.index.entries)
                 self.index.drop(h)
+                self.removes += [x for x in before - set(self.index.entries) if x != h]
 
 
 class DiskIO:
@@ -160,4 +164,11 @@ class DiskIO:
         """Wait for every queued write and removal (none raises: see _write_one, remove)."""
         for f in self._futures:
             f.exception()
+
+    def close(self) -> None:
+        """Finish the queued writes and release the directory (another engine may open it);
+        no write is planned after this (``DiskDirectory.writable`` goes False)."""
+        self.drain()
+        self.dir.writable = False
+        self.dir.close()
 

@@ -134,7 +134,12 @@ def _tiers(c: _Inputs, memory, disk) -> dict:
     from pagedkv.kv.disk_offload import RECORD_OVERHEAD
 
     page, out = c.spec.page_size_bytes, {}
-    link = (c.dev.host_link or c.dev.copy_bandwidth) if c.dev else None
+    link = c.dev.host_link if c.dev else None
+    if c.dev is not None and c.dev.is_cpu and memory is not None:  # pages copied piece by piece in host memory
+        from pagedkv.planner.cpu import page_copy_bandwidth
+
+        pieces = c.spec.num_layers * (1 if c.spec.mla_latent_dim else 2)  # K and V of every layer
+        link = page_copy_bandwidth(max(1, page // pieces))
     if memory is not None:
         n = parse_size(memory) // page
         out.update(offload_cpu_blocks=n, offload_cpu_tokens=n * c.spec.block_size,
@@ -146,6 +151,20 @@ def _tiers(c: _Inputs, memory, disk) -> dict:
                    offload_disk_block_load_seconds=(read + (page / c.dev.host_link if c.dev.host_link else 0.0))
                    if c.dev else None)
     return out
+
+
+def _preemption(c: _Inputs, f: dict) -> dict:
+    """A ``seq_len``-token request's swap round trip (out and back over the host link, or
+    through the CPU tier at the measured page copy rate) beside its recompute (the prefill
+    bound): what ``--preemption-mode auto`` weighs per victim."""
+    if f.get("prefill") is None:
+        return {}
+    if f.get("host_link_seconds"):
+        return {"preempt_swap_seconds": 2 * f["host_link_seconds"]}
+    if f.get("offload_cpu_block_load_seconds"):
+        blocks = math.ceil(c.seq_len / c.spec.block_size)
+        return {"preempt_swap_seconds": 2 * blocks * f["offload_cpu_block_load_seconds"]}
+    return {}
 
 
 def _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, util, kv_heads, block_size,
@@ -199,5 +218,6 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
     if c.dev:
         fields.update(_speed(c, fields.get("max_concurrent_requests")))
     fields.update(_tiers(c, kv_offload_memory, kv_offload_disk_size))
+    fields.update(_preemption(c, fields))
     notes = plan_notes(PlanResult(**fields), c.m, c.dev, kv_cache_dtype, weight_dtype)
     return PlanResult(**fields, notes=tuple(notes))

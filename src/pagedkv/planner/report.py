@@ -120,6 +120,10 @@ def _transfer(r: PlanResult) -> list[str]:
                           f"device memory)"))
     lines.append(_row("from NVMe (whole request)", f"{fmt_seconds(r.nvme_seconds)} at "
                       f"{fmt_rate(nvme_read_bandwidth())}"))
+    if r.preempt_swap_seconds is not None:
+        pick = "swap" if r.preempt_swap_seconds <= r.prefill.seconds else "recompute"
+        lines.append(_row("preempting it", f"swap out and back {fmt_seconds(r.preempt_swap_seconds)}, recompute "
+                          f"{fmt_seconds(r.prefill.seconds)} (prefill bound): --preemption-mode auto would {pick}"))
     return lines
 
 
@@ -129,7 +133,7 @@ def _tiers(r: PlanResult) -> list[str]:
     lines = ["", "KV offload tiers (per device; a block is one page of every layer)"]
     for tier, blocks, tokens, secs, how in (
             ("CPU tier", r.offload_cpu_blocks, r.offload_cpu_tokens, r.offload_cpu_block_load_seconds,
-             "over the host link" if r.gpu != "cpu" else "at the measured host copy rate"),
+             "over the host link" if r.gpu != "cpu" else "at the page copy rate measured here"),
             ("disk tier", r.offload_disk_blocks, r.offload_disk_tokens, r.offload_disk_block_load_seconds,
              f"NVMe read at {fmt_rate(nvme_read_bandwidth())}" + (", then the host link" if r.gpu != "cpu" else ""))):
         if blocks is None:

@@ -61,8 +61,12 @@ class PlanResult:
     ``offload_cpu_blocks`` / ``_tokens`` and ``offload_disk_blocks`` / ``_tokens`` (what
     the engine's tiers hold: whole pages; a disk record also budgets 8 KiB of header), and
     the time to load one block into the cache, ``offload_cpu_block_load_seconds`` (over
-    PCIe on a GPU; at the measured host copy rate on ``cpu``) and
+    PCIe on a GPU; on ``cpu`` at this machine's rate of copying page-sized pieces, measured
+    at the model's piece size: :func:`pagedkv.planner.cpu.page_copy_bandwidth`) and
     ``offload_disk_block_load_seconds`` (NVMe read, then the host link on a GPU).
+    ``preempt_swap_seconds``: one request's swap preemption round trip (its pages out and
+    back over the host link, or through the CPU tier on ``cpu``), to weigh against
+    ``prefill.seconds`` (recomputing it), as ``--preemption-mode auto`` does.
 
     ``notes``: plain-language findings and caveats.
     """
@@ -123,6 +127,7 @@ class PlanResult:
     offload_disk_blocks: int | None = None
     offload_disk_tokens: int | None = None
     offload_disk_block_load_seconds: float | None = None
+    preempt_swap_seconds: float | None = None
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:

@@ -171,6 +171,7 @@ class EngineLoop:
                 self._step()
             self.stats = self.engine.stats()
         self._abort_all()
+        self.engine.close()  # finish the KV tiers' writes, release the disk directory
         self.stats = self.engine.stats()
         self._stopped = True
 

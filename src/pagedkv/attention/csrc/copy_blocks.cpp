@@ -4,7 +4,8 @@
 // dst[j] become those of page src_pages[i] of src[j]. A page is a slice along dim 0 of a
 // contiguous tensor (KV pages [pages, block, heads, dim], per-token scales [pages, block,
 // heads]); any dtype, copied as bytes, so quantized pages travel with their scales byte for
-// byte. One memcpy per (tensor, page), split over threads: one pass over the bytes, where
+// byte. One memcpy per (tensor, page), split over threads when ``parallel`` (a copy on the
+// thread that runs the model, between steps) or when large: one pass over the bytes, where
 // torch's index_select + index_copy_ makes two (vLLM's swap_blocks / copy_blocks do the same
 // job on GPUs).
 
@@ -21,7 +22,8 @@ namespace {
 
 constexpr int64_t kParallelBytes = 8 << 20;  // copies below this run on the calling thread
 
-void copy_blocks(at::TensorList dst, at::TensorList src, const at::Tensor& dst_pages, const at::Tensor& src_pages) {
+void copy_blocks(at::TensorList dst, at::TensorList src, const at::Tensor& dst_pages, const at::Tensor& src_pages,
+                 bool parallel) {
   TORCH_CHECK(dst.size() == src.size(), "copy_blocks: ", dst.size(), " destination tensors but ", src.size(), " sources");
   TORCH_CHECK(dst_pages.dim() == 1 && src_pages.dim() == 1 && dst_pages.scalar_type() == at::kLong &&
               src_pages.scalar_type() == at::kLong && dst_pages.numel() == src_pages.numel() &&
@@ -55,9 +57,9 @@ void copy_blocks(at::TensorList dst, at::TensorList src, const at::Tensor& dst_p
       std::memcpy(dptr[j] + di[i] * pb, sptr[j] + si[i] * pb, pb);
     }
   };
-  // Threads only for large copies: a layer's few pages saved beside a running forward must
-  // not start a second OpenMP team on the same cores.
-  if (bytes >= kParallelBytes) at::parallel_for(0, total, 8, copy);
+  // Otherwise threads only for large copies: a layer's few pages saved beside a running
+  // forward must not start a second OpenMP team on the same cores.
+  if (parallel || bytes >= kParallelBytes) at::parallel_for(0, total, 8, copy);
   else copy(0, total);
 }
 
@@ -65,5 +67,6 @@ void copy_blocks(at::TensorList dst, at::TensorList src, const at::Tensor& dst_p
 }  // namespace pagedkv
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
-  m.def("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor dst_pages, Tensor src_pages) -> ()", &pagedkv::copy_blocks);
+  m.def("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor dst_pages, Tensor src_pages, bool parallel=False) -> ()",
+        &pagedkv::copy_blocks);
 }
