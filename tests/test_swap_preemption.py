@@ -217,3 +217,15 @@ def test_swaps_reach_stats_and_prometheus(tiny_llm_factory):
     assert f'pagedkv_kv_offload_preemptions_total{{mode="swap"}} {float(swaps)}' in text
     assert f'pagedkv_kv_offload_swaps_total{{direction="in"}} {float(st.kv_offload["swap_ins"])}' in text
     assert st.kv_offload["copy_bytes_per_s"] > 0
+
+
+def test_the_planner_weighs_a_swap_round_trip_against_a_recompute():
+    from pagedkv.planner.plan import plan
+    from pagedkv.planner.report import render
+
+    big_kv = plan(model="phi-3-mini-4k", gpu="h100-sxm", seq_len=2047)  # MHA: 384 KiB of KV per token
+    assert big_kv.preempt_swap_seconds == pytest.approx(2 * big_kv.host_link_seconds)
+    assert big_kv.preempt_swap_seconds > big_kv.prefill.seconds and "auto would recompute" in render(big_kv)
+    gqa = plan(model="llama-3-8b", gpu="h100-sxm", seq_len=4096)
+    assert gqa.preempt_swap_seconds < gqa.prefill.seconds and "auto would swap" in render(gqa)
+    assert plan(model="llama-3-8b").preempt_swap_seconds is None  # no device: nothing to time
