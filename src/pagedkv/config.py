@@ -84,6 +84,9 @@ class EngineConfig:
             again on resume), swap (copied to the CPU KV tier and back; needs
             ``kv_offload_memory``; recompute when the tier is full) or auto (whichever is
             predicted cheaper per request, from this engine's measured copy and compute rates).
+        speculative_config: speculative decoding, as vLLM's: a dict or JSON text such as
+            ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5}`` (default: off; :mod:`pagedkv.spec_decode`).
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output) in tokens (default: the model's limit).
@@ -115,6 +118,7 @@ class EngineConfig:
     kv_offload_dir: str | None = None
     kv_offload_disk_size: int | str | None = None
     preemption_mode: str = "recompute"
+    speculative_config: dict | str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -138,6 +142,8 @@ class EngineConfig:
         if self.kv_offload_dir is not None and not self.kv_offload_memory:
             raise ValueError("kv_offload_dir (--kv-offload-dir): the disk tier stages through the CPU tier; "
                              "set kv_offload_memory (--kv-offload-memory) too")
+        from pagedkv.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.preemption_mode != "recompute" and not self.kv_offload_memory:

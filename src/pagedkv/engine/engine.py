@@ -29,6 +29,7 @@ from pagedkv.attention.dispatch import copy_pages
 from pagedkv.kv.connector import KVConnector
 from pagedkv.kv.cpu_offload import cpu_offload_connector
 from pagedkv.reprs import brief
+from pagedkv.spec_decode.ngram import NgramProposer
 
 ENDED_KEPT = 1024  # recently ended requests whose final output ``final_output`` can still give
 
@@ -59,14 +60,17 @@ class LLMEngine:
             check_fits_in_ram(parts.spec.cache_bytes(self.kv.pool.num_blocks) + c.kv_offload_memory)  # cache + tier
             kv_connector = cpu_offload_connector(self.kv, parts.spec, c.kv_offload_memory, c.kv_offload_policy,
                                                  c.kv_offload_dir, c.kv_offload_disk_size, copy_pages)
+        spec = self.config.speculative_config
         scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, self.eos_token_ids,
                               kv_connector.scheduler if kv_connector else None,
                               self.config.scheduling_policy,
-                              model_preemption_cost(self.config.preemption_mode, self.model))
+                              model_preemption_cost(self.config.preemption_mode, self.model),
+                              spec.num_speculative_tokens if spec else 0)
         runner = ModelRunner(self.model, parts.storage, self.kv.kv_groups,
                              torch.Generator().manual_seed(self.config.seed),
-                             kv_connector.worker if kv_connector else None)
+                             kv_connector.worker if kv_connector else None,
+                             NgramProposer(spec) if spec else None)
         self.core = EngineCore(scheduler, runner, debug_invariants=self.config.debug_invariants)
         if kv_connector is not None and hasattr(kv_connector.scheduler, "requests"):
             kv_connector.scheduler.requests = scheduler.requests  # the live requests, read-only

@@ -45,6 +45,7 @@ class Request:
     error: str | None = None           # why an aborted request failed, if it did
     max_tokens: int = 0                # resolved against max_model_len by the engine
     priority: int = 0                  # scheduling_policy "priority": lower runs first
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: dict[int, float] = field(default_factory=dict)  # position -> log p
     prompt_top_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # position -> top-k

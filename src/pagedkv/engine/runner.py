@@ -19,12 +19,13 @@ import torch
 
 from pagedkv.attention.paged import AttentionMetadata, SeqAttention
 from pagedkv.engine.prompt_logprobs import prompt_logprobs
-from pagedkv.engine.sampler import sample
+from pagedkv.engine.sampler import SampledToken, sample
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedkv.kv.groups import KVCacheGroup
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.llama import LlamaModel
+from pagedkv.spec_decode.verify import verify
 
 
 @dataclass
@@ -47,11 +48,13 @@ class ModelRunner:
         kv_groups: which layers each group's block tables address.
         generator: sampling generator of requests without a seed.
         connector: the worker side of a KV connector, or None.
+        proposer: the speculative decoding proposer (:mod:`pagedkv.spec_decode.ngram`), or None.
     """
 
     def __init__(self, model: LlamaModel, storage: KVCacheStorage, kv_groups: tuple[KVCacheGroup, ...],
-                 generator: torch.Generator, connector=None) -> None:
+                 generator: torch.Generator, connector=None, proposer=None) -> None:
         self.model, self.storage, self.generator, self.connector = model, storage, generator, connector
+        self.proposer = proposer
         self.block_size = kv_groups[0].spec.block_size
         self.layer_group = [0] * sum(len(g.layer_ids) for g in kv_groups)
         for gi, g in enumerate(kv_groups):
@@ -68,6 +71,8 @@ class ModelRunner:
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.gate.forget(rid)
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in out.scheduled_new_reqs:
@@ -79,10 +84,13 @@ class ModelRunner:
             if new.sampling_params.seed is not None and new.req_id not in self.generators:
                 self.generators[new.req_id] = torch.Generator().manual_seed(new.sampling_params.seed)
         c = out.scheduled_cached_reqs
-        for rid, toks, blocks, computed in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
+        for rid, toks, blocks, computed, kept in zip(c.req_ids, c.new_token_ids, c.new_block_ids,
+                                                     c.num_computed_tokens, c.kept_blocks):
             state = self.requests[rid]
             state.token_ids.extend(toks)
-            for table, added in zip(state.block_ids, blocks):
+            for g, (table, added) in enumerate(zip(state.block_ids, blocks)):
+                if kept is not None:
+                    del table[kept[g]:]
                 table.extend(added)
             state.num_computed_tokens = computed
 
@@ -96,14 +104,14 @@ class ModelRunner:
         bs = self.block_size
         for rid in out.req_ids:
             st, n = self.requests[rid], out.num_scheduled_tokens[rid]
-            start = st.num_computed_tokens
+            start, drafts = st.num_computed_tokens, out.scheduled_spec_decode_tokens.get(rid, [])
             for g, table in enumerate(st.block_ids):
                 seqs[g].append(SeqAttention(len(ids), n, start + n, torch.tensor(table, dtype=torch.int64)))
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            ids.extend(st.token_ids[start:start + n])
+            ids.extend((st.token_ids + drafts)[start:start + n] if drafts else st.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            if start + n == len(st.token_ids):
-                sample_rows.append(len(ids) - 1)
+            if start + n == len(st.token_ids) + len(drafts):  # the last token and each draft: d + 1 rows
+                sample_rows.extend(range(len(ids) - 1 - len(drafts), len(ids)))
         metas = [AttentionMetadata(torch.tensor(s, dtype=torch.int64), q) for s, q in zip(slots, seqs)]
         return (torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                 metas, sample_rows)
@@ -125,9 +133,21 @@ class ModelRunner:
         bad = self._read_failed_loads(out, result.invalid_block_ids)  # recomputed next step
         samplers = [rid for rid in out.req_ids if self._samples(rid, out) and rid not in bad]
         if samplers:
-            result.sampled = self._sample(samplers, hidden[rows])
+            rows = self._rows_of(out, rows, samplers)
+            result.sampled = self._sample(samplers, hidden, rows, out.scheduled_spec_decode_tokens)
+            result.num_draft_tokens = {r: len(out.scheduled_spec_decode_tokens.get(r, ())) for r in samplers}
+            if self.proposer is not None:
+                result.spec_token_ids = self._propose(samplers, result)
         result.execute_seconds = time.perf_counter() - t0
         return result
+
+    def _rows_of(self, out: SchedulerOutput, rows: list[int], samplers: list[str]) -> dict[str, list[int]]:
+        """Each sampling request's rows of ``hidden`` (1, or d + 1 with d drafts), in batch order."""
+        it, by_req = iter(rows), {}
+        for rid in out.req_ids:
+            if self._samples(rid, out):
+                by_req[rid] = [next(it) for _ in range(1 + len(out.scheduled_spec_decode_tokens.get(rid, ())))]
+        return {r: by_req[r] for r in samplers}
 
     def _read_failed_loads(self, out: SchedulerOutput, invalid: set[int]) -> set[str]:
         """Requests of this step that read a page whose load failed (not sampled, so a
@@ -139,7 +159,8 @@ class ModelRunner:
 
     def _samples(self, rid: str, out: SchedulerOutput) -> bool:
         st = self.requests[rid]
-        return st.num_computed_tokens + out.num_scheduled_tokens[rid] == len(st.token_ids)
+        drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+        return st.num_computed_tokens + out.num_scheduled_tokens[rid] == len(st.token_ids) + drafts
 
     def _chunks(self, out: SchedulerOutput):
         """``(state, first row, num rows)`` of each request's chunk in the batch."""
@@ -149,13 +170,42 @@ class ModelRunner:
             yield self.requests[rid], row, n
             row += n
 
-    def _sample(self, req_ids: list[str], hidden: torch.Tensor) -> dict[str, SampledTokens]:
-        states = [self.requests[r] for r in req_ids]
-        tokens = sample(self.model.logits(hidden), [s.sampling_params for s in states],
-                        [self.generators.get(r, self.generator) for r in req_ids])
-        return {r: SampledTokens([t.token_id] if t.error is None else [],
-                                 [t.logprobs] if t.logprobs is not None else None, t.error)
-                for r, t in zip(req_ids, tokens)}
+    def _sample(self, req_ids: list[str], hidden: torch.Tensor, rows: dict[str, list[int]],
+                drafts: dict[str, list[int]]) -> dict[str, SampledTokens]:
+        """One token per plain request (one batched sampler call); a request with drafts
+        gets its verified run (:func:`pagedkv.spec_decode.verify.verify`)."""
+        logits = self.model.logits(hidden[[i for r in req_ids for i in rows[r]]])
+        offsets, k = {}, 0
+        for r in req_ids:
+            offsets[r], k = k, k + len(rows[r])
+        plain = [r for r in req_ids if not drafts.get(r)]
+        out = {}
+        if plain:
+            tokens = sample(logits[[offsets[r] for r in plain]], [self.requests[r].sampling_params for r in plain],
+                            [self.generators.get(r, self.generator) for r in plain])
+            out.update({r: [t] for r, t in zip(plain, tokens)})
+        for r in req_ids:
+            if drafts.get(r):
+                out[r] = self._verify(r, logits[offsets[r]:offsets[r] + len(rows[r])], drafts[r])
+        return {r: _sampled_tokens(out[r]) for r in req_ids}
+
+    def _verify(self, rid: str, logits: torch.Tensor, drafts: list[int]) -> list:
+        try:
+            run = verify(logits, drafts, self.requests[rid].sampling_params, self.generators.get(rid, self.generator))
+        except (ValueError, RuntimeError) as e:
+            return [SampledToken(-1, None, str(e))]
+        self.proposer.gate.record(rid, len(drafts), len(run) - 1)
+        return run
+
+    def _propose(self, samplers: list[str], result: ModelRunnerOutput) -> dict[str, list[int]]:
+        """Drafts for the next step of each request that just got tokens."""
+        out = {}
+        for rid in samplers:
+            sampled = result.sampled[rid]
+            if sampled.error is None and sampled.token_ids:
+                out[rid] = self.proposer.propose(rid, self.requests[rid].token_ids + sampled.token_ids,
+                                                 self.proposer.config.num_speculative_tokens)
+        return {r: d for r, d in out.items() if d}
 
     # ---- KV connector (worker side) --------------------------------------------------------
     def _start_connector(self, out: SchedulerOutput):
@@ -173,3 +223,12 @@ class ModelRunner:
         result.invalid_block_ids = set(self.connector.get_block_ids_with_load_errors())
         result.kv_connector_output = self.connector.get_connector_output()
         self.connector.clear_connector_metadata()
+
+
+def _sampled_tokens(run: list[SampledToken]) -> SampledTokens:
+    """One request's tokens of this step as plain data (an error in any of them: none)."""
+    bad = next((t.error for t in run if t.error is not None), None)
+    if bad is not None:
+        return SampledTokens([], None, bad)
+    lps = [t.logprobs for t in run]
+    return SampledTokens([t.token_id for t in run], lps if lps[0] is not None else None)

@@ -40,15 +40,35 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: ``logits`` ``[V]`` / temperature,
+    top-k and top-p filtered, softmaxed (fp32 ``[V]``).
+
+    Raises:
+        ValueError: non-finite logits.
+    """
+    probs = torch.softmax(_filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p), -1)
+    if not torch.isfinite(probs).all():
+        raise ValueError("the model produced non-finite logits")
+    return probs
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from ``logits`` ``[V]``."""
     if params.greedy:
         return int(torch.argmax(logits))
-    filtered = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(filtered, -1)
-    if not torch.isfinite(probs).all():
-        raise ValueError("the model produced non-finite logits")
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(target_probs(logits, params), 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
+    """log p(``token``) and the ``top_n`` most likely tokens' log-probs under ``logits`` ``[V]``
+    (the model's distribution, before temperature and filters, as vLLM returns them)."""
+    logp = torch.log_softmax(logits, -1)
+    out = {token: float(logp[token])}
+    if top_n:
+        top = torch.topk(logp, top_n)
+        out.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
+    return out
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -70,12 +90,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         except (ValueError, RuntimeError) as e:
             out.append(SampledToken(-1, None, str(e)))
             continue
-        lp = None
-        if p.logprobs is not None:
-            logp = torch.log_softmax(row, -1)
-            lp = {token: float(logp[token])}
-            if p.logprobs:
-                top = torch.topk(logp, p.logprobs)
-                lp.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
+        lp = token_logprobs(row, token, p.logprobs) if p.logprobs is not None else None
         out.append(SampledToken(token, lp))
     return out

@@ -8,6 +8,10 @@ Each step, under a token budget (``max_num_batched_tokens``):
    it goes back to the front of the waiting queue (its tokens are recomputed later, or,
    with ``preemption_mode`` swap/auto, its KV is first copied to the KV connector's tier
    and found there on resume: :mod:`pagedkv.engine.preemption`).
+   A decoding request with draft tokens (speculative decoding) gets ``1 + len(drafts)``;
+   drafts that cannot get pages are shortened, never preempting anyone. After
+   verification its progress drops past the rejected drafts, and pages that held only
+   rejected positions go back to the pool at once.
 2. if nothing was preempted, waiting requests are admitted in order while the budget,
    ``max_num_seqs`` and the pool allow. The prefix lookup (local cache, then the KV
    connector) comes first; the tokens to schedule are derived from its hit, then the
@@ -31,6 +35,7 @@ from pagedkv.engine.policy import SCHEDULING_POLICY_MAP
 from pagedkv.engine.preemption import PreemptionCost
 from pagedkv.kv.connector import KVConnectorScheduler
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.spec_decode.stats import SpecDecodeStats
 
 
 class Scheduler:
@@ -46,12 +51,14 @@ class Scheduler:
         policy: ``fcfs`` or ``priority`` (:mod:`pagedkv.engine.policy`).
         preemption: swap-or-recompute pricing (:mod:`pagedkv.engine.preemption`); None:
             always recompute.
+        num_speculative_tokens: drafts per step when speculative decoding is on (0: off);
+            sizes the per-position counters.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
                  connector: KVConnectorScheduler | None = None, policy: str = "fcfs",
-                 preemption: PreemptionCost | None = None) -> None:
+                 preemption: PreemptionCost | None = None, num_speculative_tokens: int = 0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,6 +72,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.preemption = preemption
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        self._trimmed: set[str] = set()  # requests whose tables shrank since the runner last saw them
         self.num_kv_load_failures = 0
         # what the runner holds of each request it has seen: (tokens, pages per group), or
         # None after a preemption (it keeps only the request's generator then)
@@ -97,16 +106,33 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            drafts = self._drafts(req, n, budget)
+            while not self.kv.allocate_slots(req, n + len(drafts)):
+                if drafts:  # a draft that cannot get pages is shortened, never preempting others
+                    drafts = drafts[:-1]
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
                     return budget
-            self._emit(out, req, n)
-            budget -= n
+            self._emit(out, req, n + len(drafts))
+            if drafts:
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
+            budget -= n + len(drafts)
             i += 1
         return budget
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The request's proposed drafts that this step can verify: only for a decode (one
+        token to compute), within the budget, ``max_model_len`` and its ``max_tokens``
+        (the drafts plus the target's own token must not overshoot)."""
+        if not req.spec_token_ids or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        limit = min(budget - 1, req.max_tokens - len(req.output_token_ids) - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - req.num_tokens)
+        return req.spec_token_ids[:max(0, limit)]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -145,9 +171,11 @@ class Scheduler:
                 rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
                 tuple(list(g) for g in blocks), req.num_computed_tokens, resumed=rid in self._sent))
         else:
+            kept = tuple(sent[1]) if rid in self._trimmed else None
             out.scheduled_cached_reqs.add(rid, req.all_token_ids[sent[0]:],
                                           tuple(g[k:] for g, k in zip(blocks, sent[1])),
-                                          req.num_computed_tokens)
+                                          req.num_computed_tokens, kept)
+        self._trimmed.discard(rid)
         self._sent[rid] = (req.num_tokens, [len(g) for g in blocks])
 
     def _preempt(self, req: Request) -> None:
@@ -157,6 +185,8 @@ class Scheduler:
         if req.request_id in self._sent:
             self._sent[req.request_id] = None  # the runner drops its pages; sent in full again
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        self._trimmed.discard(req.request_id)
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -188,18 +218,38 @@ class Scheduler:
                 continue
             if result.invalid_block_ids and self._roll_back(req, result.invalid_block_ids):
                 continue
-            req.num_computed_tokens += sched.num_scheduled_tokens[rid]
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            drafts = sched.scheduled_spec_decode_tokens.get(rid, ())
+            sampled = result.sampled.get(rid)
+            accepted = len(sampled.token_ids) - 1 if drafts and sampled is not None and sampled.token_ids else 0
+            req.num_computed_tokens += sched.num_scheduled_tokens[rid] - (len(drafts) - accepted)
+            self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
             prompt_lp = result.prompt_logprobs.get(rid)
             if prompt_lp is not None:
                 req.add_prompt_logprobs(prompt_lp)
-            sampled = result.sampled.get(rid)
             if sampled is not None:
                 outputs.append(self._apply_sampled(req, sampled, now))
+            if drafts:
+                self._after_verification(req, len(drafts), accepted)
+            if not req.is_finished:
+                req.spec_token_ids = result.spec_token_ids.get(rid, [])
         if self.connector is not None:
             self.connector.update_connector_output(result.kv_connector_output)
         self._finish_transfers(result)
         return outputs
+
+    def _after_verification(self, req: Request, drafted: int, accepted: int) -> None:
+        """Count the verification; publish blocks its accepted drafts filled; give back
+        pages that held only rejected positions (the runner cuts its table next time)."""
+        if self.spec_stats is not None:
+            self.spec_stats.record(drafted, accepted)
+        if req.is_finished:
+            return
+        self.kv.cache_full_blocks(req, req.num_computed_tokens)
+        if self.kv.trim(req, req.num_computed_tokens + 1) and req.request_id in self._sent:
+            sent = self._sent[req.request_id]
+            self._sent[req.request_id] = (sent[0], [min(k, len(g)) for k, g in
+                                                    zip(sent[1], self.kv.get_block_ids(req.request_id))])
+            self._trimmed.add(req.request_id)
 
     def _roll_back(self, req: Request, invalid: set[int]) -> bool:
         """Load-failure policy ``recompute``: if a page of ``req`` failed to load, its
@@ -249,6 +299,7 @@ class Scheduler:
         if request_id in self._sent:
             self._finished_ids.append(request_id)
             del self._sent[request_id]
+        self._trimmed.discard(request_id)
         delay = self.connector is not None and self.connector.request_finished(
             req, self.kv.get_block_ids(request_id))
         if delay:

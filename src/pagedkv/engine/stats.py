@@ -26,6 +26,7 @@ class EngineStats:
     prefix_cache_hits: int
     kv_offload: dict | None = None  # the CPU tier's counters (kv.cpu_offload.OffloadStats), if on
     preemptions_by_mode: dict | None = None  # {"recompute": n, "swap": m}
+    spec_decode: dict | None = None  # speculative decoding counters (spec_decode.stats), if on
 
     @property
     def kv_usage(self) -> float:
@@ -45,7 +46,8 @@ def collect_stats(engine) -> EngineStats:
         num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
         num_rejected=engine.num_rejected, num_generated_tokens=engine.num_generated_tokens,
         prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-        kv_offload=_offload_stats(sched.connector), preemptions_by_mode=dict(sched.preemptions_by_mode))
+        kv_offload=_offload_stats(sched.connector), preemptions_by_mode=dict(sched.preemptions_by_mode),
+        spec_decode=sched.spec_stats.to_dict() if sched.spec_stats is not None else None)
 
 
 def _offload_stats(connector) -> dict | None:

@@ -54,18 +54,23 @@ class CachedRequestData:
 
     ``new_token_ids[i]``: tokens appended since the runner last saw the request (the
     token it sampled last step, for a decode). ``new_block_ids[i]``: pages appended to
-    each group's table. ``num_computed_tokens[i]``: where this step's chunk starts.
+    each group's table, after cutting each table to ``kept_blocks[i]`` pages when that is
+    not None (pages that held only rejected draft positions went back to the pool).
+    ``num_computed_tokens[i]``: where this step's chunk starts.
     """
     req_ids: list[str] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[BlockIds] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    kept_blocks: list[tuple[int, ...] | None] = field(default_factory=list)
 
-    def add(self, req_id: str, new_token_ids: list[int], new_block_ids: BlockIds, num_computed: int) -> None:
+    def add(self, req_id: str, new_token_ids: list[int], new_block_ids: BlockIds, num_computed: int,
+            kept_blocks: tuple[int, ...] | None = None) -> None:
         self.req_ids.append(req_id)
         self.new_token_ids.append(new_token_ids)
         self.new_block_ids.append(new_block_ids)
         self.num_computed_tokens.append(num_computed)
+        self.kept_blocks.append(kept_blocks)
 
 
 @dataclass
@@ -88,6 +93,9 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)   # ended since the last step
     kv_transfers: list[KVTransfer] = field(default_factory=list)
     kv_connector_metadata: object | None = None  # built by the connector's scheduler side
+    # draft tokens to verify per request (speculative decoding); they are the last
+    # len(drafts) of the request's num_scheduled_tokens, after its committed tokens
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -142,3 +150,4 @@ class ModelRunnerOutput:
     invalid_block_ids: set[int] = field(default_factory=set)  # pages whose KV load failed
     kv_connector_output: object | None = None  # the connector worker's report of the step
     execute_seconds: float = 0.0  # wall time of the step's execution (0.0: not measured)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts proposed for the next step

@@ -129,6 +129,11 @@ class KVCacheManager:
         for g in self.groups:
             g.cache_full_blocks(req.request_id, hashes, req.all_token_ids, num_written_tokens)
 
+    def trim(self, req: CacheRequest, num_tokens: int) -> bool:
+        """Give back pages beyond what ``num_tokens`` tokens need, in every group (pages that
+        held only rejected draft positions). Returns whether any page went."""
+        return any([g.trim(req, num_tokens) for g in self.groups])
+
     def free(self, request_id: str) -> None:
         """Release every page of the request in every group, tail first. Unknown ids are ignored."""
         for g in self.groups:

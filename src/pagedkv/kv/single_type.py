@@ -73,11 +73,26 @@ class FullAttentionManager:
                           num_written_tokens: int) -> None:
         """Publish the pages that are full once ``num_written_tokens`` have KV written."""
         start = self.num_published.get(request_id, 0)
-        end = num_written_tokens // self.block_size
+        end = min(num_written_tokens // self.block_size, len(hashes))
         table, bs = self.block_tables[request_id], self.block_size
         for i in range(start, end):
             self.pool.cache_block(table[i], (self.group_id, hashes[i]), tuple(tokens[i * bs:(i + 1) * bs]))
         self.num_published[request_id] = max(start, end)
+
+    def trim(self, req, total_tokens: int) -> bool:
+        """Give back the table's tail pages beyond what ``total_tokens`` need (never a
+        published page); returns whether any went. Speculative decoding's rejected drafts."""
+        table = self.block_tables.get(req.request_id)
+        if not table:
+            return False
+        keep = max(-(-self.tokens_to_hold(req, total_tokens) // self.block_size),
+                   self.num_published.get(req.request_id, 0))
+        if keep >= len(table):
+            return False
+        dropped = table[keep:]
+        del table[keep:]
+        self.pool.release([b for b in reversed(dropped) if b != self.pool.null_block])
+        return True
 
     def free(self, request_id: str) -> None:
         """Release the request's pages, tail first (so its tail is evicted first)."""

@@ -12,6 +12,8 @@ thread as outputs arrive. Units: seconds, tokens, blocks (``block_size`` tokens 
     pagedkv_kv_offload_*{tier="cpu|disk"}            KV tier blocks, hits, bytes, loads (with a tier)
     pagedkv_kv_offload_preemptions_total{mode}       recompute | swap (with a tier)
     pagedkv_kv_offload_{swaps,swapped_blocks}_total{direction="out|in"}, _swap_seconds_total
+    pagedkv_spec_decode_{num_drafts,num_draft_tokens,num_accepted_tokens}_total,
+    pagedkv_spec_decode_num_accepted_tokens_per_pos_total{position}   (speculative decoding on)
     pagedkv_requests_rejected_total{reason}          never_fits (engine) | invalid | out_of_vocabulary | unauthorized
     pagedkv_requests_finished_total{finish_reason}   stop | length | abort
     pagedkv_{prompt,prompt_cached,generation}_tokens_total
@@ -67,6 +69,7 @@ class _StatsCollector:
                                   value=s.num_preemptions)
         yield from _offload_metrics(s.kv_offload)
         yield from _swap_metrics(s.kv_offload, s.preemptions_by_mode)
+        yield from _spec_metrics(s.spec_decode)
         yield CounterMetricFamily("pagedkv_generation_tokens", "tokens generated", value=s.num_generated_tokens)
         rej = CounterMetricFamily("pagedkv_requests_rejected", "requests rejected", labels=["reason"])
         rej.add_metric(["never_fits"], s.num_rejected)
@@ -123,6 +126,21 @@ def _swap_metrics(o: dict | None, by_mode: dict | None):
         yield c
     yield CounterMetricFamily("pagedkv_kv_offload_swap_seconds", "seconds spent copying swapped blocks",
                               value=o["swap_seconds"])
+
+
+def _spec_metrics(d: dict | None):
+    """``pagedkv_spec_decode_*``, vLLM's ``vllm:spec_decode_*`` counters, with speculative decoding on."""
+    if not d:
+        return
+    for name, help_text in (("num_drafts", "verification steps of a request with drafts"),
+                            ("num_draft_tokens", "draft tokens verified"),
+                            ("num_accepted_tokens", "draft tokens accepted")):
+        yield CounterMetricFamily(f"pagedkv_spec_decode_{name}", help_text, value=d[name])
+    per_pos = CounterMetricFamily("pagedkv_spec_decode_num_accepted_tokens_per_pos",
+                                  "draft tokens accepted at each position of a draft", labels=["position"])
+    for i, n in enumerate(d["num_accepted_tokens_per_pos"]):
+        per_pos.add_metric([str(i)], n)
+    yield per_pos
 
 
 class ServerMetrics:

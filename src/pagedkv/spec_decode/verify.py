@@ -1,0 +1,65 @@
+"""Lossless verification of one request's draft tokens against the target's logits.
+
+The target computed logits at the request's last committed token and at each of its ``d``
+drafts: rows ``0 .. d`` of ``[d + 1, V]``; row ``i`` predicts the token after draft ``i``
+(row 0: after the last committed token). Verification returns the tokens to commit: the
+accepted drafts, then one more (the correction at the first rejection, or the bonus token
+after a full acceptance), so 1 .. d + 1 tokens.
+
+- Greedy requests accept draft ``i`` while it equals the argmax of row ``i`` (lowest id on
+  ties, as :func:`pagedkv.engine.sampler.sample` picks): the output is exactly what
+  non-speculative greedy decoding produces.
+- Sampled requests: rejection sampling (Leviathan et al. 2023, arXiv:2211.17192, Alg. 1;
+  Chen et al. 2023, arXiv:2302.01318) with a one-hot proposal (n-gram drafts put all mass
+  on the draft ``x``): accept ``x`` with probability ``p(x)``, ``p`` the request's own
+  distribution (temperature, top-k, top-p: :func:`pagedkv.engine.sampler.target_probs`);
+  on rejection sample from ``p`` with ``x`` removed, renormalized. Each committed token is
+  then distributed exactly as ``p`` (the theorem of both papers), drawn from the request's
+  own generator.
+
+Log-probs, where asked, are the target's (row of each committed token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.engine.sampler import SampledToken, target_probs, token_logprobs
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+           generator: torch.Generator | None) -> list[SampledToken]:
+    """The tokens to commit for one request (see the module doc); ``logits`` ``[d + 1, V]``
+    fp32. Raises ValueError for non-finite logits in a row it reads."""
+    tokens = _greedy(logits, drafts) if params.greedy else _rejection(logits, drafts, params, generator)
+    return [SampledToken(t, token_logprobs(logits[i], t, params.logprobs) if params.logprobs is not None else None)
+            for i, t in enumerate(tokens)]
+
+
+def _greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    best = torch.argmax(logits, dim=-1)
+    if not torch.isfinite(logits.gather(1, best.unsqueeze(1))).all():
+        raise ValueError("the model produced non-finite logits")
+    best = best.tolist()
+    out = []
+    for i, x in enumerate(drafts):
+        if x != best[i]:
+            return out + [best[i]]
+        out.append(x)
+    return out + [best[len(drafts)]]
+
+
+def _rejection(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+               generator: torch.Generator | None) -> list[int]:
+    out = []
+    for i, x in enumerate(drafts):
+        p = target_probs(logits[i], params)
+        if float(torch.rand((), generator=generator)) < float(p[x]):
+            out.append(x)
+            continue
+        residual = p.clone()
+        residual[x] = 0.0  # p(x) < 1 here, so some mass is left
+        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+    p = target_probs(logits[len(drafts)], params)
+    return out + [int(torch.multinomial(p, 1, generator=generator))]
