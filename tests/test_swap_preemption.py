@@ -225,7 +225,8 @@ def test_the_planner_weighs_a_swap_round_trip_against_a_recompute():
 
     big_kv = plan(model="phi-3-mini-4k", gpu="h100-sxm", seq_len=2047)  # MHA: 384 KiB of KV per token
     assert big_kv.preempt_swap_seconds == pytest.approx(2 * big_kv.host_link_seconds)
-    assert big_kv.preempt_swap_seconds > big_kv.prefill.seconds and "auto would recompute" in render(big_kv)
+    assert big_kv.preempt_recompute_seconds == big_kv.prefill.seconds < big_kv.preempt_swap_seconds
+    assert "recompute is cheaper" in render(big_kv)
     gqa = plan(model="llama-3-8b", gpu="h100-sxm", seq_len=4096)
-    assert gqa.preempt_swap_seconds < gqa.prefill.seconds and "auto would swap" in render(gqa)
+    assert gqa.preempt_swap_seconds < gqa.preempt_recompute_seconds and "swap is cheaper" in render(gqa)
     assert plan(model="llama-3-8b").preempt_swap_seconds is None  # no device: nothing to time

@@ -186,6 +186,12 @@ class LLM:
         """See :meth:`LLMEngine.close`: finishes the KV tiers' writes, releases ``kv_offload_dir``."""
         self.engine.close()
 
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def stats(self):
         return self.engine.stats()
 

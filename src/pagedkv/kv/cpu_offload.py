@@ -390,8 +390,8 @@ def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: st
         raise ValueError("the CPU KV tier supports one KV cache group (full attention) so far")
     capacity = int(memory_bytes) // spec.page_size_bytes
     if capacity < 1:
-        raise ValueError(f"kv_offload_memory of {int(memory_bytes)} bytes holds no page of "
-                         f"{spec.page_size_bytes} bytes")
+        raise ValueError(f"kv_offload_memory (--kv-offload-memory) of {int(memory_bytes)} bytes holds no page "
+                         f"of {spec.page_size_bytes} bytes; give at least that much")
     plan = io = None
     if disk_dir is not None:
         disk_capacity = int(disk_bytes) // (spec.page_size_bytes + RECORD_OVERHEAD)

@@ -159,11 +159,12 @@ def _preemption(c: _Inputs, f: dict) -> dict:
     bound): what ``--preemption-mode auto`` weighs per victim."""
     if f.get("prefill") is None:
         return {}
+    recompute = {"preempt_recompute_seconds": f["prefill"].seconds}
     if f.get("host_link_seconds"):
-        return {"preempt_swap_seconds": 2 * f["host_link_seconds"]}
+        return {"preempt_swap_seconds": 2 * f["host_link_seconds"]} | recompute
     if f.get("offload_cpu_block_load_seconds"):
         blocks = math.ceil(c.seq_len / c.spec.block_size)
-        return {"preempt_swap_seconds": 2 * blocks * f["offload_cpu_block_load_seconds"]}
+        return {"preempt_swap_seconds": 2 * blocks * f["offload_cpu_block_load_seconds"]} | recompute
     return {}
 
 

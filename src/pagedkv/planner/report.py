@@ -121,9 +121,10 @@ def _transfer(r: PlanResult) -> list[str]:
     lines.append(_row("from NVMe (whole request)", f"{fmt_seconds(r.nvme_seconds)} at "
                       f"{fmt_rate(nvme_read_bandwidth())}"))
     if r.preempt_swap_seconds is not None:
-        pick = "swap" if r.preempt_swap_seconds <= r.prefill.seconds else "recompute"
+        pick = "swap" if r.preempt_swap_seconds <= r.preempt_recompute_seconds else "recompute"
         lines.append(_row("preempting it", f"swap out and back {fmt_seconds(r.preempt_swap_seconds)}, recompute "
-                          f"{fmt_seconds(r.prefill.seconds)} (prefill bound): --preemption-mode auto would {pick}"))
+                          f"{fmt_seconds(r.preempt_recompute_seconds)} (prefill bound): {pick} is cheaper "
+                          f"(what --preemption-mode auto weighs)"))
     return lines
 
 

@@ -65,8 +65,9 @@ class PlanResult:
     at the model's piece size: :func:`pagedkv.planner.cpu.page_copy_bandwidth`) and
     ``offload_disk_block_load_seconds`` (NVMe read, then the host link on a GPU).
     ``preempt_swap_seconds``: one request's swap preemption round trip (its pages out and
-    back over the host link, or through the CPU tier on ``cpu``), to weigh against
-    ``prefill.seconds`` (recomputing it), as ``--preemption-mode auto`` does.
+    back over the host link on a GPU, or through the CPU tier at the measured page copy
+    rate on ``cpu`` with ``kv_offload_memory``), beside ``preempt_recompute_seconds``
+    (recomputing it: the prefill bound), as ``--preemption-mode auto`` weighs them.
 
     ``notes``: plain-language findings and caveats.
     """
@@ -128,6 +129,7 @@ class PlanResult:
     offload_disk_tokens: int | None = None
     offload_disk_block_load_seconds: float | None = None
     preempt_swap_seconds: float | None = None
+    preempt_recompute_seconds: float | None = None
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:

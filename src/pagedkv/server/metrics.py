@@ -106,7 +106,8 @@ def _offload_metrics(o: dict | None):
         for tier, i in tiers:
             if keys[i] is not None:
                 c.add_metric([tier], o[keys[i]])
-        yield c
+        if c.samples:  # a disk-only counter without a disk tier has none
+            yield c
 
 
 def _swap_metrics(o: dict | None, by_mode: dict | None):
@@ -118,7 +119,8 @@ def _swap_metrics(o: dict | None, by_mode: dict | None):
         pre.add_metric([mode], n)
     yield pre
     for name, help_text, keys in (("swaps", "requests swapped to / from the CPU tier", ("swap_outs", "swap_ins")),
-                                  ("swapped_blocks", "blocks copied by swap preemption",
+                                  ("swapped_blocks", "blocks copied by swap preemption (out: copied, not "
+                                   "pinned tier blocks; in: every block brought back)",
                                    ("swap_blocks_out", "swap_blocks_in"))):
         c = CounterMetricFamily(f"pagedkv_kv_offload_{name}", help_text, labels=["direction"])
         c.add_metric(["out"], o[keys[0]])
