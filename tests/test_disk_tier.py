@@ -253,6 +253,9 @@ def test_no_step_waits_for_a_disk_write_and_close_finishes_them(tiny_llm_factory
     gate.set()
     llm.close()
     assert len(list(tmp_path.glob("*.kvb"))) == 2  # 40 tokens + 4 written outputs: 2 full blocks
+    c = llm.engine.scheduler.connector
+    assert llm.engine.stats().kv_offload["disk_blocks_written"] == 2  # close reported them
+    assert c.index.num_pinned == 0 and not c.disk.writing and all(e.ready for e in c.disk.index.entries.values())
     del llm
     _restart()
     again = _tiered(tiny_llm_factory, tmp_path)  # the directory was released
@@ -276,3 +279,14 @@ def test_a_damaged_records_descendants_are_removed_with_it(tiny_llm_factory, tmp
         assert _run(second, ids) == _run(ref, ids)
     second.close()
     assert want and not child.exists()  # unreachable past the gap: its record went with its parent's
+
+
+def test_close_writes_the_blocks_the_last_step_filled(tiny_llm_factory, tmp_path):
+    llm = _tiered(tiny_llm_factory, tmp_path)
+    o = llm.generate([{"prompt_token_ids": _prompt(32)}], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert len(o.token_ids) == 1  # the only step filled both blocks; no later step planned their writes
+    llm.close()
+    assert len(list(tmp_path.glob("*.kvb"))) == 2
+    del llm
+    _restart()
+    assert _tiered(tiny_llm_factory, tmp_path).engine.stats().kv_offload["disk_blocks_used"] == 2

@@ -230,3 +230,24 @@ def test_the_planner_weighs_a_swap_round_trip_against_a_recompute():
     gqa = plan(model="llama-3-8b", gpu="h100-sxm", seq_len=4096)
     assert gqa.preempt_swap_seconds < gqa.preempt_recompute_seconds and "swap is cheaper" in render(gqa)
     assert plan(model="llama-3-8b").preempt_swap_seconds is None  # no device: nothing to time
+
+
+def test_a_failed_swap_in_step_leaves_no_pins_once_drained(tiny_llm_factory):
+    eng = tiny_llm_factory(num_blocks=5, kv_offload_memory="1MiB", preemption_mode="swap").engine
+    c, forward, fired = eng.scheduler.connector, eng.model.forward, []
+
+    def failing_swap_in(*a, **kw):
+        if not fired and any(swapped for *_, swapped in c._pinned.values()):
+            fired.append(1)
+            raise RuntimeError("injected failure of the swap-in step")
+        return forward(*a, **kw)
+    eng.model.forward = failing_swap_in
+    for base in (100, 300):
+        eng.add_request({"prompt_token_ids": list(range(base, base + 20))}, _params())
+    while eng.has_unfinished_requests():
+        try:
+            eng.step()
+        except RuntimeError:
+            pass
+    assert fired and eng.scheduler.preemptions_by_mode["swap"] > 0
+    _assert_drained(eng)

@@ -77,8 +77,8 @@ class EngineCore:
         """
         sched = self.scheduler.schedule()
         if not (sched.num_scheduled_tokens or sched.finished_req_ids or sched.preempted_req_ids
-                or self.scheduler.num_delayed_free):
-            return []
+                or self.scheduler.num_delayed_free or sched.kv_connector_metadata is not None):
+            return []  # (a connector's plan always runs: it may hold pins until reported)
         try:
             result = self.runner.execute(sched)
         except Exception as e:
@@ -90,9 +90,23 @@ class EngineCore:
             raise
         outputs = self.scheduler.update(sched, result, self.clock())
         self.num_steps += 1
+        self._after_step()
+        return outputs
+
+    def connector_step(self) -> None:
+        """A step that computes nothing and lets the KV connector move what it has pending
+        (e.g. disk writes of the blocks the last step saved) and report what ended. No
+        request is scheduled or changed."""
+        sched = self.scheduler
+        if sched.connector is None:
+            return
+        out = SchedulerOutput()
+        out.kv_connector_metadata = sched.connector.build_connector_meta(out)
+        sched.update(out, self.runner.execute(out), self.clock())
+
+    def _after_step(self) -> None:
         self.peak_blocks_used = max(self.peak_blocks_used, self.scheduler.kv.pool.num_used)
         if self.debug_invariants:
             self.scheduler.kv.check_invariants()
             if self.scheduler.connector is not None:
                 self.scheduler.connector.check_invariants()
-        return outputs

@@ -251,7 +251,9 @@ class LLMEngine:
         (the ``--kv-offload-dir`` lock), so another engine can open it. Idempotent; the
         engine may still step afterwards, its disk tier no longer written."""
         if self.runner.connector is not None:
-            self.runner.connector.close()
+            self.core.connector_step()  # plan and start the disk writes still owed
+            self.runner.connector.close()  # wait for them; release the directory
+            self.core.connector_step()  # report them: counters, pins
 
 
 def _is_unicode(text: str) -> bool:

@@ -319,6 +319,8 @@ class Scheduler:
         (it may never have read them), and end the step's requests (their KV writes are
         incomplete)."""
         self._finished_ids = list(sched.finished_req_ids) + self._finished_ids
+        if self.connector is not None:
+            self.connector.step_failed(sched)
         for rid in sched.req_ids:
             self.finish(rid, "abort")
 

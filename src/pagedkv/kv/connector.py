@@ -99,6 +99,10 @@ class KVConnectorScheduler:
     def update_connector_output(self, output) -> None:
         """The worker's :meth:`KVConnectorWorker.get_connector_output` of a finished step."""
 
+    def step_failed(self, scheduler_output) -> None:
+        """The runner raised on ``scheduler_output`` (built with this side's metadata): give
+        up what that step's transfers held; nothing it did may be trusted."""
+
     def check_invariants(self) -> None:
         """Assert the connector's own bookkeeping (``debug_invariants``)."""
 

@@ -214,6 +214,26 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         step, ok, counts, disk = output
         self._ready += self.index.complete(step, failed=not ok)
         self.swap.confirm(step)  # its copies out ran first thing in the step
+        self._release_pins(step)
+        if self.disk is not None:
+            written, failed, corrupt = disk
+            self.disk.finish_writes(self.index, written, failed)
+            self.disk.drop_corrupt(corrupt)
+            self.stats.disk_hit_tokens -= len(corrupt) * self.bs  # counted at allocation; never loaded
+        self._count(counts)
+
+    def step_failed(self, scheduler_output) -> None:
+        """The runner raised on the step ``scheduler_output`` planned: what it saved or
+        swapped out is unknown (dropped), what its loads pinned is released now."""
+        meta = scheduler_output.kv_connector_metadata
+        if meta is None:
+            return
+        self.index.complete(meta.step, failed=True)
+        self.swap.confirm(meta.step + 1)  # drops the swaps that step was to copy out
+        self._release_pins(meta.step)
+
+    def _release_pins(self, step: int) -> None:
+        """Unpin what the loads of steps up to ``step`` read, and free their swap records."""
         for s in [s for s in self._pinned if s <= step]:
             cpu, on_disk, swapped = self._pinned.pop(s)
             self.index.unpin(cpu)
@@ -221,11 +241,6 @@ class CPUOffloadScheduler(KVConnectorScheduler):
                 self.swap.free(rec)
             if on_disk:
                 self.disk.index.unpin(on_disk)
-        if self.disk is not None:
-            written, failed, corrupt = disk
-            self.disk.finish_writes(self.index, written, failed)
-            self.disk.drop_corrupt(corrupt)
-        self._count(counts)
 
     def _count(self, counts) -> None:
         st = self.stats

@@ -58,6 +58,8 @@ class DiskPlan:
         return dropped
 
     def match(self, hashes, token_ids, block_size: int, first: int, max_blocks: int) -> list[TierEntry]:
+        if self.dir.closed:  # released: another engine may own the directory now
+            return []
         return self.index.match(hashes, token_ids, block_size, first, max_blocks)
 
     def plan_writes(self, cpu: TierIndex, ready_now: list[BlockHash]) -> list[tuple[int, BlockHash, BlockHash, tuple]]:

@@ -148,6 +148,10 @@ class DiskDirectory:
         if not self._lock.closed:
             self._lock.close()  # closing the file drops the flock
 
+    @property
+    def closed(self) -> bool:
+        return self._lock.closed
+
     def __del__(self) -> None:
         lock = getattr(self, "_lock", None)
         if lock is not None and not lock.closed:

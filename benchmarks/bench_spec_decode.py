@@ -1,0 +1,90 @@
+"""Speculative decoding with n-gram drafts vs plain decoding (issue 13), on the default model.
+
+Two workloads, each under the model's chat template, greedy:
+
+- ``edit`` (input-grounded): the bundled sonnets (``pagedkv/bench/data/sonnet.txt``, public
+  domain; Apache-2.0 as vLLM ships it), one per prompt, with an instruction to copy it with
+  one small change, so most of the answer is in the prompt;
+- ``chat`` (open-ended): arena-hard v0.1 prompts (bundled, Apache-2.0).
+
+``--batch 1`` runs one request at a time (single stream: tokens/s = all output tokens /
+all wall time); a larger batch submits that many requests at once (repeating prompts as
+needed). Each setting runs ``--repeats`` times, interleaved with the other; reported: the
+median tokens/s per setting, the ratio, the draft acceptance rate and the mean accepted
+length (tokens per verification step), and how many requests produced the same tokens
+(batch-invariant mode is off, as in serving: the same tokens are expected, not promised).
+
+    python benchmarks/bench_spec_decode.py --workload edit --batch 1 --requests 8 --max-tokens 160
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.bench.workloads import chat_ids, load_arena_hard, load_sonnet
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+EDIT = "Copy the following sonnet exactly, line by line, but write its first word in capital letters:\n\n"
+
+
+def messages(workload: str, n: int) -> list[list[dict]]:
+    if workload == "edit":
+        sonnets = [s.strip() for s in load_sonnet().split("\n\n") if s.count("\n") >= 10]
+        return [[{"role": "user", "content": EDIT + sonnets[i % len(sonnets)]}] for i in range(n)]
+    prompts = [p for p in load_arena_hard() if len(p) < 600]
+    return [[{"role": "user", "content": prompts[i % len(prompts)]}] for i in range(n)]
+
+
+def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Output tokens/s over ``prompts``, ``batch`` at a time; and the outputs."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outs, t = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outs += [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]], params)]
+    return sum(len(o) for o in outs) / (time.perf_counter() - t), outs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=("edit", "chat"), default="edit")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--speculative-config", default=json.dumps(SPEC))
+    p.add_argument("--out")
+    a = p.parse_args()
+    engines = {"off": LLM(), "ngram": LLM(speculative_config=a.speculative_config)}
+    tok = engines["off"].get_tokenizer()
+    prompts = [chat_ids(tok, m) for m in messages(a.workload, a.requests)]
+    for llm in engines.values():  # warm up: kernels, thread pools
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8, temperature=0.0))
+    rates, outputs = {k: [] for k in engines}, {}
+    before = engines["ngram"].stats().spec_decode
+    for _ in range(a.repeats):
+        for name, llm in engines.items():
+            rate, outs = run(llm, prompts, a.batch, a.max_tokens)
+            rates[name].append(rate)
+            outputs[name] = outs
+    s = engines["ngram"].stats().spec_decode
+    drafts, drafted, accepted = (s[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    report = {"args": vars(a), "tokens_per_s": rates, "median_tokens_per_s": med, "ratio": med["ngram"] / med["off"],
+              "acceptance_rate": accepted / drafted if drafted else None,
+              "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+              "same_tokens_requests": sum(x == y for x, y in zip(outputs["off"], outputs["ngram"])),
+              "output_tokens": sum(len(o) for o in outputs["off"]), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    text = json.dumps(report, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
