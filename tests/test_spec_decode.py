@@ -196,3 +196,21 @@ def test_spec_counters_reach_prometheus(tiny_llm_factory, reference):
     text = ServerMetrics(llm.engine.stats).render().decode()
     assert f"pagedkv_spec_decode_num_draft_tokens_total {float(s['num_draft_tokens'])}" in text
     assert 'pagedkv_spec_decode_num_accepted_tokens_per_pos_total{position="1"}' in text
+
+
+def test_a_stop_string_completed_inside_an_accepted_run_cuts_there(tiny_llm_factory, reference):
+    import random
+
+    r = random.Random(0)
+    prompt = [r.randrange(100, 49000) for _ in range(20)]  # a random model repeats itself: long accepted runs
+    ref = tiny_llm_factory(num_blocks=128, batch_invariant=True)
+    llm = tiny_llm_factory(num_blocks=128, batch_invariant=True, speculative_config=_spec(8))
+    plain = ref.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    tok = ref.get_tokenizer()
+    stop = tok.decode(plain.token_ids[7:10])  # completed by the 10th token, mid-run for the speculative engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1, stop=[stop])
+    want, got = (e.generate([{"prompt_token_ids": prompt}], params)[0] for e in (ref, llm))
+    assert (got.token_ids, got.logprobs, got.text, got.finish_reason) == (
+        want.token_ids, want.logprobs, want.text, want.finish_reason)
+    assert want.finish_reason == "stop" and len(want.token_ids) <= 10
+    assert llm.engine.stats().spec_decode["num_accepted_tokens"] > 0

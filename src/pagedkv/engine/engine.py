@@ -222,9 +222,10 @@ class LLMEngine:
     def _process(self, out: EngineCoreOutput) -> RequestOutput:
         """Apply a core output to the request's text: detokenize, then stop strings."""
         t = self._texts[out.request_id]
-        self.num_generated_tokens += len(out.new_token_ids)
-        t.apply(out)
-        if t.stop_string_hit() and not out.finished:
+        before = len(t.token_ids)
+        cut = t.apply(out)
+        self.num_generated_tokens += len(t.token_ids) - before
+        if (cut or t.stop_string_hit()) and not out.finished:
             self.core.abort_requests([out.request_id], reason="stop")
         if t.finished:
             self._end(t)

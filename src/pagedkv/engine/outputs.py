@@ -64,23 +64,32 @@ class TextRequest:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def apply(self, out: EngineCoreOutput) -> None:
+    def apply(self, out: EngineCoreOutput) -> bool:
         """Append the core's news. The text of a token that stopped the request (EOS or
-        a stop token id) is left out, as vLLM does; at the end the text is the full decode."""
+        a stop token id) is left out, as vLLM does; at the end the text is the full decode.
+        Several tokens at once (speculative decoding) are taken one by one: a stop string
+        completed by one of them ends the request there, the rest are dropped, exactly as
+        one token per step would. Returns whether that happened."""
+        n, cut = len(out.new_token_ids), False
         for i, tok in enumerate(out.new_token_ids):
             self.token_ids.append(tok)
             self.token_times.append(out.token_time)
+            if i < len(out.new_logprobs):
+                self.logprobs.append(out.new_logprobs[i])
             # the core stops with "stop" on EOS or a stop token id: that token's text is left out
-            if not (i == len(out.new_token_ids) - 1 and out.finish_reason == "stop"):
+            if not (i == n - 1 and out.finish_reason == "stop"):
                 self.detok.push(tok)
-        if out.finished:
+            if i < n - 1 and self.params.stop and self.stop_string_hit():
+                cut = True
+                break
+        if out.finished or cut:
             self.detok.finish()
-        self.logprobs.extend(out.new_logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs or {}
         self.num_cached_tokens, self.num_preemptions = out.num_cached_tokens, out.num_preemptions
         if out.finished and not self.finished:
             self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
+        return cut
 
     def stop_string_hit(self) -> bool:
         """If a stop string now appears (and no id-based stop came first), finish with

@@ -55,11 +55,15 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        method = value.get("method", "ngram")
+        method = value.get("method")
+        if method is None:
+            raise ValueError('speculative_config needs "method" (e.g. "ngram")')
         if method == "draft_model":
             raise ValueError("speculative_config method 'draft_model' is not supported yet; use 'ngram'")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
+        if "model" in value:
+            raise ValueError(f'speculative_config "model" names a draft model; method {method!r} uses none')
         k = _int(value, "num_speculative_tokens", None)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
