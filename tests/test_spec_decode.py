@@ -214,3 +214,28 @@ def test_a_stop_string_completed_inside_an_accepted_run_cuts_there(tiny_llm_fact
         want.token_ids, want.logprobs, want.text, want.finish_reason)
     assert want.finish_reason == "stop" and len(want.token_ids) <= 10
     assert llm.engine.stats().spec_decode["num_accepted_tokens"] > 0
+
+
+def test_the_server_streams_several_tokens_per_step_with_the_same_text(tiny_model_dir, tiny_llm_factory):
+    import openai
+
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.server import ServerConfig, build_app
+    from pagedkv.server.live import LiveServer
+
+    prompt = "one two three one two three one two three one two"
+    ref = tiny_llm_factory(num_blocks=64, batch_invariant=True).generate(
+        [prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    engine = LLMEngine(model=str(tiny_model_dir), num_blocks=64, batch_invariant=True, debug_invariants=True,
+                       speculative_config=_spec(8))
+    srv = LiveServer(build_app(engine, ServerConfig(["tiny"]))).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        greedy = dict(model="tiny", prompt=prompt, max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+        whole = c.completions.create(**greedy)
+        chunks = list(c.completions.create(stream=True, **greedy))
+    finally:
+        srv.stop()
+    assert whole.choices[0].text == "".join(ch.choices[0].text for ch in chunks) == ref.text
+    assert whole.usage.completion_tokens == 32
+    assert len(chunks) < 32  # accepted drafts arrive together
