@@ -54,3 +54,16 @@ def run_schedule(eng, schedule, check) -> tuple[dict, dict, set]:
     while eng.has_unfinished_requests():
         step()
     return added, done, aborted
+
+
+def check_with_connector(eng) -> None:
+    """After every step: the KV manager's and the connector's invariants."""
+    eng.kv.check_invariants()
+    eng.scheduler.connector.check_invariants()
+
+
+def assert_solo_outputs(solo, added: dict, done: dict, aborted: set) -> None:
+    """Every request of a schedule that was not aborted got the tokens it gets alone on ``solo``."""
+    for rid, (ids, n) in added.items():
+        if rid not in aborted:
+            assert done[rid] == solo_tokens(solo, ids, n), f"{rid} differs from its solo run"

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from hypothesis import HealthCheck, given, settings
-from schedules import OPS, run_schedule, schedule_prompt, solo_tokens
+from schedules import OPS, assert_solo_outputs, check_with_connector, run_schedule, schedule_prompt, solo_tokens
 
 from pagedkv import SamplingParams
 from pagedkv.kv.hashing import ROOT_HASH
@@ -114,23 +114,16 @@ def tiered(tiny_llm_factory):
             "solo": tiny_llm_factory(num_blocks=64, enable_prefix_caching=False, batch_invariant=True).engine}
 
 
-def _check(eng):
-    eng.kv.check_invariants()
-    eng.scheduler.connector.check_invariants()
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(OPS)
 def test_random_schedules_keep_device_and_tier_invariants(tiered, schedule):
     eng, solo = tiered["tiered"], tiered["solo"]
     assert eng.scheduler.connector.index.capacity == 8
-    added, done, aborted = run_schedule(eng, schedule, _check)
+    added, done, aborted = run_schedule(eng, schedule, check_with_connector)
     index = eng.scheduler.connector.index
     assert eng.kv.pool.num_used == 0 and index.num_pinned == 0
     assert all(e.ready for e in index.entries.values())  # nothing in flight after the drain
-    for rid, (ids, n) in added.items():
-        if rid not in aborted:
-            assert done[rid] == solo_tokens(solo, ids, n), f"{rid} differs from its solo run"
+    assert_solo_outputs(solo, added, done, aborted)
 
 
 def test_concurrent_requests_on_a_tight_cache_load_shared_prefixes_from_the_tier(tiered):
@@ -147,7 +140,7 @@ def test_concurrent_requests_on_a_tight_cache_load_shared_prefixes_from_the_tier
     done = {}
     while eng.has_unfinished_requests():
         done |= {o.request_id: o.token_ids for o in eng.step() if o.finished}
-        _check(eng)
+        check_with_connector(eng)
     assert eng.stats().kv_offload["blocks_loaded"] > before
     for rid, (kind, n) in {"c0-46": (0, 46), "c2-47": (2, 47)}.items():
         assert done[rid] == solo_tokens(solo, schedule_prompt(kind, n), 4), rid

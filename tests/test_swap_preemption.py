@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from hypothesis import HealthCheck, given, settings
-from schedules import OPS, run_schedule, solo_tokens
+from schedules import OPS, assert_solo_outputs, check_with_connector, run_schedule
 
 from pagedkv import SamplingParams
 from pagedkv.config import EngineConfig
@@ -141,20 +141,13 @@ def swapping(tiny_llm_factory):
             "solo": tiny_llm_factory(num_blocks=64, enable_prefix_caching=False, batch_invariant=True).engine}
 
 
-def _check(eng):
-    eng.kv.check_invariants()
-    eng.scheduler.connector.check_invariants()
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(OPS)
 def test_random_schedules_with_swap_keep_invariants_and_outputs(swapping, schedule):
     eng, solo = swapping["eng"], swapping["solo"]
-    added, done, aborted = run_schedule(eng, schedule, _check)
+    added, done, aborted = run_schedule(eng, schedule, check_with_connector)
     _assert_drained(eng)
-    for rid, (ids, n) in added.items():
-        if rid not in aborted:
-            assert done[rid] == solo_tokens(solo, ids, n), f"{rid} differs from its solo run"
+    assert_solo_outputs(solo, added, done, aborted)
 
 
 # ---- the tier's held slots and the auto pricing ----------------------------------------------
