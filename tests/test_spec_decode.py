@@ -239,3 +239,13 @@ def test_the_server_streams_several_tokens_per_step_with_the_same_text(tiny_mode
     assert whole.choices[0].text == "".join(ch.choices[0].text for ch in chunks) == ref.text
     assert whole.usage.completion_tokens == 32
     assert len(chunks) < 32  # accepted drafts arrive together
+
+
+def test_blocks_committed_by_accepted_drafts_are_written_through_to_the_cpu_tier(tiny_llm_factory, reference):
+    prompts, _ = reference
+    saved = []
+    for spec in (None, _spec(8)):
+        llm = tiny_llm_factory(num_blocks=128, batch_invariant=True, kv_offload_memory="2MiB", speculative_config=spec)
+        _generate(llm, prompts[:1], max_tokens=60)
+        saved.append(llm.engine.stats().kv_offload["blocks_saved"])
+    assert saved[0] == saved[1] >= 4  # every full block of prompt + output, with or without drafts

@@ -110,6 +110,7 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         self._swap_ins: list[tuple[int, int]] = []
         self._swapped_in: list = []  # swap records copied back this step
         self._swap_local: dict[str, int] = {}  # swapped request -> its device hit at lookup
+        self._planned: dict[str, int] = {}  # request -> blocks its saves were planned up to
         self._ready: list[bytes] = []  # CPU entries that became ready: disk write candidates
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
@@ -151,6 +152,7 @@ class CPUOffloadScheduler(KVConnectorScheduler):
     def request_finished(self, request, block_ids) -> bool:
         self._matched.pop(request.request_id, None)  # matched while waiting, then ended
         self._swap_local.pop(request.request_id, None)
+        self._planned.pop(request.request_id, None)
         self.swap.release(request.request_id)
         return False
 
@@ -180,6 +182,7 @@ class CPUOffloadScheduler(KVConnectorScheduler):
             meta.disk_writes = self.disk.plan_writes(self.index, self._ready)
             meta.disk_removes, self.disk.removes, self._ready = self.disk.removes, [], []
         for new in out.scheduled_new_reqs:  # device hits the tier lacks, then what this step fills
+            self._planned.pop(new.req_id, None)  # first scheduled, or resumed: from the start
             self._plan_saves(meta, new.req_id, 0, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
         c = out.scheduled_cached_reqs
         for rid, start in zip(c.req_ids, c.num_computed_tokens):
@@ -191,7 +194,11 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         if req is None:
             return
         hashes, table = self.kv.block_hashes(req), self.kv.get_block_ids(rid)[0]
-        for k in range(start // self.bs, min(end // self.bs, len(hashes))):
+        # from where the last plan stopped: blocks a speculative step's accepted drafts
+        # completed became full (and hashed) only after that step's plan was made
+        first, last = min(start // self.bs, self._planned.get(rid, start // self.bs)), min(end // self.bs, len(hashes))
+        self._planned[rid] = max(last, self._planned.get(rid, 0))
+        for k in range(first, last):
             if hashes[k] in self.index.entries:
                 self.index.touch(hashes[k])
                 continue
