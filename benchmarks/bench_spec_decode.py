@@ -88,7 +88,7 @@ def main() -> int:
               "ratio_e2e": med["ngram"]["e2e"] / med["off"]["e2e"],
               "ratio_decode": med["ngram"]["decode"] / med["off"]["decode"],
               "acceptance_rate": accepted / drafted if drafted else None,
-              "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+              "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
               "same_tokens_requests": sum(x == y for x, y in zip(outputs["off"], outputs["ngram"])),
               "output_tokens": sum(len(o) for o in outputs["off"]), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     text = json.dumps(report, indent=1)

@@ -249,3 +249,10 @@ def test_blocks_committed_by_accepted_drafts_are_written_through_to_the_cpu_tier
         _generate(llm, prompts[:1], max_tokens=60)
         saved.append(llm.engine.stats().kv_offload["blocks_saved"])
     assert saved[0] == saved[1] >= 4  # every full block of prompt + output, with or without drafts
+
+
+def test_the_servers_ready_line_says_speculation_is_on(tiny_llm_factory):
+    from pagedkv.server.cli import _spec as ready_spec
+
+    assert ready_spec(tiny_llm_factory(speculative_config=_spec(3)).engine) == "; speculative decoding: ngram, 3 drafts"
+    assert ready_spec(tiny_llm_factory().engine) == ""

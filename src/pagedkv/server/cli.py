@@ -131,7 +131,7 @@ def _serve(a: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv: serving {names[0]} on http://{shown}:{port} ({s.num_blocks} KV blocks of "
           f"{s.block_size} tokens = {s.num_blocks * s.block_size} tokens, {s.kv_cache_bytes / 2**20:.0f} MiB; "
-          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}: {describe(engine.model)}{_tiers(s)}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
+          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}: {describe(engine.model)}{_tiers(s)}{_spec(engine)}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
     limits = HTTPLimits(limit_concurrency=a.limit_concurrency or None)
     uvicorn_server(app, a.shutdown_timeout, limits, log_level=a.log_level,
                    access_log=a.access_log).run(sockets=[sock])
@@ -220,6 +220,12 @@ def graceful_server(config, abort_all, drain_s: float, on_begin=lambda: None):
                     signal.signal(sig, handler)
 
     return Server(config)
+
+
+def _spec(engine) -> str:
+    """``; speculative decoding: ngram, k drafts`` for the ready line, if on."""
+    c = engine.config.speculative_config
+    return f"; speculative decoding: {c.method}, {c.num_speculative_tokens} drafts" if c else ""
 
 
 def _tiers(stats) -> str:
