@@ -84,10 +84,10 @@ def copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch
                src_pages: torch.Tensor, parallel: bool = False) -> None:
     """``dst[j][dst_pages] = src[j][src_pages]`` for every j, as bytes (KV pages between
     pools, e.g. the CPU tier): the kernel library's ``copy_blocks``, one memcpy per page,
-    else torch's gather and scatter (:func:`pagedkv.kv.cpu_offload.torch_copy_pages`).
+    else torch's gather and scatter (:func:`pagedkv.kv.cpu_offload_worker.torch_copy_pages`).
     ``parallel``: use torch's threads at any size (a copy on the thread that runs the model,
     between forwards); else only for copies of 8 MiB or more (a save beside a forward)."""
-    from pagedkv.kv.cpu_offload import torch_copy_pages
+    from pagedkv.kv.cpu_offload_worker import torch_copy_pages
 
     op = layer_op("copy_blocks")
     if op is not None and all(t.is_contiguous() for t in dst + src):

@@ -12,7 +12,7 @@ pins and held slots go back once the step that copied them has run.
 A swap is used only once the step that copied it out has been reported: a swap whose step
 raised is dropped (its pages are released; the request recomputes). Aborting a swapped
 request releases at once. Plain Python; the copies are the worker's
-(:class:`~pagedkv.kv.cpu_offload.CPUOffloadWorker`).
+(:class:`~pagedkv.kv.cpu_offload_worker.CPUOffloadWorker`).
 """
 
 from __future__ import annotations
