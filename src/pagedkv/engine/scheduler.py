@@ -209,7 +209,7 @@ class Scheduler:
         """Apply one step's result: advance progress, publish full pages, append sampled
         tokens (stamped ``now``) and finish requests that hit a stop condition."""
         outputs = []
-        if self.preemption is not None:
+        if self.preemption is not None and self.preemption.mode == "auto":  # only auto uses the rate
             self.preemption.observe([(self.requests[r].num_computed_tokens, sched.num_scheduled_tokens[r])
                                      for r in sched.req_ids if r in self.requests], result.execute_seconds)
         for rid in sched.req_ids:
