@@ -86,7 +86,8 @@ class EngineConfig:
             predicted cheaper per request, from this engine's measured copy and compute rates).
         speculative_config: speculative decoding, as vLLM's: a dict or JSON text such as
             ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-            "prompt_lookup_max": 5}`` (default: off; :mod:`pagedkv.spec_decode`).
+            "prompt_lookup_max": 5}`` or ``{"method": "draft_model", "model": "<name or path>",
+            "num_speculative_tokens": 4}`` (default: off; :mod:`pagedkv.spec_decode`).
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output) in tokens (default: the model's limit).

@@ -29,6 +29,7 @@ from pagedkv.attention.dispatch import copy_pages
 from pagedkv.kv.connector import KVConnector
 from pagedkv.kv.cpu_offload import cpu_offload_connector
 from pagedkv.reprs import brief
+from pagedkv.spec_decode.draft_model import DraftModelProposer
 from pagedkv.spec_decode.ngram import NgramProposer
 
 ENDED_KEPT = 1024  # recently ended requests whose final output ``final_output`` can still give
@@ -57,8 +58,8 @@ class LLMEngine:
             if kv_connector is not None:
                 raise ValueError("kv_offload_memory and a kv_connector cannot be combined (one connector per engine)")
             c = self.config
-            check_fits_in_ram(parts.spec.cache_bytes(self.kv.pool.num_blocks) + c.kv_offload_memory)  # cache + tier
-            kv_connector = cpu_offload_connector(self.kv, parts.spec, c.kv_offload_memory, c.kv_offload_policy,
+            check_fits_in_ram(parts.storage.nbytes + c.kv_offload_memory)  # cache + tier
+            kv_connector = cpu_offload_connector(self.kv, parts.storage, c.kv_offload_memory, c.kv_offload_policy,
                                                  c.kv_offload_dir, c.kv_offload_disk_size, copy_pages)
         spec = self.config.speculative_config
         scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -66,11 +67,12 @@ class LLMEngine:
                               kv_connector.scheduler if kv_connector else None,
                               self.config.scheduling_policy,
                               model_preemption_cost(self.config.preemption_mode, self.model),
-                              spec.num_speculative_tokens if spec else 0)
+                              spec.num_speculative_tokens if spec else 0,
+                              spec.num_lookahead_tokens if spec else 0)
         runner = ModelRunner(self.model, parts.storage, self.kv.kv_groups,
                              torch.Generator().manual_seed(self.config.seed),
                              kv_connector.worker if kv_connector else None,
-                             NgramProposer(spec) if spec else None)
+                             make_proposer(spec, parts))
         self.core = EngineCore(scheduler, runner, debug_invariants=self.config.debug_invariants)
         if kv_connector is not None and hasattr(kv_connector.scheduler, "requests"):
             kv_connector.scheduler.requests = scheduler.requests  # the live requests, read-only
@@ -280,3 +282,12 @@ def _int_list(ids) -> list[int]:
         return [operator.index(t) for t in ids]
     except TypeError:
         raise ValueError("prompt_token_ids must be a list of integers") from None
+
+
+def make_proposer(spec, parts: EngineParts):
+    """The runner's speculative proposer for ``spec`` (None: speculation off)."""
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        return DraftModelProposer(spec, parts.draft.model, parts.storage.draft_view(), parts.spec.block_size)
+    return NgramProposer(spec)

@@ -48,7 +48,7 @@ class ModelRunner:
         kv_groups: which layers each group's block tables address.
         generator: sampling generator of requests without a seed.
         connector: the worker side of a KV connector, or None.
-        proposer: the speculative decoding proposer (:mod:`pagedkv.spec_decode.ngram`), or None.
+        proposer: the speculative decoding proposer (:mod:`pagedkv.spec_decode.proposer`), or None.
     """
 
     def __init__(self, model: LlamaModel, storage: KVCacheStorage, kv_groups: tuple[KVCacheGroup, ...],
@@ -68,14 +68,19 @@ class ModelRunner:
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply the step's plain data: drop ended and preempted requests, add new ones,
         extend cached ones by their deltas."""
+        proposer = self.proposer
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
-            if self.proposer is not None:
-                self.proposer.gate.forget(rid)
+            if proposer is not None:
+                proposer.forget(rid)
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
+            if proposer is not None:
+                proposer.forget(rid)
         for new in out.scheduled_new_reqs:
+            if proposer is not None:
+                proposer.start(new.req_id, new.num_computed_tokens)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 tuple(list(g) for g in new.block_ids), new.num_computed_tokens)
@@ -92,6 +97,8 @@ class ModelRunner:
                 if kept is not None:
                     del table[kept[g]:]
                 table.extend(added)
+            if kept is not None and proposer is not None:
+                proposer.cut(rid, kept[0] * self.block_size)
             state.num_computed_tokens = computed
 
     # ---- one step --------------------------------------------------------------------
@@ -128,16 +135,17 @@ class ModelRunner:
             return result
         ids, positions, metas, rows = self.prepare(out)
         hidden = self.model.forward(ids, positions, self.storage, [metas[g] for g in self.layer_group], hooks)
-        self._finish_connector(out, result)
         result.prompt_logprobs = prompt_logprobs(self.model, hidden, self._chunks(out))
-        bad = self._read_failed_loads(out, result.invalid_block_ids)  # recomputed next step
+        failed = self.connector.get_block_ids_with_load_errors() if self.connector is not None else set()
+        bad = self._read_failed_loads(out, failed)  # recomputed next step
         samplers = [rid for rid in out.req_ids if self._samples(rid, out) and rid not in bad]
         if samplers:
             rows = self._rows_of(out, rows, samplers)
             result.sampled = self._sample(samplers, hidden, rows, out.scheduled_spec_decode_tokens)
             result.num_draft_tokens = {r: len(out.scheduled_spec_decode_tokens.get(r, ())) for r in samplers}
-            if self.proposer is not None:
-                result.spec_token_ids = self._propose(samplers, result)
+        if self.proposer is not None:  # a draft model writes its KV here: before the saves end
+            result.spec_token_ids = self.proposer.propose_step(self, out, samplers, result.sampled, bad, hooks)
+        self._finish_connector(out, result)
         result.execute_seconds = time.perf_counter() - t0
         return result
 
@@ -191,21 +199,12 @@ class ModelRunner:
 
     def _verify(self, rid: str, logits: torch.Tensor, drafts: list[int]) -> list:
         try:
-            run = verify(logits, drafts, self.requests[rid].sampling_params, self.generators.get(rid, self.generator))
+            run = verify(logits, drafts, self.requests[rid].sampling_params, self.generators.get(rid, self.generator),
+                         self.proposer.draft_probs(rid))
         except (ValueError, RuntimeError) as e:
             return [SampledToken(-1, None, str(e))]
-        self.proposer.gate.record(rid, len(drafts), len(run) - 1)
+        self.proposer.record(rid, len(drafts), len(run) - 1)
         return run
-
-    def _propose(self, samplers: list[str], result: ModelRunnerOutput) -> dict[str, list[int]]:
-        """Drafts for the next step of each request that just got tokens."""
-        out = {}
-        for rid in samplers:
-            sampled = result.sampled[rid]
-            if sampled.error is None and sampled.token_ids:
-                out[rid] = self.proposer.propose(rid, self.requests[rid].token_ids + sampled.token_ids,
-                                                 self.proposer.config.num_speculative_tokens)
-        return {r: d for r, d in out.items() if d}
 
     # ---- KV connector (worker side) --------------------------------------------------------
     def _start_connector(self, out: SchedulerOutput):

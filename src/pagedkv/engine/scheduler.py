@@ -9,9 +9,11 @@ Each step, under a token budget (``max_num_batched_tokens``):
    with ``preemption_mode`` swap/auto, its KV is first copied to the KV connector's tier
    and found there on resume: :mod:`pagedkv.engine.preemption`).
    A decoding request with draft tokens (speculative decoding) gets ``1 + len(drafts)``;
-   drafts that cannot get pages are shortened, never preempting anyone. After
-   verification its progress drops past the rejected drafts, and pages that held only
-   rejected positions go back to the pool at once.
+   drafts that cannot get pages are shortened, never preempting anyone. With a draft
+   model, a request that samples also gets up to k lookahead slots for the KV of the
+   drafts it proposes next (shortened first). After verification its progress drops past
+   the rejected drafts, and pages past its committed tokens, one more and the lookahead
+   go back to the pool at once.
 2. if nothing was preempted, waiting requests are admitted in order while the budget,
    ``max_num_seqs`` and the pool allow. The prefix lookup (local cache, then the KV
    connector) comes first; the tokens to schedule are derived from its hit, then the
@@ -53,13 +55,18 @@ class Scheduler:
             always recompute.
         num_speculative_tokens: drafts per step when speculative decoding is on (0: off);
             sizes the per-position counters.
+        num_lookahead_tokens: slots past a sampling request's tokens to allocate for a draft
+            model's proposals (their KV is written before they are verified); shortened,
+            never preempting, when pages are short. 0 for n-gram drafts.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
                  connector: KVConnectorScheduler | None = None, policy: str = "fcfs",
-                 preemption: PreemptionCost | None = None, num_speculative_tokens: int = 0) -> None:
+                 preemption: PreemptionCost | None = None, num_speculative_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -107,9 +114,10 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._drafts(req, n, budget)
-            while not self.kv.allocate_slots(req, n + len(drafts)):
-                if drafts:  # a draft that cannot get pages is shortened, never preempting others
-                    drafts = drafts[:-1]
+            look = self._lookahead(req, n + len(drafts), req.num_computed_tokens + n == req.num_tokens)
+            while not self.kv.allocate_slots(req, n + len(drafts) + look):
+                if look or drafts:  # lookahead, then drafts, are shortened, never preempting others
+                    look, drafts = (look - 1, drafts) if look else (0, drafts[:-1])
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -134,13 +142,24 @@ class Scheduler:
             limit = min(limit, self.max_model_len - req.num_tokens)
         return req.spec_token_ids[:max(0, limit)]
 
+    def _lookahead(self, req: Request, num_new: int, samples: bool) -> int:
+        """Lookahead slots for a request whose ``num_new`` tokens this step end its known
+        tokens (so it samples and a draft model proposes after it), within ``max_model_len``."""
+        if not self.num_lookahead_tokens or not samples:
+            return 0
+        room = (self.max_model_len if self.max_model_len is not None else 1 << 62) - req.num_computed_tokens - num_new
+        return max(0, min(self.num_lookahead_tokens, room))
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit = self.kv.get_computed_blocks(req)
             external = self._external_hit(req, hit.num_tokens)
             n = min(req.num_tokens - req.num_computed_tokens - hit.num_tokens - external, budget)
-            if n <= 0 or not self.kv.allocate_slots(req, n + external, hit):
+            ends = req.num_computed_tokens + hit.num_tokens + external + n == req.num_tokens
+            look = self._lookahead(req, hit.num_tokens + external + n, ends)
+            if n <= 0 or not (look and self.kv.allocate_slots(req, n + external + look, hit)
+                              or self.kv.allocate_slots(req, n + external, hit)):
                 break
             self.waiting.popleft()
             if self.connector is not None:
@@ -245,7 +264,7 @@ class Scheduler:
         if req.is_finished:
             return
         self.kv.cache_full_blocks(req, req.num_computed_tokens)
-        if self.kv.trim(req, req.num_computed_tokens + 1) and req.request_id in self._sent:
+        if self.kv.trim(req, req.num_computed_tokens + 1 + self.num_lookahead_tokens) and req.request_id in self._sent:
             sent = self._sent[req.request_id]
             self._sent[req.request_id] = (sent[0], [min(k, len(g)) for k, g in
                                                     zip(sent[1], self.kv.get_block_ids(req.request_id))])

@@ -1,7 +1,9 @@
 """Build an engine's parts from an EngineConfig: model, tokenizer, KV spec, pool, pages.
 
 The pool is sized by :meth:`KVCacheSpec.num_blocks_for` on ``kv_cache_memory`` (or set by
-``num_blocks``): the same arithmetic ``pagedkv plan`` prints.
+``num_blocks``): the same arithmetic ``pagedkv plan`` prints. With a draft model
+(``speculative_config`` method ``draft_model``) a page holds both models' layers, so the
+same budget holds fewer pages (:func:`pagedkv.kv.spec.pool_num_blocks`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
 from pagedkv.kv.groups import single_group
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.spec import KVCacheSpec
+from pagedkv.kv.spec import KVCacheSpec, pool_cache_bytes, pool_num_blocks
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_convert import read_blocks
@@ -38,6 +40,15 @@ class EngineParts:
     storage: KVCacheStorage
     max_model_len: int
     eos_token_ids: frozenset[int]
+    draft: "DraftParts | None" = None
+
+
+@dataclass
+class DraftParts:
+    """The draft model of ``draft_model`` speculative decoding and its per-layer KV spec."""
+    files: ModelFiles
+    model: LlamaModel
+    spec: KVCacheSpec
 
 
 def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
@@ -97,32 +108,70 @@ def build_parts(config: EngineConfig) -> EngineParts:
     max_len = resolve_max_model_len(cfg, config.max_model_len)
     dtype = kv_dtype(config)
     spec = cfg.kv_spec(dtype, config.block_size, scale_granularity=config.kv_cache_scale)
-    num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory)
-    check_fits_in_ram(spec.cache_bytes(num_blocks))
+    tokenizer = load_tokenizer(files.folder)
+    draft = build_draft(config, cfg, tokenizer, dtype)
+    if draft is not None:
+        max_len = min(max_len, resolve_max_model_len(draft.files.config, config.max_model_len))
+    specs = (spec,) if draft is None else (spec, draft.spec)
+    num_blocks = config.num_blocks or pool_num_blocks(specs, config.kv_cache_memory)
+    check_fits_in_ram(pool_cache_bytes(specs, num_blocks))
     max_len = cap_to_cache(max_len, num_blocks * config.block_size, config.max_model_len is not None)
     keys = (("kv_format", KV_FORMAT_VERSION), ("model", str(files.folder.name)), ("weights", files.weights_version),
             ("kv_dtype", dtype), ("block_size", str(config.block_size)),
             ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"),
             ("weight_dtype", config.weight_dtype))
+    if draft is not None:  # pages hold the draft's KV too: never share them with other drafts
+        keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
     groups = single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
+    model = load_model(config, files)
+    storage = KVCacheStorage(spec, kv.pool.num_pages, draft_spec=draft.spec if draft else None)  # page 0: null page
+    if spec.is_quantized and spec.scale_granularity != "per-token-head":
+        # the model's own length limit, not the cache's: scales must not depend on the cache size
+        calibrate_static_scales(model, storage, engine_calibration_ids(tokenizer, cfg))
+        if draft is not None:
+            calibrate_static_scales(draft.model, storage.draft_view(), engine_calibration_ids(tokenizer, cfg))
+    eos = set(cfg.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    return EngineParts(files, model, tokenizer, spec, kv, storage, max_len, frozenset(eos), draft)
+
+
+def load_model(config: EngineConfig, files: ModelFiles) -> LlamaModel:
+    """The decoder in ``files`` with the engine's weight dtype and numerics."""
     blocks = (read_blocks(files.gguf_path, files.folder) if config.weight_dtype in ("auto", "int4") and files.gguf_path
               else {})
     kept = {k: v for k, v in blocks.items() if k != EMBED}  # used as stored: no fp32 copy is loaded
     state = load_state_dict(files.folder, skip=set(kept)) | kept
-    check_weights(cfg, state)
+    check_weights(files.config, state)
     invariant = config.batch_invariant or env_requests_invariance()
     if invariant and attention_mode() == "reference":
         warnings.warn("pagedkv: batch-invariant mode with PAGEDKV_ATTENTION=reference: the reference "
                       "attention's products change shape with the chunk, so log-probs can differ in "
                       "the last bits with batching; the fused kernel is batch-invariant", RuntimeWarning)
-    model = LlamaModel(cfg, state, batch_invariant=invariant, weight_dtype=config.weight_dtype, quantized=blocks)
-    tokenizer = load_tokenizer(files.folder)
-    storage = KVCacheStorage(spec, kv.pool.num_pages)  # page 0 is the null page
-    if spec.is_quantized and spec.scale_granularity != "per-token-head":
-        # the model's own length limit, not the cache's: scales must not depend on the cache size
-        calibrate_static_scales(model, storage, engine_calibration_ids(tokenizer, cfg))
-    eos = set(cfg.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        eos.add(tokenizer.eos_token_id)
-    return EngineParts(files, model, tokenizer, spec, kv, storage, max_len, frozenset(eos))
+    return LlamaModel(files.config, state, batch_invariant=invariant, weight_dtype=config.weight_dtype,
+                      quantized=blocks)
+
+
+def build_draft(config: EngineConfig, target: ModelConfig, tokenizer, dtype: str) -> DraftParts | None:
+    """The draft model of a ``draft_model`` speculative config (else None), loaded like the
+    target (weight dtype, numerics).
+
+    Raises:
+        FileNotFoundError: the draft is not found or has no tokenizer.
+        ValueError: its vocabulary differs from the target's (its token ids would mean
+            other tokens), or it is not a supported architecture.
+    """
+    sc = config.speculative_config
+    if sc is None or sc.method != "draft_model":
+        return None
+    files = resolve_model(sc.model)
+    dcfg = files.config
+    if dcfg.vocab_size != target.vocab_size:
+        raise ValueError(f"draft model {sc.model!r} has a vocabulary of {dcfg.vocab_size} tokens, the target "
+                         f"{target.vocab_size}: a draft must use the target's tokenizer")
+    if load_tokenizer(files.folder).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"draft model {sc.model!r} has a different tokenizer from the target's "
+                         "(same size, other tokens): a draft must use the target's tokenizer")
+    spec = dcfg.kv_spec(dtype, config.block_size, scale_granularity=config.kv_cache_scale)
+    return DraftParts(files, load_model(config, files), spec)

@@ -257,10 +257,10 @@ class CPUOffloadScheduler(KVConnectorScheduler):
             self.disk.index.check_invariants()
 
 
-def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: str | None = None,
+def cpu_offload_connector(kv, storage: KVCacheStorage, memory_bytes: int, policy: str, disk_dir: str | None = None,
                           disk_bytes: int = 0, copy_pages=torch_copy_pages) -> KVConnector:
-    """Both sides of a CPU tier of ``memory_bytes`` (pages of ``spec``, its static scales not
-    counted twice) over the KV manager ``kv``, with a disk tier of ``disk_bytes`` in
+    """Both sides of a CPU tier of ``memory_bytes`` (pages laid out as the device ``storage``'s,
+    a draft model's layers included; its static scales not counted twice) over the KV manager ``kv``, with a disk tier of ``disk_bytes`` in
     ``disk_dir`` behind it if given; ``copy_pages`` moves pages between pools (see
     :func:`torch_copy_pages`).
 
@@ -273,18 +273,19 @@ def cpu_offload_connector(kv, spec, memory_bytes: int, policy: str, disk_dir: st
                          "(--enable-prefix-caching): its blocks are keyed by their prefix hash")
     if len(kv.groups) != 1:
         raise ValueError("the CPU KV tier supports one KV cache group (full attention) so far")
-    capacity = int(memory_bytes) // spec.page_size_bytes
+    page_bytes = storage.page_size_bytes
+    capacity = int(memory_bytes) // page_bytes
     if capacity < 1:
         raise ValueError(f"kv_offload_memory (--kv-offload-memory) of {int(memory_bytes)} bytes holds no page "
-                         f"of {spec.page_size_bytes} bytes; give at least that much")
+                         f"of {page_bytes} bytes; give at least that much")
     plan = io = None
     if disk_dir is not None:
-        disk_capacity = int(disk_bytes) // (spec.page_size_bytes + RECORD_OVERHEAD)
+        disk_capacity = int(disk_bytes) // (page_bytes + RECORD_OVERHEAD)
         if disk_capacity < 1:
             raise ValueError(f"kv_offload_disk_size of {int(disk_bytes)} bytes holds no block record")
         directory = DiskDirectory(disk_dir)
         plan, io = DiskPlan(directory, disk_capacity, policy), DiskIO(directory)
-    tier = KVCacheStorage(spec, capacity)
-    return KVConnector(CPUOffloadScheduler(kv, capacity, policy, spec.page_size_bytes, plan,
+    tier = storage.like(capacity)
+    return KVConnector(CPUOffloadScheduler(kv, capacity, policy, page_bytes, plan,
                                            probe_copy_rate(tier, copy_pages)),
                        CPUOffloadWorker(tier, io, copy_pages))

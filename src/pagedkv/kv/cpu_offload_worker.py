@@ -82,7 +82,7 @@ class CPUOffloadWorker(KVConnectorWorker):
         """Every page-indexed tensor of ``storage``, all layers (built once per storage)."""
         cached = self._cache.get(id(storage))
         if cached is None or cached[0] is not storage:
-            cached = self._cache[id(storage)] = (storage, [x for i in range(storage.spec.num_layers)
+            cached = self._cache[id(storage)] = (storage, [x for i in range(storage.num_layers)
                                                            for x in storage.page_tensors(i)])
         return cached[1]
 
@@ -159,11 +159,11 @@ def probe_copy_rate(tier: KVCacheStorage, copy_pages, max_pages: int = 16) -> tu
     if n < 1:
         return 0, 0.0
     src, dst = torch.arange(0, 2 * n, 2), torch.arange(1, 2 * n, 2)  # every other page: scattered
-    layers = range(tier.spec.num_layers)
+    layers = range(tier.num_layers)
     tensors = [x for i in layers for x in tier.page_tensors(i)]
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
         copy_pages(tensors, dst, tensors, src, parallel=True)
         best = min(best, time.perf_counter() - t)
-    return n * tier.spec.page_size_bytes, best
+    return n * tier.page_size_bytes, best

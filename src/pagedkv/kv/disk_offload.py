@@ -119,7 +119,7 @@ class DiskIO:
     def load(self, loads, storage, tier) -> set[int]:
         """Read each ``(hash, tokens, device page)`` record into ``storage``; returns the pages
         whose record failed a check (their hashes go to :attr:`corrupt`)."""
-        like = [t[0] for layer in range(tier.spec.num_layers) for t in tier.page_tensors(layer)]
+        like = [t[0] for layer in range(tier.num_layers) for t in tier.page_tensors(layer)]
         bad = set()
         for block_hash, tokens, page in loads:
             data = self.dir.read(block_hash)
@@ -133,7 +133,7 @@ class DiskIO:
                 bad.add(page)
                 continue
             self.bytes_read += len(data)
-            for layer in range(tier.spec.num_layers):
+            for layer in range(tier.num_layers):
                 for dst in storage.page_tensors(layer):
                     dst[page].view(torch.uint8).copy_(next(values).view(torch.uint8))
         return bad
@@ -143,7 +143,7 @@ class DiskIO:
         for h in removes:
             self._futures.append(self._pool.submit(self.dir.remove, h))
         for slot, h, parent, tokens in writes:
-            tensors = [t[slot].clone() for layer in range(tier.spec.num_layers) for t in tier.page_tensors(layer)]
+            tensors = [t[slot].clone() for layer in range(tier.num_layers) for t in tier.page_tensors(layer)]
             self._futures.append(self._pool.submit(self._write_one, h, parent, tokens, tensors))
 
     def _write_one(self, h, parent, tokens, tensors):

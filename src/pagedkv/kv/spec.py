@@ -149,17 +149,12 @@ class KVCacheSpec:
         Raises:
             ValueError: if not even one block fits beside the null page.
         """
-        n = (int(budget_bytes) - self.static_bytes) // self.page_size_bytes - NULL_PAGES
-        if n < 1:
-            raise ValueError(
-                f"KV cache budget of {int(budget_bytes)} bytes holds no block of "
-                f"{self.page_size_bytes} bytes beside the null page (block_size={self.block_size})")
-        return n
+        return pool_num_blocks((self,), budget_bytes)
 
     def cache_bytes(self, num_blocks: int) -> int:
         """Bytes a pool of ``num_blocks`` usable blocks allocates: pages (null page
         included) and static scales."""
-        return (num_blocks + NULL_PAGES) * self.page_size_bytes + self.static_bytes
+        return pool_cache_bytes((self,), num_blocks)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens holds (full attention)."""
@@ -188,3 +183,35 @@ class KVCacheSpec:
                 blocks = min(blocks, self.blocks_for_tokens(w) + 1)
             total += blocks * self.block_size * self.bytes_per_token_layer
         return total
+
+
+# ---- one pool, several models' layers (a target and its draft model) -------------------------
+def check_pool_specs(specs: tuple[KVCacheSpec, ...]) -> None:
+    """Several models' caches share one pool's page ids only with one block size, dtype and
+    scale granularity. Raises ValueError naming the difference."""
+    for name in ("block_size", "dtype", "scale_granularity"):
+        values = {getattr(s, name) for s in specs}
+        if len(values) > 1:
+            raise ValueError(f"KV caches sharing one pool need one {name}, got {sorted(map(str, values))}")
+
+
+def pool_page_bytes(specs: tuple[KVCacheSpec, ...]) -> int:
+    """Bytes of one page when it holds a block of every spec's layers (a target's and its
+    draft model's: speculative decoding keeps both caches in one pool)."""
+    return sum(s.page_size_bytes for s in specs)
+
+
+def pool_num_blocks(specs: tuple[KVCacheSpec, ...], budget_bytes: int) -> int:
+    """Usable pages of ``pool_page_bytes(specs)`` in ``budget_bytes``, beside the static
+    scales and the null page. Raises ValueError if not even one fits."""
+    page = pool_page_bytes(specs)
+    n = (int(budget_bytes) - sum(s.static_bytes for s in specs)) // page - NULL_PAGES
+    if n < 1:
+        raise ValueError(f"KV cache budget of {int(budget_bytes)} bytes holds no block of "
+                         f"{page} bytes beside the null page (block_size={specs[0].block_size})")
+    return n
+
+
+def pool_cache_bytes(specs: tuple[KVCacheSpec, ...], num_blocks: int) -> int:
+    """Bytes a pool of ``num_blocks`` usable pages of every spec's layers allocates."""
+    return (num_blocks + NULL_PAGES) * pool_page_bytes(specs) + sum(s.static_bytes for s in specs)

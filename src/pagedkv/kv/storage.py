@@ -13,6 +13,13 @@ scales per layer for K and for V (fp32, but bfloat16 per token), shaped by the g
     per-channel     K: [num_kv_heads, head_dim] static; V: as per-token-head
 
 so ``num_blocks * spec.page_size_bytes + spec.static_bytes`` is exactly what is allocated.
+
+With a draft model (speculative decoding, ``draft_spec``) the draft's layers follow the
+target's: layers ``0 .. N-1`` are the target's, ``N .. N+M-1`` the draft's, each in its own
+shape, and a page id addresses the same token slots in all of them. One page then holds a
+block of both models' KV (:func:`pagedkv.kv.spec.pool_page_bytes`), so both caches share the
+block tables, the pool accounting, prefix caching, tiers and rollback. The draft runs on
+:meth:`KVCacheStorage.draft_view`.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from pagedkv.kv import quant
-from pagedkv.kv.spec import KVCacheSpec
+from pagedkv.kv.spec import KVCacheSpec, check_pool_specs, pool_page_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 **quant.STORAGE_DTYPES}
@@ -46,22 +53,49 @@ class KVCacheStorage:
         ValueError: for a spec dtype with no storage here.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str = "cpu") -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str = "cpu",
+                 draft_spec: KVCacheSpec | None = None) -> None:
         if spec.dtype not in TORCH_DTYPES:
             raise ValueError(f"KV storage for dtype {spec.dtype!r} is not implemented")
-        self.spec, self.num_blocks = spec, num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.spec, self.num_blocks, self.draft_spec, self.device = spec, num_blocks, draft_spec, device
+        self.specs = (spec,) if draft_spec is None else (spec, draft_spec)
+        check_pool_specs(self.specs)
+        self.layer_specs = [s for s in self.specs for _ in range(s.num_layers)]
         dtype = TORCH_DTYPES[spec.dtype]
-        n = spec.num_layers
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n)]
+        shapes = [(num_blocks, s.block_size, s.num_kv_heads, s.head_dim) for s in self.layer_specs]
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
-        self._calibrated = [False] * n
+        self._calibrated = [False] * len(shapes)
         if spec.is_quantized:
             kg, vg = quant.key_value_granularities(spec.scale_granularity)
-            self.k_scale = [self._scale_tensor(kg, shape, device) for _ in range(n)]
-            self.v_scale = [self._scale_tensor(vg, shape, device) for _ in range(n)]
+            self.k_scale = [self._scale_tensor(kg, shape, device) for shape in shapes]
+            self.v_scale = [self._scale_tensor(vg, shape, device) for shape in shapes]
+
+    @property
+    def num_layers(self) -> int:
+        """Layers with pages: the target's, then the draft's if any."""
+        return len(self.layer_specs)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one page holds across every layer (both models' with a draft)."""
+        return pool_page_bytes(self.specs)
+
+    def like(self, num_blocks: int, device: str = "cpu") -> "KVCacheStorage":
+        """An empty storage of the same layers with ``num_blocks`` pages (a tier's pool)."""
+        return KVCacheStorage(self.spec, num_blocks, device, self.draft_spec)
+
+    def draft_view(self) -> "LayerOffsetStorage":
+        """The draft model's layers as a storage of their own (layer ``i`` is layer ``N + i``).
+
+        Raises:
+            ValueError: if this storage has no draft layers.
+        """
+        if self.draft_spec is None:
+            raise ValueError("this KV storage has no draft-model layers")
+        return LayerOffsetStorage(self, self.spec.num_layers)
 
     @staticmethod
     def _scale_tensor(gran: str, shape: tuple, device: str) -> torch.Tensor:
@@ -113,12 +147,12 @@ class KVCacheStorage:
         if self.spec.is_quantized:
             self._write_quantized(layer, slot_mapping, k, v)
             return
-        flat = (-1, self.spec.num_kv_heads, self.spec.head_dim)
+        flat = (-1, self.layer_specs[layer].num_kv_heads, self.layer_specs[layer].head_dim)
         self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.k[layer].dtype))
         self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.v[layer].dtype))
 
     def _write_quantized(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        spec = self.spec
+        spec = self.layer_specs[layer]
         flat = (-1, spec.num_kv_heads, spec.head_dim)
         kg, vg = quant.key_value_granularities(spec.scale_granularity)
         for pages, scales, x, gran in ((self.k, self.k_scale, k, kg), (self.v, self.v_scale, v, vg)):
@@ -132,3 +166,20 @@ class KVCacheStorage:
             # index_copy_ has no fp8 kernel on CPU: move the bytes as uint8
             pages[layer].view(torch.uint8).view(flat).index_copy_(0, slots, q.view(torch.uint8))
         self._calibrated[layer] = True
+
+
+class LayerOffsetStorage:
+    """Layers ``offset ..`` of a :class:`KVCacheStorage`, seen as layers ``0 ..``: what a
+    draft model's forward writes and reads (its pages are the target's page ids)."""
+
+    def __init__(self, storage: KVCacheStorage, offset: int) -> None:
+        self.storage, self.offset = storage, offset
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.storage.write(layer + self.offset, slot_mapping, k, v)
+
+    def layer(self, layer: int) -> LayerKV:
+        return self.storage.layer(layer + self.offset)
+
+    def set_static_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.storage.set_static_scales(layer + self.offset, k, v)

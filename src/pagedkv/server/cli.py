@@ -223,9 +223,12 @@ def graceful_server(config, abort_all, drain_s: float, on_begin=lambda: None):
 
 
 def _spec(engine) -> str:
-    """``; speculative decoding: ngram, k drafts`` for the ready line, if on."""
+    """``; speculative decoding: ngram, k drafts`` (``draft_model <model>``) for the ready line, if on."""
     c = engine.config.speculative_config
-    return f"; speculative decoding: {c.method}, {c.num_speculative_tokens} drafts" if c else ""
+    if c is None:
+        return ""
+    method = f"draft_model {c.model}" if c.method == "draft_model" else c.method
+    return f"; speculative decoding: {method}, {c.num_speculative_tokens} drafts"
 
 
 def _tiers(stats) -> str:

@@ -1,32 +1,20 @@
-"""The n-gram (prompt lookup) proposer and the adaptive switch.
+"""The n-gram (prompt lookup) proposer.
 
 **Proposer** (Saxena 2023, "prompt lookup decoding"; vLLM's ``ngram``): for ``n`` from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``, find the earliest earlier occurrence
 of the context's last ``n`` tokens; propose the (up to ``k``) tokens that followed it. No
 match at any ``n``: no proposal. Costs one vectorized scan of the context per ``n``
-(numpy), no model call.
-
-**Adaptive switch** (:class:`AdaptiveGate`): a request's drafts cost a verification of
-``1 + k`` tokens instead of one; when they keep failing, that is pure loss. Per request,
-once ``WINDOW`` draft tokens have been verified, proposing pauses whenever the share of
-the last ``WINDOW`` that were accepted falls below ``MIN_ACCEPTANCE``; it resumes after a
-pause of ``PAUSE`` steps, doubled on each further failure (up to ``MAX_PAUSE``), reset to
-``PAUSE`` by a window above the threshold.
+(numpy), no model call. The adaptive switch is :class:`pagedkv.spec_decode.proposer.AdaptiveGate`.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pagedkv.spec_decode.config import SpeculativeConfig
+from pagedkv.spec_decode.proposer import AdaptiveGate, Proposer
 
-WINDOW = 16
-MIN_ACCEPTANCE = 0.3
-PAUSE = 8
-MAX_PAUSE = 256
+__all__ = ["AdaptiveGate", "NgramProposer", "ngram_propose"]
 
 
 def ngram_propose(token_ids, k: int, lookup_min: int, lookup_max: int) -> list[int]:
@@ -43,48 +31,17 @@ def ngram_propose(token_ids, k: int, lookup_min: int, lookup_max: int) -> list[i
     return []
 
 
-class AdaptiveGate:
-    """Per request: whether to propose this step, from its recent acceptance."""
-
-    def __init__(self) -> None:
-        self.recent: dict[str, deque[int]] = {}   # 1 per accepted draft token, 0 per rejected
-        self.paused: dict[str, int] = {}          # steps left without proposals
-        self.pause: dict[str, int] = {}           # the next pause's length
-
-    def allows(self, req_id: str) -> bool:
-        left = self.paused.get(req_id, 0)
-        if left > 0:
-            self.paused[req_id] = left - 1
-            return False
-        return True
-
-    def record(self, req_id: str, drafted: int, accepted: int) -> None:
-        """``drafted`` draft tokens of ``req_id`` were verified, ``accepted`` of them kept."""
-        if drafted <= 0:
-            return
-        window = self.recent.setdefault(req_id, deque(maxlen=WINDOW))
-        window.extend([1] * accepted + [0] * (drafted - accepted))
-        if len(window) < WINDOW:
-            return
-        if sum(window) / len(window) < MIN_ACCEPTANCE:
-            pause = self.pause.get(req_id, PAUSE)
-            self.paused[req_id] = pause
-            self.pause[req_id] = min(2 * pause, MAX_PAUSE)
-            window.clear()  # judged afresh after the pause
-        else:
-            self.pause[req_id] = PAUSE
-
-    def forget(self, req_id: str) -> None:
-        for d in (self.recent, self.paused, self.pause):
-            d.pop(req_id, None)
-
-
-class NgramProposer:
+class NgramProposer(Proposer):
     """Proposes drafts for decoding requests of one engine (runner side)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.config = config
-        self.gate = AdaptiveGate()
+    def propose_step(self, runner, out, samplers: list[str], sampled: dict, skip: set[str], hooks) -> dict[str, list[int]]:
+        result = {}
+        for rid in samplers:
+            s = sampled[rid]
+            if s.error is None and s.token_ids:
+                result[rid] = self.propose(rid, runner.requests[rid].token_ids + s.token_ids,
+                                           self.config.num_speculative_tokens)
+        return {r: d for r, d in result.items() if d}
 
     def propose(self, req_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
         """Drafts for the request with context ``token_ids`` (at most ``max_tokens``)."""

@@ -16,6 +16,10 @@ after a full acceptance), so 1 .. d + 1 tokens.
   on rejection sample from ``p`` with ``x`` removed, renormalized. Each committed token is
   then distributed exactly as ``p`` (the theorem of both papers), drawn from the request's
   own generator.
+- A draft model that sampled its drafts from its own distribution ``q`` (the same
+  temperature, top-k, top-p applied to the draft's logits): accept ``x`` with probability
+  ``min(1, p(x) / q(x))``, on rejection sample from ``max(0, p - q)`` renormalized (the
+  general form of the same algorithm; the one-hot case above is ``q = 1`` at ``x``).
 
 Log-probs, where asked, are the target's (row of each committed token).
 """
@@ -29,10 +33,13 @@ from pagedkv.engine.sampling_params import SamplingParams
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-           generator: torch.Generator | None) -> list[SampledToken]:
+           generator: torch.Generator | None, draft_probs: torch.Tensor | None = None) -> list[SampledToken]:
     """The tokens to commit for one request (see the module doc); ``logits`` ``[d + 1, V]``
-    fp32. Raises ValueError for non-finite logits in a row it reads."""
-    tokens = _greedy(logits, drafts) if params.greedy else _rejection(logits, drafts, params, generator)
+    fp32; ``draft_probs`` ``[>= d, V]``: the draft model's distribution each draft was
+    sampled from (None: one-hot proposals). Raises ValueError for non-finite logits in a
+    row it reads."""
+    tokens = (_greedy(logits, drafts) if params.greedy
+              else _rejection(logits, drafts, params, generator, draft_probs))
     return [SampledToken(t, token_logprobs(logits[i], t, params.logprobs) if params.logprobs is not None else None)
             for i, t in enumerate(tokens)]
 
@@ -51,15 +58,21 @@ def _greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
 
 
 def _rejection(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-               generator: torch.Generator | None) -> list[int]:
+               generator: torch.Generator | None, draft_probs: torch.Tensor | None) -> list[int]:
     out = []
     for i, x in enumerate(drafts):
         p = target_probs(logits[i], params)
-        if float(torch.rand((), generator=generator)) < float(p[x]):
+        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        if float(torch.rand((), generator=generator)) * q_x < float(p[x]):  # u < p(x) / q(x)
             out.append(x)
             continue
-        residual = p.clone()
-        residual[x] = 0.0  # p(x) < 1 here, so some mass is left
+        if draft_probs is None:
+            residual = p.clone()
+            residual[x] = 0.0  # p(x) < 1 here, so some mass is left
+        else:
+            residual = (p - draft_probs[i]).clamp_(min=0.0)  # p(x) < q(x) here: mass is left elsewhere
+            if float(residual.sum()) <= 0.0:  # p == q up to rounding: sampling p is exact
+                residual = p
         return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
     p = target_probs(logits[len(drafts)], params)
     return out + [int(torch.multinomial(p, 1, generator=generator))]

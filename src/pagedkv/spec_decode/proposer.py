@@ -1,0 +1,96 @@
+"""What the model runner asks of a speculative proposer, and the adaptive switch.
+
+The runner calls a proposer at fixed points of a step (:class:`Proposer`): as it applies
+the scheduler's plain data (requests that start, end, or lose pages), after verification
+(what was accepted), and once the step's tokens are sampled (the next step's drafts).
+
+**Adaptive switch** (:class:`AdaptiveGate`): a request's drafts cost a verification of
+``1 + k`` tokens instead of one; when they keep failing, that is pure loss. Per request,
+once ``WINDOW`` draft tokens have been verified, proposing pauses whenever the share of
+the last ``WINDOW`` that were accepted falls below ``MIN_ACCEPTANCE``; it resumes after a
+pause of ``PAUSE`` steps, doubled on each further failure (up to ``MAX_PAUSE``), reset to
+``PAUSE`` by a window above the threshold.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pagedkv.spec_decode.config import SpeculativeConfig
+
+WINDOW = 16
+MIN_ACCEPTANCE = 0.3
+PAUSE = 8
+MAX_PAUSE = 256
+
+
+class AdaptiveGate:
+    """Per request: whether to propose this step, from its recent acceptance."""
+
+    def __init__(self) -> None:
+        self.recent: dict[str, deque[int]] = {}   # 1 per accepted draft token, 0 per rejected
+        self.paused: dict[str, int] = {}          # steps left without proposals
+        self.pause: dict[str, int] = {}           # the next pause's length
+
+    def allows(self, req_id: str) -> bool:
+        left = self.paused.get(req_id, 0)
+        if left > 0:
+            self.paused[req_id] = left - 1
+            return False
+        return True
+
+    def record(self, req_id: str, drafted: int, accepted: int) -> None:
+        """``drafted`` draft tokens of ``req_id`` were verified, ``accepted`` of them kept."""
+        if drafted <= 0:
+            return
+        window = self.recent.setdefault(req_id, deque(maxlen=WINDOW))
+        window.extend([1] * accepted + [0] * (drafted - accepted))
+        if len(window) < WINDOW:
+            return
+        if sum(window) / len(window) < MIN_ACCEPTANCE:
+            pause = self.pause.get(req_id, PAUSE)
+            self.paused[req_id] = pause
+            self.pause[req_id] = min(2 * pause, MAX_PAUSE)
+            window.clear()  # judged afresh after the pause
+        else:
+            self.pause[req_id] = PAUSE
+
+    def forget(self, req_id: str) -> None:
+        for d in (self.recent, self.paused, self.pause):
+            d.pop(req_id, None)
+
+
+class Proposer:
+    """The runner-side interface of a proposer; the defaults suit one that keeps no KV.
+
+    Args:
+        config: the engine's speculative settings.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.gate = AdaptiveGate()
+
+    def start(self, req_id: str, num_computed_tokens: int) -> None:
+        """A request (new or resumed) whose first ``num_computed_tokens`` positions hold KV."""
+
+    def cut(self, req_id: str, num_slots: int) -> None:
+        """The request's block table now covers only its first ``num_slots`` positions."""
+
+    def forget(self, req_id: str) -> None:
+        """The request ended or was preempted."""
+        self.gate.forget(req_id)
+
+    def record(self, req_id: str, drafted: int, accepted: int) -> None:
+        """``accepted`` of the request's ``drafted`` drafts were verified and kept."""
+        self.gate.record(req_id, drafted, accepted)
+
+    def draft_probs(self, req_id: str):
+        """The distribution each of the request's last drafts was sampled from
+        (``[k, V]``), or None for one-hot proposals."""
+        return None
+
+    def propose_step(self, runner, out, samplers: list[str], sampled: dict, skip: set[str], hooks) -> dict[str, list[int]]:
+        """The next step's drafts of each request in ``samplers`` (those that got tokens,
+        ``sampled[req_id]``); ``skip``: requests whose step read a page that failed to load."""
+        raise NotImplementedError
