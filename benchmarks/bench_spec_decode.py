@@ -68,28 +68,28 @@ def main() -> int:
     p.add_argument("--speculative-config", default=json.dumps(SPEC))
     p.add_argument("--out")
     a = p.parse_args()
-    engines = {"off": LLM(), "ngram": LLM(speculative_config=a.speculative_config)}
+    engines = {"off": LLM(), "spec": LLM(speculative_config=a.speculative_config)}
     tok = engines["off"].get_tokenizer()
     prompts = [chat_ids(tok, m) for m in messages(a.workload, a.requests)]
     for llm in engines.values():  # warm up: kernels, thread pools
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8, temperature=0.0))
     rates, outputs = {k: {"e2e": [], "decode": []} for k in engines}, {}
-    before = engines["ngram"].stats().spec_decode
+    before = engines["spec"].stats().spec_decode
     for _ in range(a.repeats):
         for name, llm in engines.items():
             rate, outs = run(llm, prompts, a.batch, a.max_tokens)
             for kind, v in rate.items():
                 rates[name][kind].append(v)
             outputs[name] = outs
-    s = engines["ngram"].stats().spec_decode
+    s = engines["spec"].stats().spec_decode
     drafts, drafted, accepted = (s[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
     med = {k: {kind: statistics.median(v) for kind, v in r.items()} for k, r in rates.items()}
     report = {"args": vars(a), "tokens_per_s": rates, "median_tokens_per_s": med,
-              "ratio_e2e": med["ngram"]["e2e"] / med["off"]["e2e"],
-              "ratio_decode": med["ngram"]["decode"] / med["off"]["decode"],
+              "ratio_e2e": med["spec"]["e2e"] / med["off"]["e2e"],
+              "ratio_decode": med["spec"]["decode"] / med["off"]["decode"],
               "acceptance_rate": accepted / drafted if drafted else None,
               "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-              "same_tokens_requests": sum(x == y for x, y in zip(outputs["off"], outputs["ngram"])),
+              "same_tokens_requests": sum(x == y for x, y in zip(outputs["off"], outputs["spec"])),
               "output_tokens": sum(len(o) for o in outputs["off"]), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     text = json.dumps(report, indent=1)
     if a.out:
