@@ -200,3 +200,36 @@ def test_verification_keeps_the_targets_distribution_for_equal_and_disjoint_draf
             assert accepted == 20000
         if name == "disjoint":
             assert accepted == 0
+
+
+def test_chunked_prefill_keeps_the_draft_in_step(tiny_llm_factory, tiny_model_dir, reference):
+    """Prompts prefilled 8 tokens a step: the draft catches up on every chunk."""
+    prompts, want = reference
+    llm = tiny_llm_factory(num_blocks=128, batch_invariant=True, max_num_batched_tokens=8,
+                           speculative_config=_draft(tiny_model_dir, 4))
+    assert _run_checked(llm, prompts, 4) == want
+    assert llm.engine.stats().spec_decode["acceptance_rate"] == 1.0
+
+
+def test_a_restart_serves_the_drafts_kv_from_disk(tiny_llm_factory, tiny_model_dir, reference, tmp_path):
+    import gc
+
+    prompts, want = reference
+    kw = dict(num_blocks=12, batch_invariant=True, kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path),
+              speculative_config=_draft(tiny_model_dir, 4))
+    first = tiny_llm_factory(**kw)
+    assert _generate(first, prompts[4:]) == want[4:]
+    first.close()
+    del first
+    gc.collect()  # the directory's lock goes with the engine
+    second = tiny_llm_factory(**kw)
+    assert _generate(second, prompts[4:]) == want[4:]
+    st = second.engine.stats()
+    assert st.kv_offload["disk_hit_tokens"] > 0 and st.spec_decode["acceptance_rate"] == 1.0, st
+
+
+def test_the_servers_ready_line_names_the_draft(tiny_llm_factory, random_draft_dir):
+    from pagedkv.server.cli import _spec as ready_spec
+
+    line = ready_spec(tiny_llm_factory(speculative_config=_draft(random_draft_dir, 3)).engine)
+    assert line == f"; speculative decoding: draft_model {random_draft_dir}, 3 drafts"
