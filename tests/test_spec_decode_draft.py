@@ -233,3 +233,49 @@ def test_the_servers_ready_line_names_the_draft(tiny_llm_factory, random_draft_d
 
     line = ready_spec(tiny_llm_factory(speculative_config=_draft(random_draft_dir, 3)).engine)
     assert line == f"; speculative decoding: draft_model {random_draft_dir}, 3 drafts"
+
+
+def test_a_draft_with_a_shorter_position_limit_caps_the_length_and_calibrates_within_it(
+        tiny_llm_factory, default_model_files, tmp_path):
+    short = make_hf_folder(tmp_path / "short", tokenizer_from=default_model_files.folder, max_position_embeddings=64)
+    llm = tiny_llm_factory(num_blocks=32, kv_cache_dtype="int8", kv_cache_scale="per-tensor",
+                           speculative_config=_draft(short, 2))  # static scales calibrated within 64 positions
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="exceeds the draft model's limit of 64 tokens"):
+        tiny_llm_factory(max_model_len=128, speculative_config=_draft(short, 2))
+    with pytest.raises(FileNotFoundError, match="speculative_config draft model"):
+        tiny_llm_factory(speculative_config=_draft(tmp_path / "missing", 2))
+
+
+def test_greedy_verification_reads_no_row_past_the_first_rejection():
+    """Rows after a rejected draft were computed from a token that is thrown away: a
+    non-finite value there must not fail the request."""
+    from pagedkv.engine.sampling_params import SamplingParams as SP
+    from pagedkv.spec_decode.verify import verify
+
+    logits = torch.tensor([[0.0, 5.0, 1.0], [float("nan")] * 3, [float("inf")] * 3])
+    run = verify(logits, [2, 0], SP(temperature=0.0, max_tokens=4), None)
+    assert [t.token_id for t in run] == [1]
+    with pytest.raises(ValueError, match="non-finite"):
+        verify(logits, [1, 0], SP(temperature=0.0, max_tokens=4), None)
+
+
+def test_a_draft_whose_distribution_fails_fails_no_request(tiny_llm_factory, default_model_files, tmp_path):
+    """Draft logits of 1e35 overflow at temperature 1e-5: that request proposes nothing this
+    step (the target samples as without speculation); its neighbours are untouched."""
+    import glob
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedkv import SamplingParams
+
+    drf = make_hf_folder(tmp_path / "hot", tokenizer_from=default_model_files.folder, tie_word_embeddings=False)
+    f = glob.glob(f"{drf}/*.safetensors")[0]
+    sd = load_file(f)
+    sd["lm_head.weight"] *= 1e35
+    save_file(sd, f, metadata={"format": "pt"})
+    llm = tiny_llm_factory(num_blocks=16, speculative_config=_draft(drf, 2))
+    outs = llm.generate([{"prompt_token_ids": [100, 200, 300]}, {"prompt_token_ids": [7, 8, 9]}],
+                        [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                         SamplingParams(max_tokens=8, temperature=1e-5, ignore_eos=True)])
+    assert [(o.finish_reason, len(o.token_ids)) for o in outs] == [("length", 8), ("length", 8)]

@@ -110,8 +110,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     spec = cfg.kv_spec(dtype, config.block_size, scale_granularity=config.kv_cache_scale)
     tokenizer = load_tokenizer(files.folder)
     draft = build_draft(config, cfg, tokenizer, dtype)
-    if draft is not None:
-        max_len = min(max_len, resolve_max_model_len(draft.files.config, config.max_model_len))
+    if draft is not None:  # the draft runs at every position: the shorter limit holds
+        max_len = min(max_len, draft_max_model_len(draft, config.max_model_len))
     specs = (spec,) if draft is None else (spec, draft.spec)
     num_blocks = config.num_blocks or pool_num_blocks(specs, config.kv_cache_memory)
     check_fits_in_ram(pool_cache_bytes(specs, num_blocks))
@@ -130,7 +130,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         # the model's own length limit, not the cache's: scales must not depend on the cache size
         calibrate_static_scales(model, storage, engine_calibration_ids(tokenizer, cfg))
         if draft is not None:
-            calibrate_static_scales(draft.model, storage.draft_view(), engine_calibration_ids(tokenizer, cfg))
+            calibrate_static_scales(draft.model, storage.draft_view(),
+                                    engine_calibration_ids(tokenizer, draft.files.config))
     eos = set(cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
@@ -153,6 +154,17 @@ def load_model(config: EngineConfig, files: ModelFiles) -> LlamaModel:
                       quantized=blocks)
 
 
+def draft_max_model_len(draft: DraftParts, requested: int | None) -> int:
+    """The draft's own position limit (:func:`resolve_max_model_len`), naming the draft
+    when ``requested`` exceeds it."""
+    try:
+        return resolve_max_model_len(draft.files.config, requested)
+    except ValueError:
+        limit = resolve_max_model_len(draft.files.config, None)
+        raise ValueError(f"max_model_len {requested} exceeds the draft model's limit of {limit} tokens "
+                         f"({draft.files.name}; speculative decoding runs the draft at every position)") from None
+
+
 def build_draft(config: EngineConfig, target: ModelConfig, tokenizer, dtype: str) -> DraftParts | None:
     """The draft model of a ``draft_model`` speculative config (else None), loaded like the
     target (weight dtype, numerics).
@@ -165,7 +177,10 @@ def build_draft(config: EngineConfig, target: ModelConfig, tokenizer, dtype: str
     sc = config.speculative_config
     if sc is None or sc.method != "draft_model":
         return None
-    files = resolve_model(sc.model)
+    try:
+        files = resolve_model(sc.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"speculative_config draft model: {e}") from None
     dcfg = files.config
     if dcfg.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {sc.model!r} has a vocabulary of {dcfg.vocab_size} tokens, the target "

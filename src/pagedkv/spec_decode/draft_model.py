@@ -158,8 +158,13 @@ class DraftModelProposer(Proposer):
             elif params.greedy:
                 drafts[rid].append(int(torch.argmax(logits[i])))
             else:
-                q = target_probs(logits[i], params)
-                drafts[rid].append(int(torch.multinomial(q, 1, generator=runner.generators.get(rid, runner.generator))))
+                try:  # the draft's distribution may still fail (overflow at a tiny temperature)
+                    q = target_probs(logits[i], params)
+                    x = int(torch.multinomial(q, 1, generator=runner.generators.get(rid, runner.generator)))
+                except (ValueError, RuntimeError):
+                    failed.add(rid)
+                    continue
+                drafts[rid].append(x)
                 probs[rid].append(q)
         return failed
 

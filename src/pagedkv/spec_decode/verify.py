@@ -46,15 +46,16 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
 
 def _greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
     best = torch.argmax(logits, dim=-1)
-    if not torch.isfinite(logits.gather(1, best.unsqueeze(1))).all():
-        raise ValueError("the model produced non-finite logits")
+    finite = torch.isfinite(logits.gather(1, best.unsqueeze(1))).squeeze(1).tolist()
     best = best.tolist()
     out = []
-    for i, x in enumerate(drafts):
-        if x != best[i]:
+    for i in range(len(drafts) + 1):  # rows after the first rejection are never read
+        if not finite[i]:
+            raise ValueError("the model produced non-finite logits")
+        if i == len(drafts) or drafts[i] != best[i]:
             return out + [best[i]]
-        out.append(x)
-    return out + [best[len(drafts)]]
+        out.append(drafts[i])
+    raise AssertionError("unreachable")
 
 
 def _rejection(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
