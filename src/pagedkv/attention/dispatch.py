@@ -23,11 +23,14 @@ import warnings
 
 import torch
 
+from pagedkv.attention import kernel as _kernel_module
 from pagedkv.attention.kernel import KernelBuildError, kernel_supports, load_kernel
 from pagedkv.attention.paged import AttentionMetadata, paged_attention_reference
 
 MODES = ("auto", "kernel", "reference")
 _warned: list[str] = []
+_modes: dict[str | None, str] = {}
+_ops: dict[tuple, tuple] = {}  # (PAGEDKV_ATTENTION, name) -> (the kernel state it came from, op or None)
 
 
 def attention_mode() -> str:
@@ -36,10 +39,19 @@ def attention_mode() -> str:
     Raises:
         ValueError: for a value other than auto, kernel or reference.
     """
-    mode = os.environ.get("PAGEDKV_ATTENTION", "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"PAGEDKV_ATTENTION={mode!r}: expected one of {', '.join(MODES)}")
+    raw = os.environ.get("PAGEDKV_ATTENTION")
+    mode = _modes.get(raw)
+    if mode is None:  # parsed once per value: this runs several times per layer and step
+        mode = (raw or "auto").strip().lower() or "auto"
+        if mode not in MODES:
+            raise ValueError(f"PAGEDKV_ATTENTION={mode!r}: expected one of {', '.join(MODES)}")
+        _modes[raw] = mode
     return mode
+
+
+def kernel_state() -> dict:
+    """The kernel loader's state (a resolved op is reused only while it is the same one)."""
+    return _kernel_module._state
 
 
 def prepare_kernel() -> bool:
@@ -74,10 +86,14 @@ def layer_op(name: str):
     """``torch.ops.pagedkv.<name>`` (``rms_norm``, ``silu_and_mul``, ``rope_rotate_``: see
     ``csrc/layer_ops.cpp``) where ``PAGEDKV_ATTENTION`` uses the kernel library and it
     loads, else None: the caller then runs the torch composite."""
+    key = (os.environ.get("PAGEDKV_ATTENTION"), name)
+    hit = _ops.get(key)
+    if hit is not None and hit[0] is kernel_state():  # resolved before, with this kernel state
+        return hit[1]
     mode = attention_mode()
-    if mode == "reference" or _kernel_or_none(mode) is None:
-        return None
-    return getattr(torch.ops.pagedkv, name)
+    op = None if mode == "reference" or _kernel_or_none(mode) is None else getattr(torch.ops.pagedkv, name)
+    _ops[key] = (kernel_state(), op)
+    return op
 
 
 def copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch.Tensor],
