@@ -142,6 +142,7 @@ def test_one_pool_holds_both_models_pages(tiny_llm_factory, random_draft_dir):
     assert llm.engine.kv.pool.num_blocks == pool_num_blocks(specs, 1 << 20) < plain.engine.kv.pool.num_blocks
     assert parts.storage.nbytes == pool_cache_bytes(specs, llm.engine.kv.pool.num_blocks)
     assert parts.storage.num_layers == parts.spec.num_layers + 1
+    assert llm.engine.stats().kv_bytes_per_token == parts.spec.bytes_per_token + parts.draft.spec.bytes_per_token
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llm_factory, tmp_path, default_model_files):

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Counts are blocks, tokens or requests as named; ``kv_bytes_per_token`` is bytes."""
+    """Counts are blocks, tokens or requests as named; ``kv_bytes_per_token`` is bytes (the
+    target's and, with a draft model, the draft's: what one token takes in the pool)."""
 
     block_size: int
     num_blocks: int
@@ -42,7 +43,8 @@ def collect_stats(engine) -> EngineStats:
     return EngineStats(
         block_size=kv.block_size, num_blocks=usage.total, blocks_used=usage.used,
         blocks_cached=usage.cached, blocks_free=usage.free, peak_blocks_used=engine.peak_blocks_used,
-        kv_bytes_per_token=engine.parts.spec.bytes_per_token, kv_cache_bytes=engine.parts.storage.nbytes,
+        kv_bytes_per_token=engine.parts.storage.page_size_bytes // engine.parts.spec.block_size,  # a draft's too
+        kv_cache_bytes=engine.parts.storage.nbytes,
         num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
         num_rejected=engine.num_rejected, num_generated_tokens=engine.num_generated_tokens,
         prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
