@@ -280,3 +280,15 @@ def test_a_draft_whose_distribution_fails_fails_no_request(tiny_llm_factory, def
                         [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                          SamplingParams(max_tokens=8, temperature=1e-5, ignore_eos=True)])
     assert [(o.finish_reason, len(o.token_ids)) for o in outs] == [("length", 8), ("length", 8)]
+
+
+def test_the_planner_counts_the_draft_as_the_engine_allocates_it(tiny_llm_factory, tiny_model_dir, random_draft_dir):
+    from pagedkv.planner import plan
+
+    spec = _draft(random_draft_dir, 2)
+    llm = tiny_llm_factory(num_blocks=None, kv_cache_memory=1 << 20, speculative_config=spec)
+    r = plan(model=str(tiny_model_dir), kv_cache_dtype="float32", kv_cache_memory=1 << 20, speculative_config=spec)
+    alone = plan(model=str(tiny_model_dir), kv_cache_dtype="float32", kv_cache_memory=1 << 20)
+    assert r.num_blocks == llm.engine.kv.pool.num_blocks < alone.num_blocks
+    assert r.bytes_per_token + r.draft_bytes_per_token == llm.engine.stats().kv_bytes_per_token
+    assert r.draft_weight_bytes > 0 and alone.draft_model is None

@@ -68,6 +68,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                "per-block load time")
     p.add_argument("--kv-offload-disk-size", help="the engine's disk KV tier, e.g. 20GiB (NVMe read rate "
                                                   "from the catalog)")
+    p.add_argument("--speculative-config", help="the engine's, as JSON; with "
+                   "'{\"method\": \"draft_model\", \"model\": NAME, ...}' the draft's weights and KV are counted")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write cache-vs-context and step-vs-batch plots")
     p.add_argument("--plot-batches", help="batch sizes for the memory plot, e.g. 1,8,32 (default: 1,8,32,128)")
@@ -109,7 +111,8 @@ def _plan_kwargs(args) -> dict:
                 gpu_memory_utilization=_fraction(args.gpu_memory_utilization, "--gpu-memory-utilization"),
                 kv_heads=None if args.kv_heads is None else _int(args.kv_heads, "--kv-heads"),
                 kv_cache_memory=args.kv_cache_memory, kv_scale_granularity=args.kv_scale,
-                kv_offload_memory=args.kv_offload_memory, kv_offload_disk_size=args.kv_offload_disk_size)
+                kv_offload_memory=args.kv_offload_memory, kv_offload_disk_size=args.kv_offload_disk_size,
+                speculative_config=args.speculative_config)
 
 
 def _split(text: str | None) -> list[str] | None:

@@ -8,6 +8,11 @@ engine sizes its block pool with, so ``num_blocks`` here is the engine's
     cache budget = usable − weight bytes / tp        (or --kv-cache-memory)
     num_blocks   = (budget − static scale bytes) // page bytes − 1 (the null page)
     max requests = (budget − static scale bytes) // paged bytes of one seq_len request
+
+With a draft model (``speculative_config`` method ``draft_model``) the engine's pages hold
+a block of both models' layers and its weights sit beside the target's, so the budget,
+page bytes and request bytes above are both models' (:func:`pagedkv.kv.spec.pool_num_blocks`);
+the speed lines stay the target's alone.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from pagedkv.config import parse_size
-from pagedkv.kv.spec import SCALE_GRANULARITIES, KVCacheSpec
+from pagedkv.kv.spec import SCALE_GRANULARITIES, KVCacheSpec, pool_cache_bytes, pool_num_blocks, pool_page_bytes
 from pagedkv.model.config import ModelConfig
 from pagedkv.planner import dtypes
 from pagedkv.planner.hardware import Device, get_device, nvme_read_bandwidth
@@ -46,6 +51,22 @@ class _Inputs:
     util: float
     scale: str
     budget: int | None         # --kv-cache-memory in bytes, or None
+    draft: ModelConfig | None = None   # the draft model of draft_model speculation
+    draft_weight_bytes: int = 0
+
+    def specs(self, tp: int | None = None) -> tuple[KVCacheSpec, ...]:
+        """The per-device KV specs sharing one pool (target, then draft) at ``tp`` (default: the plan's)."""
+        if tp is None or tp == self.tp:
+            own = (self.spec,)
+        else:
+            own = (self.m.kv_spec(self.kv_dtype, self.spec.block_size, tp, self.scale),)
+        if self.draft is None:
+            return own
+        return own + (self.draft.kv_spec(self.kv_dtype, self.spec.block_size, tp or self.tp, self.scale),)
+
+    @property
+    def all_weight_bytes(self) -> int:
+        return self.weight_bytes + self.draft_weight_bytes
 
 
 def _check_int(name: str, value, minimum: int = 1) -> int:
@@ -54,27 +75,28 @@ def _check_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
-def _budget_blocks(spec: KVCacheSpec, budget: int) -> int:
+def _budget_blocks(specs: tuple[KVCacheSpec, ...], budget: int) -> int:
     """Blocks the engine would allocate for ``budget`` bytes; 0 where not even one fits."""
     try:
-        return spec.num_blocks_for(budget)
+        return pool_num_blocks(specs, budget)
     except ValueError:
         return 0
 
 
-def _requests_fitting(spec: KVCacheSpec, budget: int, seq_len: int) -> int:
-    return max(0, (budget - spec.static_bytes) // spec.paged_bytes_for_tokens(seq_len))
+def _requests_fitting(specs: tuple[KVCacheSpec, ...], budget: int, seq_len: int) -> int:
+    static = sum(s.static_bytes for s in specs)
+    return max(0, (budget - static) // sum(s.paged_bytes_for_tokens(seq_len) for s in specs))
 
 
 def _min_tp(c: _Inputs, need: int) -> int | None:
     """Smallest TP degree where ``need`` requests (0: just the weights and one block) fit per device."""
     for tp in TP_CANDIDATES:
         try:
-            spec = c.m.kv_spec(c.kv_dtype, c.spec.block_size, tp, c.scale)
+            specs = c.specs(tp)
         except ValueError:
             continue  # this degree does not split the KV heads
-        budget = int(c.dev.memory_bytes * c.util) - math.ceil(c.weight_bytes / tp)
-        if (_requests_fitting(spec, budget, c.seq_len) >= need) if need else _budget_blocks(spec, budget) >= 1:
+        budget = int(c.dev.memory_bytes * c.util) - math.ceil(c.all_weight_bytes / tp)
+        if (_requests_fitting(specs, budget, c.seq_len) >= need) if need else _budget_blocks(specs, budget) >= 1:
             return tp
     return None
 
@@ -96,22 +118,30 @@ def _model_fields(c: _Inputs) -> dict:
         bytes_per_request=exact, paged_bytes_per_request=paged, batch_bytes=exact * c.batch,
         paged_batch_bytes=paged * c.batch, paged_bytes_per_request_per_device=spec.paged_bytes_for_tokens(c.seq_len),
         num_params=c.params.total, active_params=c.params.active, weight_bytes=c.weight_bytes,
-        weight_bytes_per_device=math.ceil(c.weight_bytes / c.tp))
+        weight_bytes_per_device=math.ceil(c.weight_bytes / c.tp), **_draft_fields(c))
+
+
+def _draft_fields(c: _Inputs) -> dict:
+    if c.draft is None:
+        return {}
+    return dict(draft_model=c.draft.name, draft_bytes_per_token=c.draft.kv_spec(c.kv_dtype, c.spec.block_size, 1,
+                                                                                 c.scale).bytes_per_token,
+                draft_weight_bytes=c.draft_weight_bytes)
 
 
 def _capacity(c: _Inputs) -> dict:
     if c.dev is None and c.budget is None:
         return {}
     usable = int(c.dev.memory_bytes * c.util) if c.dev else None
-    weights_dev = math.ceil(c.weight_bytes / c.tp)
+    weights_dev = math.ceil(c.all_weight_bytes / c.tp)
     budget = c.budget if c.budget is not None else usable - weights_dev
-    max_req = _requests_fitting(c.spec, budget, c.seq_len) if budget > 0 else 0
-    blocks = _budget_blocks(c.spec, budget)
+    max_req = _requests_fitting(c.specs(), budget, c.seq_len) if budget > 0 else 0
+    blocks = _budget_blocks(c.specs(), budget)
     out = dict(cache_budget_bytes=budget, num_blocks=blocks, max_cached_tokens=blocks * c.spec.block_size,
                max_concurrent_requests=max_req, batch_fits=max_req >= c.batch)
     if c.dev:
         out.update(device_memory_bytes=c.dev.memory_bytes, usable_memory_bytes=usable,
-                   weights_fit=usable - weights_dev >= c.spec.cache_bytes(1),
+                   weights_fit=usable - weights_dev >= pool_cache_bytes(c.specs(), 1),
                    min_tp_for_weights=_min_tp(c, 0), min_tp_for_batch=_min_tp(c, c.batch))
     return out
 
@@ -133,12 +163,12 @@ def _tiers(c: _Inputs, memory, disk) -> dict:
     """The KV offload tiers' capacity (whole pages per device) and per-block load time."""
     from pagedkv.kv.disk_offload import RECORD_OVERHEAD
 
-    page, out = c.spec.page_size_bytes, {}
+    page, out = pool_page_bytes(c.specs()), {}
     link = c.dev.host_link if c.dev else None
     if c.dev is not None and c.dev.is_cpu and memory is not None:  # pages copied piece by piece in host memory
         from pagedkv.planner.cpu import page_copy_bandwidth
 
-        pieces = c.spec.num_layers * (1 if c.spec.mla_latent_dim else 2)  # K and V of every layer
+        pieces = sum(s.num_layers * (1 if s.mla_latent_dim else 2) for s in c.specs())  # K and V of every layer
         link = page_copy_bandwidth(max(1, page // pieces))
     if memory is not None:
         n = parse_size(memory) // page
@@ -169,7 +199,7 @@ def _preemption(c: _Inputs, f: dict) -> dict:
 
 
 def _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, util, kv_heads, block_size,
-             kv_cache_memory, scale) -> _Inputs:
+             kv_cache_memory, scale, speculative_config=None) -> _Inputs:
     for name, v in (("seq_len", seq_len), ("batch", batch), ("tp", tp), ("block_size", block_size)):
         _check_int(name, v)
     if not 0 < float(util) <= 1:
@@ -183,17 +213,30 @@ def _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, util,
     kv_dtype = dtypes.resolve_kv(kv_cache_dtype, m.torch_dtype, on_gpu)
     w_dtype = dtypes.resolve_weights(weight_dtype, m.torch_dtype, on_gpu, m.quant_method)
     params = count_params(m)
+    draft = _draft_model(speculative_config)
+    draft_weights = 0 if draft is None else math.ceil(count_params(draft).total * dtypes.WEIGHT_DTYPE_BYTES[
+        dtypes.resolve_weights(weight_dtype, draft.torch_dtype, on_gpu, draft.quant_method)])
     return _Inputs(m, dev, kv_dtype, w_dtype, m.kv_spec(kv_dtype, block_size, tp, scale),
                    m.kv_spec(kv_dtype, block_size, 1, scale), params,
                    math.ceil(params.total * dtypes.WEIGHT_DTYPE_BYTES[w_dtype]), tp, seq_len, batch,
-                   float(util), scale, budget)
+                   float(util), scale, budget, draft, draft_weights)
+
+
+def _draft_model(speculative_config) -> ModelConfig | None:
+    """The draft's config for a ``draft_model`` speculative config (a bundled name or a
+    config.json path, as ``--model``), else None."""
+    from pagedkv.spec_decode.config import SpeculativeConfig
+
+    sc = SpeculativeConfig.parse(speculative_config)
+    return load_model(sc.model) if sc is not None and sc.method == "draft_model" else None
 
 
 def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_dtype: str = "auto",
          weight_dtype: str = "auto", seq_len: int = 4096, batch: int = 1, tp: int = 1,
          gpu_memory_utilization: float = 0.9, kv_heads: int | None = None, block_size: int = 16,
          kv_cache_memory: int | str | None = None, kv_scale_granularity: str = "per-token-head",
-         kv_offload_memory: int | str | None = None, kv_offload_disk_size: int | str | None = None) -> PlanResult:
+         kv_offload_memory: int | str | None = None, kv_offload_disk_size: int | str | None = None,
+         speculative_config: dict | str | None = None) -> PlanResult:
     """Plan ``batch`` requests of ``seq_len`` tokens of ``model`` on ``tp`` × ``gpu``.
 
     Args:
@@ -209,12 +252,14 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
         kv_scale_granularity: where quantized KV dtypes keep scales (see ``KVCacheSpec``).
         kv_offload_memory, kv_offload_disk_size: the engine's CPU and disk KV tiers (bytes or
             text), sized in blocks with their per-block load time.
+        speculative_config: the engine's (dict or JSON text); a ``draft_model`` adds the
+            draft's weights and its KV to every page, as the engine allocates them.
 
     Raises:
         ValueError: on an unknown model, GPU or dtype, a malformed config.json, or a bad number.
     """
     c = _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, gpu_memory_utilization,
-                 kv_heads, block_size, kv_cache_memory, kv_scale_granularity)
+                 kv_heads, block_size, kv_cache_memory, kv_scale_granularity, speculative_config)
     fields = {**_model_fields(c), **_capacity(c)}
     if c.dev:
         fields.update(_speed(c, fields.get("max_concurrent_requests")))

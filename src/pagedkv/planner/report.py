@@ -52,6 +52,9 @@ def _kv(r: PlanResult) -> list[str]:
         share = "the whole latent" if r.attention == "MLA" else \
             f"{r.kv_heads_per_device} of {r.num_kv_heads} KV heads"
         lines.append(_row("per device, per token", f"{r.bytes_per_token_per_device:,} B ({share} on each device)"))
+    if r.draft_model is not None:
+        lines.append(_row("draft model's, per token", f"{r.draft_bytes_per_token:,} B ({r.draft_model}; "
+                          "in the same pages: capacity counts both)"))
     return lines
 
 
@@ -61,6 +64,8 @@ def _weights(r: PlanResult) -> list[str]:
              _row(f"bytes ({r.weight_dtype})", fmt_bytes(r.weight_bytes))]
     if r.tp > 1:
         lines.append(_row("per device", fmt_bytes(r.weight_bytes_per_device)))
+    if r.draft_weight_bytes is not None:
+        lines.append(_row("draft model", f"{fmt_bytes(r.draft_weight_bytes)} more"))
     return lines
 
 

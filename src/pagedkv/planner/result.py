@@ -69,6 +69,10 @@ class PlanResult:
     rate on ``cpu`` with ``kv_offload_memory``), beside ``preempt_recompute_seconds``
     (recomputing it: the prefill bound), as ``--preemption-mode auto`` weighs them.
 
+    Draft model (with a ``draft_model`` speculative config): ``draft_model``,
+    ``draft_bytes_per_token`` (its KV per token, whole model) and ``draft_weight_bytes``; the
+    capacity fields then count both models' weights and KV, as the engine's pool does.
+
     ``notes``: plain-language findings and caveats.
     """
     model: str
@@ -130,6 +134,9 @@ class PlanResult:
     offload_disk_block_load_seconds: float | None = None
     preempt_swap_seconds: float | None = None
     preempt_recompute_seconds: float | None = None
+    draft_model: str | None = None
+    draft_bytes_per_token: int | None = None
+    draft_weight_bytes: int | None = None
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
