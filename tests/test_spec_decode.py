@@ -163,13 +163,17 @@ def test_rejection_sampling_draws_from_the_target_distribution(draft):
 def test_bad_speculative_configs_are_refused_clearly():
     with pytest.raises(ValueError, match='"draft_model" needs "model"'):
         SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="prompt_lookup_max apply to method 'ngram'"):
+    with pytest.raises(ValueError, match="prompt_lookup_max: prompt lookup is method 'ngram'"):
         SpeculativeConfig.parse({"method": "draft_model", "model": "x", "num_speculative_tokens": 2,
                                  "prompt_lookup_max": 3})
     with pytest.raises(ValueError, match='"model" names a draft model'):
         SpeculativeConfig.parse({"method": "ngram", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="method must be one of"):
         SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 2})
+    implied = SpeculativeConfig.parse({"model": "x", "num_speculative_tokens": 2})  # vLLM: a model means a draft
+    assert (implied.method, implied.model) == ("draft_model", "x")
+    with pytest.raises(ValueError, match='needs "method"'):
+        SpeculativeConfig.parse({"num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="not valid JSON"):
         SpeculativeConfig.parse("{method: ngram}")
     with pytest.raises(ValueError, match="unknown key"):

@@ -67,6 +67,8 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         method = value.get("method")
+        if method is None and value.get("model") is not None:
+            method = "draft_model"  # as vLLM: a draft model named without a method
         if method is None:
             raise ValueError('speculative_config needs "method" (e.g. "ngram")')
         if method not in METHODS:
@@ -93,7 +95,8 @@ class SpeculativeConfig:
             raise ValueError('speculative_config method "draft_model" needs "model": the draft\'s name or path')
         lookup = sorted(key for key in value if key.startswith("prompt_lookup"))
         if lookup:
-            raise ValueError(f"speculative_config {', '.join(lookup)} apply to method 'ngram', not 'draft_model'")
+            raise ValueError(f"speculative_config {', '.join(lookup)}: prompt lookup is method 'ngram', "
+                             "not 'draft_model'")
         return cls("draft_model", k, model=model)
 
 
