@@ -20,7 +20,7 @@ import torch
 
 from conftest import make_hf_folder
 from pagedkv.kv.spec import pool_cache_bytes, pool_num_blocks
-from test_spec_decode import LENGTHS, _check_pages, _generate, _prompt
+from test_spec_decode import LENGTHS, _generate, _prompt, _run_checked
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +39,6 @@ def reference(tiny_llm_factory):
 
 def _draft(model, k: int) -> dict:
     return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
-
-
-def _run_checked(llm, prompts, k: int, max_tokens=24):
-    eng, step = llm.engine, llm.engine.step
-
-    def checked_step():
-        outs = step()
-        _check_pages(eng, k)
-        return outs
-    eng.step = checked_step
-    try:
-        return _generate(llm, prompts, max_tokens)
-    finally:
-        del eng.step
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
