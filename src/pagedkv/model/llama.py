@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.attention.dispatch import layer_op, paged_attention
+from pagedkv.attention.kernel import kernel_supports
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
@@ -76,6 +77,22 @@ class LlamaLayer:
         attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale)
         return self.finish(x, attn)
 
+    def forward_fused(self, op, x: torch.Tensor, idx: int, tables, kv: KVCacheStorage,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """:meth:`forward` as one call of the kernel library's ``decoder_layer`` (GGML
+        weights, fp32 pages; see :meth:`LlamaModel.fused_op`): bit-identical, less Python."""
+        cfg, pages = self.cfg, kv.layer(idx)
+        seq_info, block_tables = meta.packed
+        return op(x, self.in_norm, self.post_norm, cfg.rms_norm_eps, self.qkv.packed, self.qkv.qtype,
+                  self.o.packed, self.o.qtype, self.gate_up.packed, self.gate_up.qtype, self.down.packed,
+                  self.down.qtype, tables[0], tables[1], cfg.num_attention_heads, cfg.num_key_value_heads,
+                  cfg.head_dim, pages.k, pages.v, meta.slot_mapping, seq_info, block_tables, cfg.head_dim ** -0.5)
+
+    def fusable(self) -> bool:
+        """Whether :meth:`forward_fused` covers this layer's weights."""
+        return (self.qkv_bias is None and self.in_norm.dtype == torch.float32
+                and all(isinstance(w, GGMLWeight) for w in (self.qkv, self.o, self.gate_up, self.down)))
+
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 tables=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention inputs of ``x`` ``[T, hidden]``: q ``[T, H, D]`` and k, v ``[T, Hkv, D]``
@@ -124,6 +141,7 @@ class LlamaModel:
             self.lm_head = self.embed
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.weight_dtype = weight_dtype
+        self.fused_layers = True  # use the one-call decoder_layer op where it applies (fused_op)
         if weight_dtype == "int8":
             self._quantize_int8()
         elif weight_dtype in ("auto", "int4"):
@@ -131,6 +149,7 @@ class LlamaModel:
             self.lm_head = lm_head_for(self.lm_head, (quantized or {}).get(EMBED), tied, weight_dtype)
         elif weight_dtype != "float32":
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        self._fusable: bool | None = None
         self.set_batch_invariant(batch_invariant)
 
     def _quantize_int8(self) -> None:
@@ -168,13 +187,38 @@ class LlamaModel:
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         x = self.embed[input_ids]
         tables = self.rope.tables(positions)
+        fused = self.fused_op(kv)
         for i, layer in enumerate(self.layers):
             if kv_hooks is not None:
                 kv_hooks.wait_for_layer_load(i)
-            x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables)
+            if fused is not None:
+                x = layer.forward_fused(fused, x, i, tables, kv, metas[i])
+            else:
+                x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables)
             if kv_hooks is not None:
                 kv_hooks.save_kv_layer(i, kv, metas[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def fused_op(self, kv):
+        """``torch.ops.pagedkv.decoder_layer`` where it computes this forward exactly as the
+        per-op path would: the kernel library loads and ``PAGEDKV_ATTENTION`` uses it, every
+        layer has GGML weights and no bias, and the pages are fp32 in a shape the attention
+        kernel covers. Else None (and with ``fused_layers`` off)."""
+        if not self.fused_layers:
+            return None
+        op = layer_op("decoder_layer")
+        if op is None:
+            return None
+        if self._fusable is None:
+            self._fusable = all(layer.fusable() for layer in self.layers)
+        if not self._fusable:
+            return None
+        pages = kv.layer(0)
+        cfg = self.cfg
+        q = torch.empty(0, cfg.num_attention_heads, cfg.head_dim)
+        if pages.k_scale is not None or pages.k.dtype != torch.float32 or not kernel_supports(q, pages.k, pages.v):
+            return None
+        return op
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -264,6 +266,11 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
 }
 
 }  // namespace
+
+at::Tensor ggml_linear_fn(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  return ggml_linear(x, blocks, qtype);
+}
+
 }  // namespace pagedkv
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {

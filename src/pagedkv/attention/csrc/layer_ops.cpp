@@ -20,6 +20,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -101,6 +103,11 @@ void rope_rotate_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 }  // namespace
+
+at::Tensor rms_norm_fn(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps); }
+at::Tensor silu_and_mul_fn(const at::Tensor& x) { return silu_and_mul(x); }
+void rope_rotate_fn(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) { rope_rotate_(x, cos, sin); }
+
 }  // namespace pagedkv
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {

@@ -8,6 +8,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "paged_attention.h"
 
 namespace pagedkv {
@@ -112,6 +113,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 }  // namespace
+
+at::Tensor paged_attention_fn(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& seq_info, const at::Tensor& block_tables, double scale) {
+  return paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, -1, c10::nullopt, c10::nullopt);
+}
+
 }  // namespace pagedkv
 
 TORCH_LIBRARY(pagedkv, m) {
