@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,7 @@ def converted_dir(gguf_path: str | Path) -> Path:
     digest = file_digest(gguf_path)
     out = cache_root() / f"{gguf_path.stem}-{digest[:16]}"
     if not (out / "pagedkv.json").exists():
+        print(f"pagedkv: converting {gguf_path.name} to safetensors in {out} (once)", file=sys.stderr, flush=True)
         _convert(gguf_path, out, digest)
     return out
 
