@@ -80,7 +80,7 @@ class LlamaLayer:
     def forward_fused(self, op, x: torch.Tensor, idx: int, tables, kv: KVCacheStorage,
                       meta: AttentionMetadata) -> torch.Tensor:
         """:meth:`forward` as one call of the kernel library's ``decoder_layer`` (GGML
-        weights, fp32 pages; see :meth:`LlamaModel.fused_op`): bit-identical, less Python."""
+        weights, unquantized pages; see :meth:`LlamaModel.fused_op`): bit-identical, less Python."""
         cfg, pages = self.cfg, kv.layer(idx)
         seq_info, block_tables = meta.packed
         return op(x, self.in_norm, self.post_norm, cfg.rms_norm_eps, self.qkv.packed, self.qkv.qtype,
@@ -202,8 +202,8 @@ class LlamaModel:
     def fused_op(self, kv):
         """``torch.ops.pagedkv.decoder_layer`` where it computes this forward exactly as the
         per-op path would: the kernel library loads and ``PAGEDKV_ATTENTION`` uses it, every
-        layer has GGML weights and no bias, and the pages are fp32 in a shape the attention
-        kernel covers. Else None (and with ``fused_layers`` off)."""
+        layer has GGML weights and no bias, and the pages are unquantized (fp32/fp16/bf16) in
+        a shape the attention kernel covers. Else None (and with ``fused_layers`` off)."""
         if not self.fused_layers:
             return None
         op = layer_op("decoder_layer")
@@ -216,7 +216,7 @@ class LlamaModel:
         pages = kv.layer(0)
         cfg = self.cfg
         q = torch.empty(0, cfg.num_attention_heads, cfg.head_dim)
-        if pages.k_scale is not None or pages.k.dtype != torch.float32 or not kernel_supports(q, pages.k, pages.v):
+        if pages.k_scale is not None or not kernel_supports(q, pages.k, pages.v):
             return None
         return op
 

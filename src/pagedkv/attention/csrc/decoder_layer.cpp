@@ -1,5 +1,5 @@
-// One Llama decoder layer of a step in one call, for GGML block-quantized weights and an
-// fp32 paged KV cache (the default engine on a GGUF): the ops LlamaLayer.forward runs, in
+// One Llama decoder layer of a step in one call, for GGML block-quantized weights and a
+// float32/float16/bfloat16 paged KV cache (the default engine on a GGUF): the ops LlamaLayer.forward runs, in
 // its order, on the same functions, so the results are bit-identical to it; what goes is
 // the Python between them (~25 us a layer, ~0.7 ms of a 6 ms single-stream step here).
 //
@@ -28,8 +28,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
                          const at::Tensor& slot_mapping, const at::Tensor& seq_info, const at::Tensor& block_tables,
                          double scale) {
   TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, hidden]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "decoder_layer: float32 KV pages only");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) && v_cache.scalar_type() == dtype,
+              "decoder_layer: float32, float16 or bfloat16 KV pages only (quantized pages need their scales)");
   const int64_t T = x.size(0), H = num_heads, Hkv = num_kv_heads, D = head_dim;
   const int64_t q_size = H * D, kv_size = Hkv * D;
   const at::Tensor projected = ggml_linear_fn(rms_norm_fn(x, in_norm, eps), qkv, qkv_type);  // [T, (H + 2 Hkv) D]
@@ -38,8 +39,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
   at::Tensor qk = projected.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D});
   rope_rotate_fn(qk, cos, sin);
   const at::Tensor v = projected.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
-  k_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, qk.narrow(1, H, Hkv));
-  v_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, v);
+  k_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, qk.narrow(1, H, Hkv).to(dtype));  // as KVCacheStorage.write
+  v_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, v.to(dtype));
   const at::Tensor attn = paged_attention_fn(qk.narrow(1, 0, H).contiguous(), k_cache, v_cache, seq_info,
                                              block_tables, scale);
   const at::Tensor y = x + ggml_linear_fn(attn.reshape({T, q_size}), o, o_type);
