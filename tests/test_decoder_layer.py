@@ -1,5 +1,5 @@
 """The one-call decoder layer (``csrc/decoder_layer.cpp``, issue 17 item 4): on the default
-GGUF model (Q4_1/Q8_0 weights, fp32 or fp16 pages) it computes exactly what the per-op path does:
+GGUF model (Q4_1/Q8_0 or int8 weights, fp32 or fp16 pages) it computes exactly what the per-op path does:
 the same tokens and bit-identical log-probs, through prefill chunks, decode batches and
 prefix hits; it steps aside where it does not apply (quantized pages, reference mode)."""
 
@@ -20,8 +20,11 @@ def engines(default_model_files):
 
     load_kernel()
     # a small step budget: the long prompt is prefilled in chunks beside the others' decodes
-    return {kv: LLM(num_blocks=96, max_num_batched_tokens=24, enable_prefix_caching=True, kv_cache_dtype=kv)
-            for kv in ("auto", "float16", "int8")}
+    engines = {kv: LLM(num_blocks=96, max_num_batched_tokens=24, enable_prefix_caching=True, kv_cache_dtype=kv)
+               for kv in ("auto", "float16", "int8")}
+    engines["int8 weights"] = LLM(num_blocks=96, max_num_batched_tokens=24, enable_prefix_caching=True,
+                                  weight_dtype="int8")
+    return engines
 
 
 def _run(llm, fused: bool):
@@ -33,7 +36,7 @@ def _run(llm, fused: bool):
         llm.engine.model.fused_layers = True
 
 
-@pytest.mark.parametrize("kv", ["auto", "float16"])
+@pytest.mark.parametrize("kv", ["auto", "float16", "int8 weights"])
 def test_the_fused_layer_is_bit_identical_to_the_per_op_path(engines, kv):
     llm = engines[kv]
     assert llm.engine.model.fused_op(llm.engine.parts.storage) is not None  # it is the path taken

@@ -51,6 +51,11 @@ def fuse(parts: list):
     return torch.cat(parts).contiguous()
 
 
+def _op_weight(w) -> tuple:
+    """A quantized weight as ``decoder_layer`` takes it: (values, scale or None, ggml type)."""
+    return (w.q, w.scale, 0) if isinstance(w, Int8Weight) else (w.packed, None, w.qtype)
+
+
 class LlamaLayer:
     """One decoder layer's weights (fused) and forward."""
 
@@ -79,19 +84,19 @@ class LlamaLayer:
 
     def forward_fused(self, op, x: torch.Tensor, idx: int, tables, kv: KVCacheStorage,
                       meta: AttentionMetadata) -> torch.Tensor:
-        """:meth:`forward` as one call of the kernel library's ``decoder_layer`` (GGML
-        weights, unquantized pages; see :meth:`LlamaModel.fused_op`): bit-identical, less Python."""
+        """:meth:`forward` as one call of the kernel library's ``decoder_layer`` (GGML or
+        int8 weights, unquantized pages; see :meth:`LlamaModel.fused_op`): bit-identical, less Python."""
         cfg, pages = self.cfg, kv.layer(idx)
         seq_info, block_tables = meta.packed
-        return op(x, self.in_norm, self.post_norm, cfg.rms_norm_eps, self.qkv.packed, self.qkv.qtype,
-                  self.o.packed, self.o.qtype, self.gate_up.packed, self.gate_up.qtype, self.down.packed,
-                  self.down.qtype, tables[0], tables[1], cfg.num_attention_heads, cfg.num_key_value_heads,
-                  cfg.head_dim, pages.k, pages.v, meta.slot_mapping, seq_info, block_tables, cfg.head_dim ** -0.5)
+        return op(x, self.in_norm, self.post_norm, cfg.rms_norm_eps, *_op_weight(self.qkv), *_op_weight(self.o),
+                  *_op_weight(self.gate_up), *_op_weight(self.down), tables[0], tables[1], cfg.num_attention_heads,
+                  cfg.num_key_value_heads, cfg.head_dim, pages.k, pages.v, meta.slot_mapping, seq_info, block_tables,
+                  cfg.head_dim ** -0.5)
 
     def fusable(self) -> bool:
         """Whether :meth:`forward_fused` covers this layer's weights."""
         return (self.qkv_bias is None and self.in_norm.dtype == torch.float32
-                and all(isinstance(w, GGMLWeight) for w in (self.qkv, self.o, self.gate_up, self.down)))
+                and all(isinstance(w, (GGMLWeight, Int8Weight)) for w in (self.qkv, self.o, self.gate_up, self.down)))
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 tables=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,7 +207,7 @@ class LlamaModel:
     def fused_op(self, kv):
         """``torch.ops.pagedkv.decoder_layer`` where it computes this forward exactly as the
         per-op path would: the kernel library loads and ``PAGEDKV_ATTENTION`` uses it, every
-        layer has GGML weights and no bias, and the pages are unquantized (fp32/fp16/bf16) in
+        layer has GGML or int8 weights and no bias, and the pages are unquantized (fp32/fp16/bf16) in
         a shape the attention kernel covers. Else None (and with ``fused_layers`` off)."""
         if not self.fused_layers:
             return None

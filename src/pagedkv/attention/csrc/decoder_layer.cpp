@@ -1,16 +1,18 @@
-// One Llama decoder layer of a step in one call, for GGML block-quantized weights and a
-// float32/float16/bfloat16 paged KV cache (the default engine on a GGUF): the ops LlamaLayer.forward runs, in
+// One Llama decoder layer of a step in one call, for GGML block-quantized or int8 weights
+// and a float32/float16/bfloat16 paged KV cache (the default engine on a GGUF): the ops LlamaLayer.forward runs, in
 // its order, on the same functions, so the results are bit-identical to it; what goes is
 // the Python between them (~25 us a layer, ~0.7 ms of a 6 ms single-stream step here).
 //
-//   decoder_layer(x [T, hidden], in_norm, post_norm, eps, qkv, qkv_type, o, o_type, gate_up,
-//                 gate_up_type, down, down_type, cos [T, 1, D], sin [T, 1, D], H, Hkv, D,
+//   decoder_layer(x [T, hidden], in_norm, post_norm, eps, qkv, qkv_scale, qkv_type, o, o_scale,
+//                 o_type, gate_up, gate_up_scale, gate_up_type, down, down_scale, down_type,
+//                 cos [T, 1, D], sin [T, 1, D], H, Hkv, D,
 //                 k_cache, v_cache [pages, block, Hkv, D], slot_mapping [T], seq_info, block_tables,
 //                 scale) -> x' [T, hidden]
 //
 // h = rms_norm(x); qkv = h W_qkv^T; RoPE on q, k (in place); k, v -> pages at slot_mapping;
 // a = paged_attention(q); x += a W_o^T; h = rms_norm(x); x += silu_and_mul(h W_gu^T) W_down^T.
-// Weights are GGMLWeight.packed blocks with their ggml types (ggml_linear.cpp).
+// A weight is GGMLWeight.packed blocks with their ggml type and no scale (ggml_linear.cpp),
+// or Int8Weight's int8 values with their per-channel scales (int8_linear.cpp).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -20,9 +22,15 @@
 namespace pagedkv {
 namespace {
 
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t qtype) {
+  return scale.has_value() ? int8_linear_fn(x, w, *scale) : ggml_linear_fn(x, w, qtype);
+}
+
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
-                         const at::Tensor& qkv, int64_t qkv_type, const at::Tensor& o, int64_t o_type,
-                         const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
+                         const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_scale, int64_t qkv_type,
+                         const at::Tensor& o, const c10::optional<at::Tensor>& o_scale, int64_t o_type,
+                         const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scale, int64_t gate_up_type,
+                         const at::Tensor& down, const c10::optional<at::Tensor>& down_scale, int64_t down_type,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& seq_info, const at::Tensor& block_tables,
@@ -33,7 +41,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
               "decoder_layer: float32, float16 or bfloat16 KV pages only (quantized pages need their scales)");
   const int64_t T = x.size(0), H = num_heads, Hkv = num_kv_heads, D = head_dim;
   const int64_t q_size = H * D, kv_size = Hkv * D;
-  const at::Tensor projected = ggml_linear_fn(rms_norm_fn(x, in_norm, eps), qkv, qkv_type);  // [T, (H + 2 Hkv) D]
+  const at::Tensor projected = product(rms_norm_fn(x, in_norm, eps), qkv, qkv_scale, qkv_type);  // [T, (H + 2 Hkv) D]
   TORCH_CHECK(projected.size(1) == q_size + 2 * kv_size, "decoder_layer: the QKV weight has ",
               projected.size(1), " rows, not (H + 2 Hkv) * D = ", q_size + 2 * kv_size);
   at::Tensor qk = projected.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D});
@@ -43,17 +51,18 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
   v_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, v.to(dtype));
   const at::Tensor attn = paged_attention_fn(qk.narrow(1, 0, H).contiguous(), k_cache, v_cache, seq_info,
                                              block_tables, scale);
-  const at::Tensor y = x + ggml_linear_fn(attn.reshape({T, q_size}), o, o_type);
+  const at::Tensor y = x + product(attn.reshape({T, q_size}), o, o_scale, o_type);
   const at::Tensor h = rms_norm_fn(y, post_norm, eps);
-  return y + ggml_linear_fn(silu_and_mul_fn(ggml_linear_fn(h, gate_up, gate_up_type)), down, down_type);
+  return y + product(silu_and_mul_fn(product(h, gate_up, gate_up_scale, gate_up_type)), down, down_scale, down_type);
 }
 
 }  // namespace
 }  // namespace pagedkv
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
-  m.def("decoder_layer(Tensor x, Tensor in_norm, Tensor post_norm, float eps, Tensor qkv, int qkv_type, "
-        "Tensor o, int o_type, Tensor gate_up, int gate_up_type, Tensor down, int down_type, Tensor cos, "
+  m.def("decoder_layer(Tensor x, Tensor in_norm, Tensor post_norm, float eps, Tensor qkv, Tensor? qkv_scale, "
+        "int qkv_type, Tensor o, Tensor? o_scale, int o_type, Tensor gate_up, Tensor? gate_up_scale, "
+        "int gate_up_type, Tensor down, Tensor? down_scale, int down_type, Tensor cos, "
         "Tensor sin, int num_heads, int num_kv_heads, int head_dim, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor seq_info, Tensor block_tables, float scale) -> Tensor",
         &pagedkv::decoder_layer);

@@ -15,6 +15,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -145,6 +147,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 }
 
 }  // namespace
+
+at::Tensor int8_linear_fn(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  return int8_linear(x, q, scale);
+}
+
 }  // namespace pagedkv
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
