@@ -57,7 +57,7 @@ class KVCacheStorage:
                  draft_spec: KVCacheSpec | None = None) -> None:
         if spec.dtype not in TORCH_DTYPES:
             raise ValueError(f"KV storage for dtype {spec.dtype!r} is not implemented")
-        self.spec, self.num_blocks, self.draft_spec, self.device = spec, num_blocks, draft_spec, device
+        self.spec, self.num_blocks, self.draft_spec = spec, num_blocks, draft_spec
         self.specs = (spec,) if draft_spec is None else (spec, draft_spec)
         check_pool_specs(self.specs)
         self.layer_specs = [s for s in self.specs for _ in range(s.num_layers)]

@@ -155,6 +155,7 @@ class LlamaModel:
         elif weight_dtype != "float32":
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         self._fusable: bool | None = None
+        self._pages_checked, self._pages_ok = None, False  # the pages fused_op last looked at
         self.set_batch_invariant(batch_invariant)
 
     def _quantize_int8(self) -> None:
@@ -219,11 +220,11 @@ class LlamaModel:
         if not self._fusable:
             return None
         pages = kv.layer(0)
-        cfg = self.cfg
-        q = torch.empty(0, cfg.num_attention_heads, cfg.head_dim)
-        if pages.k_scale is not None or not kernel_supports(q, pages.k, pages.v):
-            return None
-        return op
+        if self._pages_checked is not pages.k:  # once per storage, not per forward
+            q = torch.empty(0, self.cfg.num_attention_heads, self.cfg.head_dim)
+            self._pages_checked = pages.k
+            self._pages_ok = pages.k_scale is None and kernel_supports(q, pages.k, pages.v)
+        return op if self._pages_ok else None
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

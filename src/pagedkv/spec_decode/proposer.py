@@ -14,6 +14,7 @@ pause of ``PAUSE`` steps, doubled on each further failure (up to ``MAX_PAUSE``),
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 
 from pagedkv.spec_decode.config import SpeculativeConfig
@@ -60,8 +61,10 @@ class AdaptiveGate:
             d.pop(req_id, None)
 
 
-class Proposer:
-    """The runner-side interface of a proposer; the defaults suit one that keeps no KV.
+class Proposer(ABC):
+    """The runner-side interface of a proposer; the defaults suit one that keeps no KV
+    (subclasses: :class:`~pagedkv.spec_decode.ngram.NgramProposer`,
+    :class:`~pagedkv.spec_decode.draft_model.DraftModelProposer`).
 
     Args:
         config: the engine's speculative settings.
@@ -90,7 +93,7 @@ class Proposer:
         (``[k, V]``), or None for one-hot proposals."""
         return None
 
+    @abstractmethod
     def propose_step(self, runner, out, samplers: list[str], sampled: dict, skip: set[str], hooks) -> dict[str, list[int]]:
         """The next step's drafts of each request in ``samplers`` (those that got tokens,
         ``sampled[req_id]``); ``skip``: requests whose step read a page that failed to load."""
-        raise NotImplementedError
