@@ -7,7 +7,7 @@ then times ``--steps`` decode steps with ``time.perf_counter`` wrappers on the i
 ``ModelRunner.prepare`` and the scheduler's ``schedule`` / ``update``. What the forward
 spends outside its kernels is Python and dispatch (compare with ``torch.profiler``).
 
-    python benchmarks/bench_step_phases.py --steps 200 [--per-op] [--weight-dtype int8]
+    python benchmarks/bench_step_phases.py --steps 200 [--per-op] [--weight-dtype int8 [--activation-dtype int8]]
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--per-op", action="store_true", help="run each layer op by op (no fused decoder_layer)")
     p.add_argument("--weight-dtype", default="auto")
+    p.add_argument("--activation-dtype", default="float32")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    eng = LLM(num_blocks=1024, weight_dtype=a.weight_dtype).engine
+    eng = LLM(num_blocks=1024, weight_dtype=a.weight_dtype, activation_dtype=a.activation_dtype).engine
     eng.model.fused_layers = not a.per_op
     for _ in range(a.batch):
         eng.add_request(PROMPT, SamplingParams(max_tokens=a.steps + 16, temperature=0.0, ignore_eos=True))
@@ -58,7 +59,7 @@ def main() -> int:
         eng.step()
     med = {k: statistics.median(v) * 1e3 for k, v in phases.items() if v}
     if a.json:
-        print(json.dumps({"batch": a.batch, "steps": a.steps, "per_op": a.per_op, "weight_dtype": a.weight_dtype, "median_ms": med}))
+        print(json.dumps({"batch": a.batch, "steps": a.steps, "per_op": a.per_op, "weight_dtype": a.weight_dtype, "activation_dtype": a.activation_dtype, "median_ms": med}))
     else:
         for k, v in med.items():
             print(f"{k:10s} {v:8.3f} ms")

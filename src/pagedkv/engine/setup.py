@@ -23,6 +23,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_convert import read_blocks
 from pagedkv.model.weight_formats import EMBED
 from pagedkv.model.llama import LlamaModel
+from pagedkv.model.w8a8 import quantize_model as quantize_w8a8
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
 from pagedkv.model.validate import check_weights
 from pagedkv.numerics import env_requests_invariance
@@ -119,12 +120,12 @@ def build_parts(config: EngineConfig) -> EngineParts:
     keys = (("kv_format", KV_FORMAT_VERSION), ("model", str(files.folder.name)), ("weights", files.weights_version),
             ("kv_dtype", dtype), ("block_size", str(config.block_size)),
             ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"),
-            ("weight_dtype", config.weight_dtype))
+            ("weight_dtype", config.weight_dtype), ("activation_dtype", config.activation_dtype))
     if draft is not None:  # pages hold the draft's KV too: never share them with other drafts
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
     groups = single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
-    model = load_model(config, files)
+    model = load_model(config, files, tokenizer)
     storage = KVCacheStorage(spec, kv.pool.num_pages, draft_spec=draft.spec if draft else None)  # page 0: null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":
         # the model's own length limit, not the cache's: scales must not depend on the cache size
@@ -138,8 +139,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(files, model, tokenizer, spec, kv, storage, max_len, frozenset(eos), draft)
 
 
-def load_model(config: EngineConfig, files: ModelFiles) -> LlamaModel:
-    """The decoder in ``files`` with the engine's weight dtype and numerics."""
+def load_model(config: EngineConfig, files: ModelFiles, tokenizer) -> LlamaModel:
+    """The decoder in ``files`` with the engine's weight and activation dtypes and numerics
+    (``tokenizer`` makes the W8A8 calibration text)."""
     blocks = (read_blocks(files.gguf_path, files.folder) if config.weight_dtype in ("auto", "int4") and files.gguf_path
               else {})
     kept = {k: v for k, v in blocks.items() if k != EMBED}  # used as stored: no fp32 copy is loaded
@@ -150,8 +152,13 @@ def load_model(config: EngineConfig, files: ModelFiles) -> LlamaModel:
         warnings.warn("pagedkv: batch-invariant mode with PAGEDKV_ATTENTION=reference: the reference "
                       "attention's products change shape with the chunk, so log-probs can differ in "
                       "the last bits with batching; the fused kernel is batch-invariant", RuntimeWarning)
-    return LlamaModel(files.config, state, batch_invariant=invariant, weight_dtype=config.weight_dtype,
-                      quantized=blocks)
+    w8a8 = config.activation_dtype == "int8"
+    model = LlamaModel(files.config, state, batch_invariant=invariant,
+                       weight_dtype="float32" if w8a8 else config.weight_dtype, quantized=blocks)
+    if w8a8:  # calibrated on the fp32 model, then quantized (pagedkv.model.w8a8)
+        quantize_w8a8(model, engine_calibration_ids(tokenizer, files.config))
+        model.weight_dtype = config.weight_dtype
+    return model
 
 
 def draft_max_model_len(draft: DraftParts, requested: int | None) -> int:
@@ -189,4 +196,4 @@ def build_draft(config: EngineConfig, target: ModelConfig, tokenizer, dtype: str
         raise ValueError(f"draft model {sc.model!r} has a different tokenizer from the target's "
                          "(same size, other tokens): a draft must use the target's tokenizer")
     spec = dcfg.kv_spec(dtype, config.block_size, scale_granularity=config.kv_cache_scale)
-    return DraftParts(files, load_model(config, files), spec)
+    return DraftParts(files, load_model(config, files, tokenizer), spec)

@@ -115,7 +115,7 @@ def _resolve(name: str):
     if name not in _state:
         try:
             load_kernel()
-            _state[name] = getattr(torch.ops.pagedkv, name)
+            _state[name] = getattr(torch.ops.pagedkv, name, None)  # None: not built for this CPU
         except KernelBuildError as e:
             _state[name] = None
             _warn_fallback(f"the kernels cannot be built here: {e}")

@@ -203,6 +203,10 @@ class LlamaModel:
                 x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables)
             if kv_hooks is not None:
                 kv_hooks.save_kv_layer(i, kv, metas[i])
+        return self.final_norm(x)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output ``[T, hidden]`` normed as the LM head takes it."""
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def fused_op(self, kv):

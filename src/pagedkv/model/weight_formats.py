@@ -18,6 +18,7 @@ from __future__ import annotations
 from pagedkv.config import WEIGHT_DTYPES  # noqa: F401 - the names, re-exported
 from pagedkv.model.ggml_weights import FORMATS, Q4_1, Q8_0, GGMLWeight
 from pagedkv.model.int8_weights import Int8Weight
+from pagedkv.model.w8a8 import W8A8Weight
 #: Fused linear weight of a layer -> the checkpoint names of its parts (``model.layers.i.`` + name).
 FUSED = {"qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
          "o": ("self_attn.o_proj.weight",),
@@ -71,7 +72,7 @@ def describe(model) -> str:
     counts: dict[str, int] = {}
     weights = [model.lm_head] + [getattr(layer, a) for layer in model.layers for a in FUSED]
     for w in weights:
-        name = (FORMATS[w.qtype][0] if isinstance(w, GGMLWeight)
-                else "int8" if isinstance(w, Int8Weight) else "float32")
+        name = (FORMATS[w.qtype][0] if isinstance(w, GGMLWeight) else "int8" if isinstance(w, Int8Weight)
+                else "W8A8" if isinstance(w, W8A8Weight) else "float32")
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"{k} x {v}" for k, v in sorted(counts.items()))
