@@ -67,7 +67,7 @@ class EngineConfig:
             GGUF's Q4_1/Q8_0 blocks as stored, else fp32); int4 (Q4_1 layers, Q8_0 LM head).
         activation_dtype: what the decoder layers' products take as input: float32, or int8
             (W8A8: int8 weights times activations quantized per token as they come, with
-            SmoothQuant; much faster at batch 16+, perplexity +0.4% on SmolLM2; needs
+            SmoothQuant; much faster at batch 16+, perplexity +0.5% on SmolLM2; needs
             weight_dtype int8 (--weight-dtype int8); :mod:`pagedkv.model.w8a8`).
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
             KB/MB/GB of 10); ignored when ``num_blocks`` is set.

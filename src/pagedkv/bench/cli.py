@@ -164,9 +164,11 @@ def text_report(result: dict) -> str:
 
     out = [f"pagedkv bench {result['command']}: {result['workload'].get('num_requests')} requests "
            f"({result['workload'].get('dataset')}), medians over {result['settings'].get('repeats')} repeat(s); "
-           f"pagedkv weights {result.get('model', {}).get('weight_dtype', 'auto')} (HF baselines: float32)",
+           f"pagedkv weights {result.get('model', {}).get('weight_dtype', 'auto')}, activations "
+           f"{result.get('model', {}).get('activation_dtype', 'float32')} (HF baselines: float32)",
            f"machine: read {result['machine'].get('read_bandwidth', 0) / 1e9:.1f} GB/s, "
-           f"fp32 matmul {result['machine'].get('fp32_flops', 0) / 1e9:.0f} GFLOP/s (measured in this run); "
+           f"fp32 matmul {result['machine'].get('fp32_flops', 0) / 1e9:.0f} GFLOP/s, int8 GEMM "
+           f"{result['machine'].get('int8_ops', 0) / 1e9:.0f} GOP/s (measured in this run); "
            f"load average {result['machine'].get('loadavg_1min_start', 0):.1f} -> "
            f"{result['machine'].get('loadavg_1min_end', 0):.1f} on {result['machine'].get('cpus')} CPUs", "",
            report.markdown_table(result)]

@@ -6,8 +6,9 @@ and priced with :func:`~pagedkv.planner.roofline.bound`. This module supplies it
 inputs as a benchmark sees them:
 
 - :class:`Machine`: read bandwidth and fp32 matmul rate measured in the same run with
-  :func:`pagedkv.planner.cpu.measure`, once at the start and again before every run; the
-  bound uses the best of all those measurements (the least disturbed);
+  :func:`pagedkv.planner.cpu.measure` (and the int8 GEMM rate, ``torch._int_mm``, the
+  compute ceiling of ``--activation-dtype int8``), once at the start and again before every
+  run; the bound uses the best of all those measurements (the least disturbed);
 - :func:`model_cost`: bytes and FLOPs per token counted from the engine's loaded tensors.
 
 A run's ``limited_by`` names the term that makes up most of the bound: ``weight-read``
@@ -25,10 +26,12 @@ from pagedkv.planner.roofline import ModelCost
 
 @dataclass(frozen=True)
 class Machine:
-    """Measured ceilings: bytes/s read from memory and fp32 matmul FLOP/s."""
+    """Measured ceilings: bytes/s read from memory, fp32 matmul FLOP/s and int8 GEMM
+    operations/s (multiply + add = 2, as FLOPs)."""
     read_bandwidth: float
     fp32_flops: float
     method: str = ""
+    int8_ops: float = 0.0
 
     @classmethod
     def measure(cls, size: str = "full") -> "Machine":
@@ -38,27 +41,49 @@ class Machine:
         from pagedkv.planner.cpu import measure
 
         sizes = {"full": (None, None, None), "probe": (256 * 2**20, 1024, 3), "quick": (64 * 2**20, 512, 3)}
-        m = measure(*sizes[size])
-        return cls(m["read_bandwidth_bytes_per_s"], m["fp32_flops"], m["method"])
+        read, n, repeats = sizes[size]
+        m = measure(read, n, repeats)
+        n = n or 1024
+        return cls(m["read_bandwidth_bytes_per_s"], m["fp32_flops"], m["method"] + f"; {n}^3 int8 torch._int_mm",
+                   int8_rate(n, repeats or 5))
 
     def best(self, other: "Machine") -> "Machine":
         """The higher of each ceiling: noise on a shared machine only lowers a measurement,
         so the best seen is the closest to the machine's real ceiling."""
         prefix = "best of measurements in this run"
         method = self.method if self.method.startswith(prefix) else f"{prefix} ({self.method})"
-        return Machine(max(self.read_bandwidth, other.read_bandwidth), max(self.fp32_flops, other.fp32_flops), method)
+        return Machine(max(self.read_bandwidth, other.read_bandwidth), max(self.fp32_flops, other.fp32_flops), method,
+                       max(self.int8_ops, other.int8_ops))
 
     @property
     def bandwidth(self) -> float:
         """Read bandwidth, bytes/s (the planner's device field name)."""
         return self.read_bandwidth
 
-    def matmul_rate(self, weight_dtype: str = "float32") -> float:
-        """FLOP/s: the measured fp32 rate (the engine computes in fp32 whatever the weights)."""
-        return self.fp32_flops
+    def matmul_rate(self, compute_dtype: str = "float32") -> float:
+        """Operations/s of the products: the measured int8 GEMM rate for ``int8`` (W8A8,
+        activations quantized too), else the fp32 rate (weight-only formats widen to fp32)."""
+        return self.int8_ops if compute_dtype == "int8" and self.int8_ops else self.fp32_flops
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def int8_rate(n: int, repeats: int) -> float:
+    """Best of ``repeats`` ``torch._int_mm`` of two int8 ``[n, n]`` matrices, ops/s (2 n^3)."""
+    import time
+
+    import torch
+
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    torch._int_mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch._int_mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
 
 
 def as_float32(cost: ModelCost, engine) -> ModelCost:

@@ -77,7 +77,8 @@ class Context:
     def probe(self, label: str) -> None:
         """Measure the ceilings again (before a run); keep the best seen."""
         m = Machine.measure("quick" if self.settings.quick_machine else "probe")
-        self.probes.append({"before": label, "read_bandwidth": m.read_bandwidth, "fp32_flops": m.fp32_flops})
+        self.probes.append({"before": label, "read_bandwidth": m.read_bandwidth, "fp32_flops": m.fp32_flops,
+                            "int8_ops": m.int8_ops})
         self.machine = self.machine.best(m)
 
     def cost_for(self, system: str) -> ModelCost:
@@ -198,13 +199,15 @@ def roofline_entry(ctx: Context, metrics: dict, steps, workload: list[BenchReque
     out: dict = {}
     cost = ctx.cost_for(system)
     dur, toks = metrics["duration_s"], metrics["output_tokens"]
+    # W8A8 runs its products on the int8 units; weight-only formats and baselines in fp32
+    compute = "int8" if system == "pagedkv" and ctx.settings.engine.get("activation_dtype") == "int8" else "float32"
     if steps:
-        b = bound(steps, cost, ctx.machine)
+        b = bound(steps, cost, ctx.machine, compute)
         out |= {"bound_s": b["bound_s"], "fraction": b["bound_s"] / dur, "limited_by": b["limited_by"],
                 "seconds_by_limit": b["seconds_by_limit"], "bound_output_tokens_per_s": toks / b["bound_s"]}
     if ideal:
         b = bound(ideal_offline_steps([r.num_prompt_tokens for r in workload], [r.output_len for r in workload]),
-                  cost, ctx.machine)
+                  cost, ctx.machine, compute)
         out |= {"ideal_bound_s": b["bound_s"], "fraction_of_ideal": b["bound_s"] / dur,
                 "ideal_limited_by": b["limited_by"], "ideal_output_tokens_per_s": toks / b["bound_s"]}
         out.setdefault("bound_output_tokens_per_s", out["ideal_output_tokens_per_s"])
@@ -246,7 +249,8 @@ def finish(ctx: Context, result: dict, best_key: str = "metrics.output_tokens_pe
         run["roofline"] = fn()
     result["machine"] = ctx.machine_info()
     result["model"] = {"name": str(ctx.files.name), "cost": ctx.cost.to_dict() if ctx.cost else None,
-                       "weight_dtype": ctx.settings.engine.get("weight_dtype", EngineConfig.weight_dtype)}
+                       "weight_dtype": ctx.settings.engine.get("weight_dtype", EngineConfig.weight_dtype),
+                       "activation_dtype": ctx.settings.engine.get("activation_dtype", EngineConfig.activation_dtype)}
     result["series"] = ctx.series
     report.summarize(result, best_key, higher)
     return result
