@@ -46,7 +46,7 @@ def test_kernel_and_torch_path_equal_the_recipe_bit_for_bit(n, k, group, m):
     want = expected(w, x)
     assert torch.equal(w.reference(x), want)
     if kernel_op("w8a8_linear") is None:
-        pytest.skip("the W8A8 kernel is built only for AVX-512 VNNI CPUs (the torch path was checked)")
+        pytest.skip("the W8A8 kernel is built only for AVX2 CPUs (the torch path was checked)")
     assert torch.equal(w(x), want)
 
 
@@ -82,7 +82,26 @@ def test_activation_quantization_rounds_half_to_even_and_keeps_zero_groups_finit
     assert q.reshape(-1).tolist() == [127, 0, 2, -2, 0, 0, 0, 0]
 
 
+def test_a_non_finite_activation_makes_its_row_nan_in_both_paths():
+    """Not a silently clamped value: the row is NaN, as an fp32 product's would be; other rows
+    are untouched."""
+    torch.manual_seed(2)
+    w = W8A8Weight.quantize(torch.randn(40, 64), None, 16)
+    x = torch.randn(3, 64)
+    clean = w(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        xb = x.clone()
+        xb[1, 37] = bad
+        for y in (w(xb), w.reference(xb)):
+            assert torch.isnan(y[1]).all()
+            assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
+
+
 def test_bad_groups_and_weights_are_refused():
+    with pytest.raises(ValueError, match="finite positive"):
+        W8A8Weight.quantize(torch.randn(4, 8), torch.tensor([1.0, 0, 1, 1, 1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="float32 input"):
+        W8A8Weight.quantize(torch.randn(4, 8))(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="multiple of 4 dividing"):
         W8A8Weight.quantize(torch.randn(4, 64), None, 48)
     with pytest.raises(ValueError, match="NaN or infinite"):
@@ -127,7 +146,7 @@ def test_w8a8_tracks_float32_on_the_real_model(default_model_files):
     assert (w8a8 - fp32).abs().median() < 0.2  # measured 0.11 nats per token
 
 
-def test_activation_dtype_is_a_flag(tiny_model_dir):
+def test_activation_dtype_is_a_cli_flag(tiny_model_dir):
     run = [sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(tiny_model_dir), "--num-blocks", "16",
            "--max-tokens", "3", "--no-chat", "--json", "--weight-dtype", "int8", "--activation-dtype", "int8", "hi"]
     r = subprocess.run(run, capture_output=True, text=True, timeout=300)
@@ -135,3 +154,13 @@ def test_activation_dtype_is_a_flag(tiny_model_dir):
     assert len(json.loads(r.stdout.splitlines()[0])["token_ids"]) == 3
     r = subprocess.run(run[:-6] + ["--activation-dtype", "int8", "hi"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "weight_dtype int8" in r.stderr
+
+
+def test_reference_mode_gives_the_kernels_bits(monkeypatch):
+    torch.manual_seed(3)
+    w = W8A8Weight.quantize(torch.randn(50, 256), torch.rand(256) + 0.5, 128)
+    x = torch.randn(6, 256)
+    fast = w(x)
+    monkeypatch.setenv("PAGEDKV_ATTENTION", "reference")
+    assert kernel_op("w8a8_linear") is None
+    assert torch.equal(w(x), fast)

@@ -61,14 +61,15 @@ class EngineConfig:
         kv_cache_scale: scale granularity of int8/fp8 pages: per-token-head, per-head or
             per-tensor (static, calibrated at start on a fixed text), or per-channel
             (KIVI-style: static per-channel keys, per-token values).
-        weight_dtype: the format linear weights are kept in, always multiplied with fp32
-            activations (:mod:`pagedkv.model.weight_formats`): float32; int8 (per-channel,
+        weight_dtype: the format linear weights are kept in, multiplied with fp32 activations
+            unless activation_dtype is int8 (:mod:`pagedkv.model.weight_formats`): float32; int8 (per-channel,
             a quarter of fp32's bytes per decode step); auto (what the checkpoint holds: a
             GGUF's Q4_1/Q8_0 blocks as stored, else fp32); int4 (Q4_1 layers, Q8_0 LM head).
-        activation_dtype: what the decoder layers' products take as input: float32, or int8
-            (W8A8: int8 weights times activations quantized per token as they come, with
-            SmoothQuant; much faster at batch 16+, perplexity +0.5% on SmolLM2; needs
-            weight_dtype int8 (--weight-dtype int8); :mod:`pagedkv.model.w8a8`).
+        activation_dtype: what every linear layer's product (the LM head's too) takes as
+            input: float32, or int8 (W8A8: int8 weights times activations quantized per token
+            as they come, with SmoothQuant; much faster at batch 16+, perplexity +0.5-0.7% on
+            SmolLM2; single streams are faster with weight_dtype auto; needs weight_dtype
+            int8 (--weight-dtype int8); :mod:`pagedkv.model.w8a8`).
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
             KB/MB/GB of 10); ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.

@@ -94,9 +94,12 @@ def run_ppl(a) -> int:
         results.append(perplexity(llm, _text_ids(a, tok), a.num_tokens, a.window, a.rolling, prefix))
         del llm
     base = results[0].ppl
+    numerics = {"weight_dtype": a.weight_dtype, "activation_dtype": a.activation_dtype}
+    if not a.json:
+        print(f"weights {a.weight_dtype}, activations {a.activation_dtype}; KV cache settings (compared with the first):")
     for s, r in zip(settings, results):
         if a.json:
-            print(json.dumps(r.to_dict() | {"setting": s.label, "ppl_vs_first": r.ppl / base}))
+            print(json.dumps(r.to_dict() | numerics | {"setting": s.label, "ppl_vs_first": r.ppl / base}))
         else:
             print(f"{s.label:>24}  ppl {r.ppl:9.4f}  ({(r.ppl / base - 1) * 100:+.3f}% vs {settings[0].label})  "
                   f"{r.num_scored_tokens} tokens in {r.num_windows} windows")

@@ -1,9 +1,10 @@
 """int8 weights times int8 activations (``--activation-dtype int8``): W8A8 linear layers.
 
 At batch 16+ a decode step's layer products are bound by the CPU's arithmetic rate, not by
-memory: fp32 FMAs here run at ~0.2 TFLOP/s, while oneDNN's int8 GEMM behind
-``torch._int_mm`` (VNNI on AVX-512 CPUs, ``vpmaddubsw`` on AVX2) multiplies int8 matrices
-into int32 several times faster (BENCHMARKS.md, issue 17). Each product then runs as:
+memory: fp32 FMAs here run at ~0.2 TFLOP/s, while int8 dot products (``vpdpbusd`` on
+AVX-512 VNNI CPUs, ``vpmaddubsw`` on AVX2) run several times faster (BENCHMARKS.md, issue
+17; ``torch.ops.pagedkv.w8a8_linear``, ``attention/csrc/w8a8_linear.cpp``). Each product
+then runs as:
 
 - **weights**: per output channel symmetric int8 of ``W * s`` (``s`` the layer input's
   smoothing factors, below), ``q[n] = round(W[n] s / w_scale[n])`` clamped to [-127, 127];
@@ -30,7 +31,8 @@ values: 29.361). BENCHMARKS.md has the speed.
 
 Numerics: the int8 products are exact integers, and every float operation is elementwise
 per row, so each row's result does not depend on the batch (batch-invariant by
-construction) nor on the CPU (the same bits on AVX2 and AVX-512 machines).
+construction) nor on the CPU's vector width (the AVX2 and AVX-512 VNNI kernels and the torch
+path give the same bits).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ QMAX = 127
 LANES = 16      # output channels per panel of the kernel's weight layout
 GROUP = 128     # activation channels per scale for the down projection (when K % GROUP == 0)
 ALPHA = 0.5     # SmoothQuant migration strength
+EXACT_CHUNK = 1024  # channels per fp32 product of int8 values: 1024 * 127^2 < 2^24
 MIN_AMAX = 1e-5  # floor for a channel maximum (an all-zero channel gets a finite factor)
 
 
@@ -68,7 +71,7 @@ class W8A8Weight:
         self.w_scale = w_scale.to(torch.float32).contiguous()
         self.inv_smooth = None if smooth is None else (1.0 / smooth.to(torch.float32)).contiguous()
         self.packed, self.wsum = _pack(q.to(torch.int8), self.group)  # what the kernel reads
-        self._q_t: torch.Tensor | None = None  # torch._int_mm's layout, made where the kernel is not
+        self._q_t: torch.Tensor | None = None  # [K, N] fp32 integer values, made where the kernel is not
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, smooth: torch.Tensor | None = None, group: int | None = None
@@ -82,6 +85,8 @@ class W8A8Weight:
         if w.dim() != 2 or w.shape[1] == 0:
             raise ValueError(f"W8A8: expected a 2-D weight [N, K >= 1], got shape {tuple(w.shape)}")
         if smooth is not None:
+            if smooth.shape != (w.shape[1],) or not (torch.isfinite(smooth).all() and (smooth > 0).all()):
+                raise ValueError(f"W8A8: smoothing factors must be {w.shape[1]} finite positive values")
             w = w * smooth.to(torch.float32)[None, :]
         if not torch.isfinite(w).all():
             raise ValueError("W8A8: a weight (times its smoothing factor) is NaN or infinite")
@@ -115,28 +120,45 @@ class W8A8Weight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, fallback=None) -> torch.Tensor:
         """``x [M, K]`` fp32 -> ``[M, N]`` fp32: the kernel ``torch.ops.pagedkv.w8a8_linear``
-        where it is built (AVX-512 VNNI CPUs), else :meth:`reference`: the same bits.
-        ``fallback`` is ignored (both paths are batch-invariant)."""
+        where it is built (AVX2 and AVX-512 VNNI CPUs), else :meth:`reference`: the same
+        bits. ``fallback`` is ignored (both paths are batch-invariant).
+
+        Raises:
+            ValueError: ``x`` is not float32 ``[M, K]``."""
         op = kernel_op("w8a8_linear")
         if op is None:
             return self.reference(x, bias)
+        _check_input(x, self.shape[1])
         y = op(x.contiguous(), self.packed, self.wsum, self.w_scale, self.inv_smooth, self.group)
         return y if bias is None else y.add_(bias)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The product in torch: :func:`quantize_activations`, one ``torch._int_mm`` (oneDNN's
-        exact int8 GEMM) per group, the scaled sum in group order, times the weight scales."""
+        """The product in torch, for where the kernel is not built: :func:`quantize_activations`,
+        then per group the integer dots as fp32 products of integer-valued matrices in
+        chunks of at most ``EXACT_CHUNK`` channels (every partial sum is an integer below
+        2^24, so exact in any summation order; ``torch._int_mm`` is not exact on CPUs
+        without VNNI), summed as int32, then scaled and added in group order."""
         if self._q_t is None:
-            n, k = self.shape
-            self._q_t = self.q.t().reshape(k // self.group, self.group, n).contiguous()
+            self._q_t = self.q.t().to(torch.float32).contiguous()  # [K, N], integer values
+        _check_input(x, self.shape[1])
         xq, a_scale = quantize_activations(x, self.inv_smooth, self.group)
-        xq = xq.transpose(0, 1).contiguous()  # [groups, M, group]
+        xf = xq.reshape(x.shape[0], -1).to(torch.float32)
         y = None
-        for g in range(self._q_t.shape[0]):
-            part = torch._int_mm(xq[g], self._q_t[g]).to(torch.float32) * a_scale[:, g:g + 1]
+        for g in range(self.shape[1] // self.group):
+            isum = None
+            for c in range(g * self.group, (g + 1) * self.group, EXACT_CHUNK):
+                end = min(c + EXACT_CHUNK, (g + 1) * self.group)
+                part = (xf[:, c:end] @ self._q_t[c:end]).to(torch.int32)
+                isum = part if isum is None else isum.add_(part)
+            part = isum.to(torch.float32) * a_scale[:, g:g + 1]
             y = part if y is None else y.add_(part)
         y = y.mul_(self.w_scale)
         return y if bias is None else y.add_(bias)
+
+
+def _check_input(x: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"W8A8: expected float32 input [M, {k}], got {x.dtype} {tuple(x.shape)}")
 
 
 def _pack(q: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,13 +178,17 @@ def quantize_activations(x: torch.Tensor, inv_smooth: torch.Tensor | None, group
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` fp32 -> (int8 ``[M, K / group, group]``, fp32 scales ``[M, K / group]``):
     symmetric, from each group's absolute maximum of ``x * inv_smooth`` (round half to even;
-    an all-zero group gets scale 1)."""
+    an all-zero group gets scale 1; a group holding a NaN or infinity gets scale NaN and
+    zeros, so the row's output is NaN, as an fp32 product's would be)."""
     m, k = x.shape
     xs = x if inv_smooth is None else x * inv_smooth
     xs = xs.reshape(m, k // group, group)
     amax = xs.abs().amax(dim=2)
+    finite = torch.isfinite(xs).all(dim=2)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    q = torch.round(xs / scale[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    q = torch.round(xs / scale[..., None]).clamp_(-QMAX, QMAX)
+    q = torch.where(finite[..., None], q, torch.zeros_like(q)).to(torch.int8)
     return q, scale
 
 

@@ -3,7 +3,8 @@
 // Registers torch.ops.pagedkv.w8a8_linear(x, packed, wsum, w_scale, inv_smooth, group) -> y
 // with x fp32 [M, K], y fp32 [M, N] (pagedkv/model/w8a8.py documents the recipe):
 //   1. each row of x, times inv_smooth [K] if given, is quantized per `group` channels:
-//      a_scale = amax / 127 (1 for an all-zero group), xq = round-half-even(x / a_scale);
+//      a_scale = amax / 127 (1 for an all-zero group, NaN for one holding a NaN or
+//      infinity: that row's output is NaN), xq = round-half-even(x / a_scale);
 //   2. per group g, the exact int32 dot products isum[m, n, g] = sum_k xq[m, k] q[n, k];
 //   3. y[m, n] = (sum over g in order of float(isum[m, n, g]) * a_scale[m, g]) * w_scale[n],
 //      every multiplication and addition rounded once (no FMA contraction), as the torch
@@ -13,7 +14,7 @@
 //
 // `packed` is int8 [ceil(N / 16), K * 16]: panels of 16 output channels, each holding, for
 // k = 0, 4, 8, ..., the 16 channels' weights k .. k + 3 (64 bytes: one AVX-512 VNNI
-// operand); padding channels are zero. `wsum` is int32 [K / group, 16 * panels]: each
+// operand, or two AVX2 ones); padding channels are zero. `wsum` is int32 [K / group, 16 * panels]: each
 // channel's sum of weights per group (VNNI multiplies unsigned activations, xq + 128, and
 // subtracts 128 * wsum).
 
@@ -41,62 +42,114 @@ namespace {
 constexpr int kLanes = 16;            // output channels per panel
 constexpr int64_t kPanelsPerTask = 4;  // 64 output channels per parallel task
 
-// Built only for CPUs with AVX-512 VNNI (vpdpbusd): elsewhere the op is not registered and
-// w8a8.py computes the same numbers with torch._int_mm (oneDNN).
+// Built for AVX2 and AVX-512 VNNI CPUs; without AVX2 the op is not registered and w8a8.py
+// computes the same numbers in torch. Both integer paths are exact:
+//   VNNI: vpdpbusd multiplies unsigned bytes by signed ones, so activations go in as
+//         xq + 128 and 128 * (the group's weight sum) is subtracted;
+//   AVX2: vpmaddubsw(|xq|, sign(w, xq)) (each pair sum <= 2 * 127 * 127 < 2^15: no
+//         saturation, as |xq| <= 127), then vpmaddwd with ones into int32.
+// (torch._int_mm is not exact on CPUs without VNNI: oneDNN's AVX2 kernel saturates.)
+#if defined(__AVX2__)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDKV_W8A8_VNNI 1
 constexpr int kBias = 128;
+constexpr int kNR = 4;  // panels per tile: 4 x 4 zmm accumulators
+#else
+constexpr int kBias = 0;
+constexpr int kNR = 1;  // 4 x 2 ymm accumulators
+#endif
 
-// Step 1, one row: xq + 128 (vpdpbusd's unsigned operand) and one scale per group.
+// A group's quantization scale, or NaN when the group holds a NaN or infinity (the row's
+// output is then NaN, as an fp32 product's would be, instead of a silently clamped value).
+inline float group_scale(const float* v, int64_t n) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t j = 0; j < n; ++j) {
+    finite = finite && std::isfinite(v[j]);
+    amax = std::max(amax, std::fabs(v[j]));
+  }
+  if (!finite) return NAN;
+  return amax > 0.0f ? amax / 127.0f : 1.0f;
+}
+
+// Step 1, one row: xq (+ kBias) and one scale per group.
 void quantize_row(const float* x, const float* inv_s, int64_t K, int64_t group, uint8_t* xq, float* a_scale) {
   std::vector<float> xs(x, x + K);
   if (inv_s != nullptr)
     for (int64_t k = 0; k < K; ++k) xs[k] = x[k] * inv_s[k];
   for (int64_t g = 0; g < K / group; ++g) {
     const float* v = xs.data() + g * group;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < group; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float s = group_scale(v, group);
     a_scale[g] = s;
     for (int64_t j = 0; j < group; ++j) {
-      const float r = std::nearbyint(v[j] / s);  // round half to even, as torch.round
+      const float r = std::isnan(s) ? 0.0f : std::nearbyint(v[j] / s);  // half to even, as torch.round
       const int q = static_cast<int>(std::min(127.0f, std::max(-127.0f, r)));
       xq[g * group + j] = static_cast<uint8_t>(q + kBias);
     }
   }
 }
 
+#ifdef PAGEDKV_W8A8_VNNI
+using IVec = __m512i;  // 16 int32 lanes: one panel
+constexpr int kHalves = 1;
+inline IVec izero() { return _mm512_setzero_si512(); }
+// acc += the dot of the 4 activation bytes in xb (broadcast) with each lane's 4 weights.
+inline IVec dot4(IVec acc, IVec xb, IVec ax, const int8_t* w) {
+  (void)ax;
+  return _mm512_dpbusd_epi32(acc, xb, _mm512_loadu_si512(w));
+}
+inline IVec bcast(int32_t x4) { return _mm512_set1_epi32(x4); }
+inline IVec absb(IVec xb) { return xb; }
+inline void store_group(float* facc, IVec acc, const int32_t* wsum, float a_scale, bool first) {
+  const __m512i comp = _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7);  // 128 * sum(w)
+  const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, comp)), _mm512_set1_ps(a_scale));
+  _mm512_store_ps(facc, first ? f : _mm512_add_ps(_mm512_load_ps(facc), f));
+}
+#else
+using IVec = __m256i;  // 8 int32 lanes: half a panel
+constexpr int kHalves = 2;
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec dot4(IVec acc, IVec xb, IVec ax, const int8_t* w) {
+  const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), xb));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+inline IVec bcast(int32_t x4) { return _mm256_set1_epi32(x4); }
+inline IVec absb(IVec xb) { return _mm256_abs_epi8(xb); }
+inline void store_group(float* facc, IVec acc, const int32_t* wsum, float a_scale, bool first) {
+  (void)wsum;
+  const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(a_scale));
+  _mm256_store_ps(facc, first ? f : _mm256_add_ps(_mm256_load_ps(facc), f));
+}
+#endif
+constexpr int kVec = kLanes / kHalves;  // int32 lanes per IVec
 
 // Rows m0 .. m0 + MR - 1 against panels p0 .. p0 + NR - 1 (each broadcast activation quad
-// feeds NR panels, each weight vector MR rows): integer dots per group, then the scaled sum
-// into facc[r][j].
+// feeds NR panels, each weight vector MR rows): exact integer dots per group, then the
+// scaled sum into facc[r][j] (mul, then add: each rounded once).
 template <int MR, int NR>
 void tile(const uint8_t* xq, const float* a_scale, int64_t K, int64_t group, const int8_t* w,
           const int32_t* wsum, int64_t wsum_stride, float facc[][4][kLanes]) {
   const int64_t G = K / group;
   for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[MR][NR];
+    IVec acc[MR][NR][kHalves];
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_si512();
+      for (int j = 0; j < NR; ++j)
+        for (int h = 0; h < kHalves; ++h) acc[r][j][h] = izero();
     for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
-      __m512i wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(w + j * K * kLanes + k * kLanes);
       for (int r = 0; r < MR; ++r) {
         int32_t x4;
         std::memcpy(&x4, xq + r * K + k, 4);
-        const __m512i xb = _mm512_set1_epi32(x4);
-        for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xb, wv[j]);
+        const IVec xb = bcast(x4), ax = absb(xb);
+        for (int j = 0; j < NR; ++j)
+          for (int h = 0; h < kHalves; ++h)
+            acc[r][j][h] = dot4(acc[r][j][h], xb, ax, w + j * K * kLanes + k * kLanes + h * 4 * kVec);
       }
     }
-    for (int j = 0; j < NR; ++j) {
-      // 128 * sum(w): the activations went in as xq + 128
-      const __m512i comp = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * wsum_stride + j * kLanes), 7);
-      for (int r = 0; r < MR; ++r) {
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], comp)),
-                                       _mm512_set1_ps(a_scale[r * G + g]));
-        const __m512 prev = _mm512_load_ps(facc[r][j]);
-        _mm512_store_ps(facc[r][j], g == 0 ? f : _mm512_add_ps(prev, f));
-      }
-    }
+    for (int j = 0; j < NR; ++j)
+      for (int r = 0; r < MR; ++r)
+        for (int h = 0; h < kHalves; ++h)
+          store_group(facc[r][j] + h * kVec, acc[r][j][h], wsum + g * wsum_stride + j * kLanes + h * kVec,
+                      a_scale[r * G + g], g == 0);
   }
 }
 
@@ -128,7 +181,7 @@ void w8a8_cpu(const uint8_t* xq, const float* a_scale, const int8_t* packed, con
   for (int64_t t = 0; t < tasks; ++t) {
     int64_t p = t * kPanelsPerTask;
     const int64_t p1 = std::min(np, p + kPanelsPerTask);
-    for (; p + 4 <= p1; p += 4) panels<4>(xq, a_scale, packed, wsum, w_scale, y, M, K, N, group, p);
+    for (; p + kNR <= p1; p += kNR) panels<kNR>(xq, a_scale, packed, wsum, w_scale, y, M, K, N, group, p);
     for (; p < p1; ++p) panels<1>(xq, a_scale, packed, wsum, w_scale, y, M, K, N, group, p);
   }
 }
@@ -169,13 +222,13 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-#endif  // AVX-512 VNNI
+#endif  // AVX2
 }  // namespace
 }  // namespace pagedkv
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor wsum, Tensor w_scale, Tensor? inv_smooth, int group) -> Tensor",
         &pagedkv::w8a8_linear);
 }
-#endif  // AVX-512 VNNI
+#endif  // AVX2
