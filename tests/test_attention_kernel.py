@@ -153,3 +153,50 @@ def test_rejects_bad_metadata(op):
         wrap[0, col] = huge
         with pytest.raises(RuntimeError, match="query rows|does not cover"):
             op(q, k, v, wrap, tables, 0.125)
+
+
+def run_window(op, q, k, v, meta, window, split=-1):
+    return op(q, k, v, *meta.packed, q.shape[-1] ** -0.5, split, None, None, window)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 100, 4096])
+def test_sliding_window_matches_the_reference(op, window):
+    """Rows see keys position - window + 1 .. position: prefill rows whose windows start mid
+    page, across pages and partitions, decodes far past the window, split or not."""
+    specs = [(1, 15), (1, 16), (1, 17), (1, 300), (40, 600), (17, 17), (1, 3000), (33, 100)]
+    q, k, v, meta = make_batch(specs, seed=5)
+    ref = paged_attention_reference(q, k, v, meta, q.shape[-1] ** -0.5, window=window)
+    out = run_window(op, q, k, v, meta, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for split in (0, 1):
+        assert torch.equal(run_window(op, q, k, v, meta, window, split), out)
+    if window >= 3000:  # a window past every context is plain causal attention, bit for bit
+        assert torch.equal(out, run(op, q, k, v, meta))
+
+
+def test_sliding_window_row_alone_equals_row_in_batch(op):
+    """A windowed row computed alone over only its window's pages equals the same row in a
+    batch over the whole context: the masked keys before the window contribute nothing."""
+    window = 37
+    q, k, v, meta = make_batch([(1, 500), (50, 260)], seed=6)
+    full = run_window(op, q, k, v, meta, window)
+    s = meta.seqs[1]
+    for r in (0, 20, 49):
+        row, pos = s.query_start + r, s.context_len - s.query_len + r
+        alone = AttentionMetadata(torch.zeros(1, dtype=torch.int64), [SeqAttention(0, 1, pos + 1, s.block_table)])
+        assert torch.equal(run_window(op, q[row:row + 1], k, v, alone, window), full[row:row + 1])
+    # the reference masks the same keys
+    lone = paged_attention_reference(q[:1], k, v, AttentionMetadata(torch.zeros(1, dtype=torch.int64),
+                                     [meta.seqs[0]]), q.shape[-1] ** -0.5, window=window)
+    g = meta.seqs[0]
+    keys = torch.arange(500 - window, 500)
+    kk = k[g.block_table[keys // 16], keys % 16]
+    vv = v[g.block_table[keys // 16], keys % 16]
+    from pagedkv.attention.paged import attend
+    torch.testing.assert_close(lone, attend(q[:1], kk, vv, q.shape[-1] ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_a_negative_window_is_refused(op):
+    q, k, v, meta = make_batch([(1, 20)], seed=7)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        run_window(op, q, k, v, meta, -1)

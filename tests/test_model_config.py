@@ -44,11 +44,14 @@ def test_engine_and_planner_parse_the_same_windows_and_spec(tmp_path, extra, win
     assert engine.kv_spec("float16", tp=2).num_kv_heads == 1
 
 
-def test_engine_stays_inside_the_smallest_window(tmp_path):
+def test_a_window_no_longer_caps_the_engine_length(tmp_path):
+    """Windowed attention runs past the window (tests/test_sliding_window.py), so the limit is
+    the model's positions."""
     mistral = load_model_config(_write(tmp_path, BASE | dict(architectures=["MistralForCausalLM"], sliding_window=W)))
-    assert mistral.sliding_window == W and resolve_max_model_len(mistral, None) == W
-    with pytest.raises(ValueError, match="limit of 4096"):
-        resolve_max_model_len(mistral, W + 1)
+    assert mistral.sliding_window == W and resolve_max_model_len(mistral, None) == 32768
+    assert resolve_max_model_len(mistral, W + 1) == W + 1
+    with pytest.raises(ValueError, match="limit of 32768"):
+        resolve_max_model_len(mistral, 32769)
     qwen = parse(BASE | dict(model_type="qwen2", sliding_window=W, use_sliding_window=False))
     assert qwen.sliding_window is None and resolve_max_model_len(for_engine(qwen), None) == 32768
 

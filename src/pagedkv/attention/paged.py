@@ -85,8 +85,9 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return out * scale.float().view(1, -1, 1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal GQA attention of the last ``n`` positions of a length-``L`` context.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal GQA attention of the last ``n`` positions of a length-``L`` context; with
+    ``window`` W > 0, the row at position p sees keys ``p - W + 1 .. p`` only.
 
     ``q`` ``[n, H, D]``, ``k``/``v`` ``[L, Hkv, D]`` with ``n <= L``; returns ``[n, H, D]``.
     """
@@ -95,10 +96,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     group = num_heads // kv_heads
     qh = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
     scores = torch.bmm(qh, k.permute(1, 2, 0)) * scale    # [Hkv, G*n, L]
-    if n > 1:
+    if n > 1 or (window and length > window):
         rows = torch.arange(length - n, length).unsqueeze(1)  # position of each query row
-        future = torch.arange(length).unsqueeze(0) > rows     # [n, L]
-        scores = scores.view(kv_heads, group, n, length).masked_fill(future, float("-inf"))
+        hidden = torch.arange(length).unsqueeze(0) > rows     # [n, L]: the future
+        if window:
+            hidden |= torch.arange(length).unsqueeze(0) <= rows - window  # before the window
+        scores = scores.view(kv_heads, group, n, length).masked_fill(hidden, float("-inf"))
         scores = scores.view(kv_heads, group * n, length)
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs, v.permute(1, 0, 2))            # [Hkv, G*n, D]
@@ -107,13 +110,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Attention over paged KV, one sequence at a time (see the module's shape contract);
-    quantized pages are dequantized with ``k_scale``/``v_scale`` as they are read."""
+    quantized pages are dequantized with ``k_scale``/``v_scale`` as they are read; ``window``:
+    the sliding window in tokens (0: none)."""
     out = torch.empty_like(q)
     for s in meta.seqs:
         rows = slice(s.query_start, s.query_start + s.query_len)
         k = gather_pages(k_cache, s.block_table, s.context_len, k_scale)
         v = gather_pages(v_cache, s.block_table, s.context_len, v_scale)
-        out[rows] = attend(q[rows], k, v, scale)
+        out[rows] = attend(q[rows], k, v, scale, window)
     return out

@@ -53,14 +53,13 @@ class DraftParts:
 
 
 def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
-    """``max_model_len``: the request, capped by the model's positions and sliding window.
+    """``max_model_len``: the request, capped by the model's positions (sliding-window
+    layers attend to their window at any length).
 
     Raises:
         ValueError: if ``requested`` exceeds what the model supports here.
     """
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window:  # windowed attention is not implemented: stay inside one window
-        limit = min(limit, cfg.sliding_window)
     if requested is not None and requested > limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
     return requested or limit

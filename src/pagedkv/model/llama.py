@@ -59,9 +59,10 @@ def _op_weight(w) -> tuple:
 class LlamaLayer:
     """One decoder layer's weights (fused) and forward."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, window: int | None = None) -> None:
         get = lambda n: w.pop(f"{prefix}.{n}")  # noqa: E731 - frees memory as it goes
         self.cfg = cfg
+        self.window = int(window or 0)  # sliding window in tokens (0: full attention)
         self.linear = F.linear  # or numerics.invariant_linear (LlamaModel.set_batch_invariant)
         self.in_norm, self.post_norm = get("input_layernorm.weight"), get("post_attention_layernorm.weight")
         self.qkv = fuse([get(f"self_attn.{p}_proj.weight") for p in "qkv"])  # [(H + 2 Hkv) * D, hidden]
@@ -79,7 +80,8 @@ class LlamaLayer:
         q, k, v = self.project(x, positions, rope, tables)
         kv.write(idx, meta.slot_mapping, k, v)
         pages = kv.layer(idx)
-        attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale)
+        attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale,
+                               self.window)
         return self.finish(x, attn)
 
     def forward_fused(self, op, x: torch.Tensor, idx: int, tables, kv: KVCacheStorage,
@@ -91,7 +93,7 @@ class LlamaLayer:
         return op(x, self.in_norm, self.post_norm, cfg.rms_norm_eps, *_op_weight(self.qkv), *_op_weight(self.o),
                   *_op_weight(self.gate_up), *_op_weight(self.down), tables[0], tables[1], cfg.num_attention_heads,
                   cfg.num_key_value_heads, cfg.head_dim, pages.k, pages.v, meta.slot_mapping, seq_info, block_tables,
-                  cfg.head_dim ** -0.5)
+                  cfg.head_dim ** -0.5, self.window)
 
     def fusable(self) -> bool:
         """Whether :meth:`forward_fused` covers this layer's weights."""
@@ -139,7 +141,8 @@ class LlamaModel:
             w.update({k: v for k, v in (quantized or {}).items() if k != EMBED})
             prepare_state(w, weight_dtype, cfg.num_hidden_layers)
         self.embed = w.pop("model.embed_tokens.weight")         # [vocab, hidden]
-        self.layers = [LlamaLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)]
+        windows = cfg.layer_windows or (None,) * cfg.num_hidden_layers
+        self.layers = [LlamaLayer(cfg, w, f"model.layers.{i}", windows[i]) for i in range(cfg.num_hidden_layers)]
         self.norm = w.pop("model.norm.weight")
         self.lm_head = w.pop("lm_head.weight", None)
         if self.lm_head is None or cfg.tie_word_embeddings:

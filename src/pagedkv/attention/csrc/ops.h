@@ -11,8 +11,9 @@ at::Tensor silu_and_mul_fn(const at::Tensor& x);
 void rope_rotate_fn(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor ggml_linear_fn(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype);
 at::Tensor int8_linear_fn(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
-// unquantized caches only (no scales), split = -1 (the kernel decides)
+// unquantized caches only (no scales), split = -1 (the kernel decides); window 0 = none
 at::Tensor paged_attention_fn(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Tensor& seq_info, const at::Tensor& block_tables, double scale);
+                              const at::Tensor& seq_info, const at::Tensor& block_tables, double scale,
+                              int64_t window);
 
 }  // namespace pagedkv

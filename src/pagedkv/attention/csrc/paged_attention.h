@@ -13,7 +13,9 @@
 //   out          [T, num_heads, head_dim]                           fp32
 //
 // Query row r of sequence i sits at position context_len - query_len + r and sees keys
-// 0..position (causal); query head h reads KV head h / (num_heads / num_kv_heads).
+// 0..position (causal), or with a sliding window W > 0 keys position - W + 1..position (the
+// W most recent, itself included: Mistral's and HF's convention); query head h reads KV head
+// h / (num_heads / num_kv_heads).
 #pragma once
 
 #include <cstdint>
@@ -48,6 +50,7 @@ struct PagedAttentionArgs {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
   int split;                  // context partitions on separate threads: -1 auto, 0 never, 1 always
+  int64_t window = 0;         // sliding window in tokens, 0 = none (causal over the whole context)
 };
 
 // Head sizes the kernel is instantiated for (multiples of 16 floats).

@@ -62,6 +62,12 @@ struct Item {
 // split-mode combine must run the very same instructions.
 template <int NV>
 __attribute__((noinline)) void fold(float* ml, float* acc, const float* ml2, const float* acc2) {
+  if (ml2[0] == kNegInf) return;  // a partition with no key for this row (before its window)
+  if (ml[0] == kNegInf) {
+    ml[0] = ml2[0], ml[1] = ml2[1];
+    for (int v = 0; v < NV; ++v) storev(acc + v * kLanes, loadv(acc2 + v * kLanes));
+    return;
+  }
   const float m = std::max(ml[0], ml2[0]);
   const float w1 = std::exp(ml[0] - m), w2 = std::exp(ml2[0] - m);
   ml[0] = m;
@@ -159,10 +165,11 @@ class Kernel {
     }
   }
 
-  // Online-softmax update of the G query heads of one row (q: [G, D]) with keys 0..n-1 of one
-  // KV head of a page (k, v: key j at k + j * stride). ml: [G, 2], acc: [G, D]. sc: workspace.
+  // Online-softmax update of the G query heads of one row (q: [G, D]) with keys lo..n-1 of one
+  // KV head of a page (k, v: key j at k + j * stride; keys before lo are scored, then masked:
+  // they lie before the row's sliding window). ml: [G, 2], acc: [G, D]. sc: workspace.
   // pf: the next page, whose KV head g is prefetched during the first PV pass.
-  void update_group(const float* q, const float* k, const float* v, int64_t n, float* sc,
+  void update_group(const float* q, const float* k, const float* v, int64_t lo, int64_t n, float* sc,
                     float* ml, float* acc, const Prefetch& pf, int64_t g) const {
     const int64_t stride = Hkv_ * D;
     float* alphas = sc + G_ * bspad_;  // [G]
@@ -187,6 +194,7 @@ class Kernel {
     for (int64_t h = 0; h < G_; ++h) {
       float* s = sc + h * bspad_;
       for (int64_t j = n; j < bspad_; ++j) s[j] = kNegInf;
+      for (int64_t j = 0; j < lo; ++j) s[j] = kNegInf;
       vf mx = loadv(s);
       for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));
       const float m_old = ml[2 * h], m_new = std::max(m_old, hmax(mx));
@@ -337,11 +345,12 @@ class Kernel {
         const Prefetch next = b + 1 < b_end ? prefetch(table[b + 1]) : Prefetch{};
         for (int64_t i = i0; i < tl.nq; ++i) {
           const int64_t n = std::min(BS_, pos0 + i - b * BS_ + 1);
-          if (n <= 0) continue;
+          const int64_t lo = a_.window > 0 ? std::max<int64_t>(0, pos0 + i - a_.window + 1 - b * BS_) : 0;
+          if (n <= 0 || lo >= n) continue;  // the page is after the row, or before its window
           const float* q = a_.q + (sq[0] + tl.q0 + i) * H_ * D;
           for (int64_t g = 0; g < Hkv_; ++g) {
             const int64_t r = i * H_ + g * G_;
-            update_group(q + g * G_ * D, kp + g * D, vp + g * D, n, ws.scores.data(),
+            update_group(q + g * G_ * D, kp + g * D, vp + g * D, lo, n, ws.scores.data(),
                          ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D, i == i0 ? next : Prefetch{}, g);
           }
         }

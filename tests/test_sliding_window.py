@@ -1,0 +1,117 @@
+"""Sliding-window models (issue 14, first step): Mistral- and Qwen2-shaped tiny random
+models with windows shorter than the prompt, against HF transformers' own models, through
+whole prefill, chunked prefill across the window edge and decode past the window, with the
+fused kernel and the pure-torch reference; and the engine running them past the window."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from pagedkv.model.llama import LlamaModel
+from pagedkv.model.loader import load_model_config, load_state_dict
+
+from conftest import TINY_CONFIG
+from test_forward_vs_hf import BLOCK, TOL, hf_logits, paged_logits
+
+WINDOW = 12
+
+
+def save_random(model, folder, tokenizer_from):
+    with torch.no_grad():  # HF inits small; widen so attention patterns are not uniform
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model.save_pretrained(str(folder))
+    for f in tokenizer_from.iterdir():  # the real SmolLM2 tokenizer, for the engine
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory, default_model_files):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(11)
+    cfg = MistralConfig(**(TINY_CONFIG | {"sliding_window": WINDOW}))
+    return save_random(MistralForCausalLM(cfg).float(), tmp_path_factory.mktemp("mistral"),
+                       default_model_files.folder)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory, default_model_files):
+    """Layer 0 full attention, layer 1 sliding (max_window_layers = 1)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(12)
+    cfg = Qwen2Config(**(TINY_CONFIG | {"sliding_window": WINDOW, "use_sliding_window": True,
+                                        "max_window_layers": 1}))
+    return save_random(Qwen2ForCausalLM(cfg).float(), tmp_path_factory.mktemp("qwen2"),
+                       default_model_files.folder)
+
+
+def schedules(n: int) -> dict[str, list[int]]:
+    """Whole prefill; chunks ending just before, at and after the window edge and block
+    edges, then decodes; all decodes."""
+    head = [WINDOW - 1, 1, 1, BLOCK - WINDOW + 3]
+    rest = n - sum(head) - 5
+    return {"whole": [n], "chunked": head + [rest] + [1] * 5, "decode": [1] * n}
+
+
+@pytest.mark.parametrize("length", [WINDOW - 1, WINDOW, WINDOW + 1, 2 * BLOCK, 3 * BLOCK + 5])
+@pytest.mark.parametrize("attention", ["kernel", "reference"])
+def test_mistral_sliding_window_matches_hf(mistral_dir, length, attention, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_ATTENTION", attention)
+    cfg = load_model_config(mistral_dir)
+    assert cfg.layer_windows == (WINDOW, WINDOW)
+    model = LlamaModel(cfg, load_state_dict(mistral_dir))
+    ids = torch.randint(0, 49152, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    ref = hf_logits(mistral_dir, ids)
+    for name, chunks in schedules(length).items():
+        if sum(chunks) != length or min(chunks) < 1:
+            chunks = [length]
+        diff = (paged_logits(model, ids, chunks) - ref).abs().max().item()
+        assert diff < TOL, f"{name}: max |logit diff| {diff:.2e} vs HF"
+
+
+def test_qwen2_mixed_full_and_window_layers_match_hf(qwen2_dir):
+    cfg = load_model_config(qwen2_dir)
+    assert cfg.layer_windows == (None, WINDOW)
+    model = LlamaModel(cfg, load_state_dict(qwen2_dir))
+    assert [layer.window for layer in model.layers] == [0, WINDOW]
+    ids = torch.randint(0, 49152, (45,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = hf_logits(qwen2_dir, ids)
+    for name, chunks in schedules(45).items():
+        diff = (paged_logits(model, ids, chunks) - ref).abs().max().item()
+        assert diff < TOL, f"{name}: max |logit diff| {diff:.2e} vs HF"
+
+
+def test_the_window_matters(mistral_dir):
+    """The same weights without the window give other logits past it: the tests above would
+    fail if the window were ignored."""
+    cfg = load_model_config(mistral_dir)
+    model = LlamaModel(cfg, load_state_dict(mistral_dir))
+    for layer in model.layers:
+        layer.window = 0
+    ids = torch.randint(0, 49152, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    diff = (paged_logits(model, ids, [30]) - hf_logits(mistral_dir, ids)).abs()
+    assert diff[:WINDOW].max() < TOL and diff[WINDOW:].max() > 100 * TOL
+
+
+def test_engine_generates_past_the_window_as_hf_does(mistral_dir):
+    """max_model_len is no longer capped at the window; greedy tokens equal HF's generate."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(model=str(mistral_dir), num_blocks=64)
+    assert llm.engine.max_model_len == TINY_CONFIG["max_position_embeddings"]
+    prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                       ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(mistral_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, 20:]
+    assert out.token_ids == want.tolist()
