@@ -115,3 +115,96 @@ def test_engine_generates_past_the_window_as_hf_does(mistral_dir):
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, 20:]
     assert out.token_ids == want.tolist()
+
+
+def hf_greedy(folder, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def test_pages_before_the_window_go_back_and_output_is_unchanged(mistral_dir):
+    """Block size 4, window 12: a request holds at most ceil(11 / 4) + 1 = 4 pages after each
+    step (+ what the next step computes), the rest of its table is the null page, and the
+    greedy tokens still equal HF's."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.kv.single_type import SlidingWindowManager
+
+    llm = LLM(model=str(mistral_dir), num_blocks=64, block_size=4, debug_invariants=True,
+              enable_prefix_caching=False)
+    eng = llm.engine
+    mgr = eng.kv.groups[0]
+    assert isinstance(mgr, SlidingWindowManager) and mgr.window == WINDOW
+    prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                    request_id="r")
+    held, tokens = [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens = out.token_ids
+        table = mgr.block_tables.get("r")
+        if table:
+            held.append(sum(b != eng.kv.pool.null_block for b in table))
+    assert tokens == hf_greedy(mistral_dir, prompt, 30)
+    assert max(held[1:]) <= -(-(WINDOW - 1) // 4) + 2 and mgr.blocks_given_back >= 7
+    assert eng.kv.usage().used == 0  # everything back after the request
+
+
+def test_windows_keep_many_long_requests_in_a_small_pool(mistral_dir, monkeypatch):
+    """Eight 60-token requests need 8 x 15 = 120 pages under full attention, which preempts
+    in 48 pages; with the window they run in 48 pages, chunked, without preemption, each
+    equal to its run alone."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.engine import setup
+    from pagedkv.kv.groups import single_group
+
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": torch.randint(0, 49152, (30,), generator=torch.Generator().manual_seed(i)).tolist()}
+               for i in range(8)]
+    llm = LLM(model=str(mistral_dir), num_blocks=48, block_size=4, max_num_batched_tokens=16,
+              debug_invariants=True, batch_invariant=True)
+    together = llm.generate(prompts, params)
+    assert all(o.num_preemptions == 0 for o in together)
+    alone = LLM(model=str(mistral_dir), num_blocks=48, block_size=4, batch_invariant=True)
+    for p, o in zip(prompts, together):
+        assert alone.generate([p], params)[0].token_ids == o.token_ids
+    monkeypatch.setattr(setup, "kv_groups", lambda config, cfg, draft: single_group(cfg.num_hidden_layers, 4))
+    full = LLM(model=str(mistral_dir), num_blocks=48, block_size=4, max_num_batched_tokens=16, batch_invariant=True)
+    outs = full.generate(prompts, params)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in together]
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache(mistral_dir):
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(model=str(mistral_dir), num_blocks=64, block_size=4, debug_invariants=True)
+    prompt = {"prompt_token_ids": torch.randint(0, 49152, (26,), generator=torch.Generator().manual_seed(5)).tolist()}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    second = llm.generate([prompt], params)[0]
+    assert second.num_cached_tokens >= 16 and second.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("extra", ["cpu-tier", "swap", "contiguous", "draft"])
+def test_features_that_read_whole_tables_keep_full_attention_groups(mistral_dir, extra):
+    from pagedkv import LLM
+    from pagedkv.kv.single_type import SlidingWindowManager
+
+    kw = {"cpu-tier": dict(kv_offload_memory="16MiB"),
+          "swap": dict(kv_offload_memory="16MiB", preemption_mode="swap"),
+          "contiguous": dict(kv_allocator="contiguous"),
+          "draft": dict(speculative_config={"model": str(mistral_dir), "num_speculative_tokens": 2})}[extra]
+    llm = LLM(model=str(mistral_dir), num_blocks=64, **kw)
+    assert not isinstance(llm.engine.kv.groups[0], SlidingWindowManager)
+
+
+def test_mixed_window_and_full_layers_keep_one_full_group(qwen2_dir):
+    from pagedkv import LLM
+    from pagedkv.kv.single_type import SlidingWindowManager
+
+    llm = LLM(model=str(qwen2_dir), num_blocks=64)
+    assert not isinstance(llm.engine.kv.groups[0], SlidingWindowManager)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pagedkv.attention.dispatch import attention_mode
 from pagedkv.config import EngineConfig
 from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
-from pagedkv.kv.groups import single_group
+from pagedkv.kv.groups import KVCacheGroup, SlidingWindowSpec, group_layers, single_group
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec, pool_cache_bytes, pool_num_blocks
 from pagedkv.kv.storage import KVCacheStorage
@@ -122,7 +122,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
             ("weight_dtype", config.weight_dtype), ("activation_dtype", config.activation_dtype))
     if draft is not None:  # pages hold the draft's KV too: never share them with other drafts
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
-    groups = single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
+    groups = kv_groups(config, cfg, draft is not None)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
     model = load_model(config, files, tokenizer)
     storage = KVCacheStorage(spec, kv.pool.num_pages, draft_spec=draft.spec if draft else None)  # page 0: null page
@@ -136,6 +136,21 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
     return EngineParts(files, model, tokenizer, spec, kv, storage, max_len, frozenset(eos), draft)
+
+
+def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[KVCacheGroup, ...]:
+    """One group of every layer: a sliding-window group (pages before the window go back,
+    :class:`~pagedkv.kv.single_type.SlidingWindowManager`) when every layer has the same
+    window and nothing else reads those pages, else full attention (correct for any model:
+    attention itself applies each layer's window). Not yet for: a draft model (its layers
+    attend to everything on the same tables), CPU/disk tiers and swap preemption (they copy
+    whole tables), the contiguous allocator, models mixing window and full layers."""
+    windows = set(cfg.layer_windows)
+    if (len(windows) == 1 and None not in windows and not has_draft and config.kv_allocator == "paged"
+            and config.kv_offload_memory is None):  # (swap preemption needs the tier too)
+        spec = SlidingWindowSpec(config.block_size, sliding_window=windows.pop())
+        return group_layers([spec] * cfg.num_hidden_layers)
+    return single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
 
 
 def load_model(config: EngineConfig, files: ModelFiles, tokenizer) -> LlamaModel:

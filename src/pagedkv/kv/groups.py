@@ -43,8 +43,8 @@ class ContiguousAttentionSpec(FullAttentionSpec):
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
     """Layers that attend to the last ``sliding_window`` tokens (Mistral, Gemma-2/3,
-    Qwen2's window layers). Its manager is the long-context work's; until then the engine
-    runs such models with full-attention groups."""
+    Qwen2's window layers); :class:`~pagedkv.kv.single_type.SlidingWindowManager` gives
+    back their pages before the window."""
     sliding_window: int = 0
 
     def __post_init__(self) -> None:

@@ -105,9 +105,12 @@ class KVCacheManager:
 
     def allocate_slots(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> bool:
         """Pin ``hit`` and allocate pages for ``num_new_tokens`` more tokens in every group.
+        Pages a sliding window no longer reads go back first (whatever the outcome).
 
-        Returns False, changing nothing, when the pool cannot supply them all.
+        Returns False, allocating nothing, when the pool cannot supply them all.
         """
+        for g in self.groups:
+            g.remove_skipped(req, req.num_computed_tokens)
         total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         needs = [g.num_blocks_needed(req, total, len(_group_hit(hit, i))) for i, g in enumerate(self.groups)]
         hit_evictable = len({b for blocks in hit.blocks for b in blocks if self.pool.ref_cnt[b] == 0})
@@ -118,6 +121,8 @@ class KVCacheManager:
             self.prefix_hits += hit.num_tokens
         for i, (g, need) in enumerate(zip(self.groups, needs)):
             g.allocate(req.request_id, _group_hit(hit, i), need)
+            if hit.num_tokens:
+                g.remove_skipped(req, req.num_computed_tokens + hit.num_tokens)
         return True
 
     def cache_full_blocks(self, req: CacheRequest, num_written_tokens: int) -> None:

@@ -8,6 +8,7 @@ spec's exact type, so a new attention kind is a new class and a table entry, not
 
     FullAttentionSpec       -> FullAttentionManager    pages as the request grows
     ContiguousAttentionSpec -> ContiguousManager       prompt + max_tokens at admission
+    SlidingWindowSpec       -> SlidingWindowManager    pages before the window go back
 
 Prefix-cache entries are keyed ``(group_id, block_hash)``: two groups holding the same
 tokens hold different layers' KV and must never hit each other's pages. Plain ints only.
@@ -16,7 +17,7 @@ tokens hold different layers' KV and must never hit each other's pages. Plain in
 from __future__ import annotations
 
 from pagedkv.kv.block_pool import BlockPool
-from pagedkv.kv.groups import ContiguousAttentionSpec, FullAttentionSpec, KVLayerSpec
+from pagedkv.kv.groups import ContiguousAttentionSpec, FullAttentionSpec, KVLayerSpec, SlidingWindowSpec
 from pagedkv.kv.hashing import BlockHash
 
 
@@ -100,6 +101,11 @@ class FullAttentionManager:
         self.pool.release([b for b in reversed(table) if b != self.pool.null_block])
         self.num_published.pop(request_id, None)
 
+    def remove_skipped(self, req, num_computed: int) -> int:
+        """Give back pages no future query reads once ``num_computed`` tokens are computed
+        (none under full attention). Returns how many went."""
+        return 0
+
     def freeze_published(self) -> None:
         """Mark every held page as published (after a prefix-cache reset: none is re-hashed)."""
         for rid, table in self.block_tables.items():
@@ -114,10 +120,59 @@ class ContiguousManager(FullAttentionManager):
         return max(total_tokens, req.num_prompt_tokens + req.max_tokens)
 
 
+class SlidingWindowManager(FullAttentionManager):
+    """Layers that attend to the last ``W = spec.sliding_window`` tokens: once ``c`` tokens
+    are computed, the next query (position ``c``) reads positions ``c - W + 1 ..`` only, so
+    every page wholly before that goes back to the pool (a published one stays findable
+    there until it is evicted) and its table entry becomes the null page 0. A request then
+    holds at most ``ceil((W - 1) / block_size) + 1`` pages plus those of the tokens it
+    computes next. Prefix hits need every leading page still cached (as for full
+    attention: correct, not yet the window-aware lookup of the long-context issue)."""
+
+    def __init__(self, spec: SlidingWindowSpec, group_id: int, pool: BlockPool) -> None:
+        super().__init__(spec, group_id, pool)
+        self.window = int(spec.sliding_window)
+        self.num_skipped: dict[str, int] = {}
+        self.blocks_given_back = 0  # pages returned early, over the manager's life
+
+    def remove_skipped(self, req, num_computed: int) -> int:
+        table = self.block_tables.get(req.request_id)
+        if not table:
+            return 0
+        first = min(len(table), max(0, num_computed - self.window + 1) // self.block_size)
+        start = self.num_skipped.get(req.request_id, 0)
+        if first <= start:
+            return 0
+        null = self.pool.null_block
+        gone = [table[i] for i in range(start, first) if table[i] != null]
+        for i in range(start, first):
+            table[i] = null
+        self.pool.release(gone)
+        self.num_skipped[req.request_id] = first
+        self.blocks_given_back += len(gone)
+        return len(gone)
+
+    def cache_full_blocks(self, request_id: str, hashes: list[BlockHash], tokens: list[int],
+                          num_written_tokens: int) -> None:
+        """As for full attention; pages already given back were published before they went."""
+        start = self.num_published.get(request_id, 0)
+        end = min(num_written_tokens // self.block_size, len(hashes))
+        table, bs = self.block_tables[request_id], self.block_size
+        for i in range(start, end):
+            if table[i] != self.pool.null_block:
+                self.pool.cache_block(table[i], (self.group_id, hashes[i]), tuple(tokens[i * bs:(i + 1) * bs]))
+        self.num_published[request_id] = max(start, end)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.num_skipped.pop(request_id, None)
+
+
 #: The manager class of each layer spec type (exact type: a subclass needs its own entry).
 SPEC_MANAGER_MAP: dict[type, type[FullAttentionManager]] = {
     FullAttentionSpec: FullAttentionManager,
     ContiguousAttentionSpec: ContiguousManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 
@@ -125,8 +180,7 @@ def manager_for(spec: KVLayerSpec, group_id: int, pool: BlockPool) -> FullAttent
     """A manager for ``spec``'s group.
 
     Raises:
-        ValueError: for a spec type with no manager yet (sliding windows: the
-            long-context work adds theirs to :data:`SPEC_MANAGER_MAP`).
+        ValueError: for a spec type with no manager.
     """
     cls = SPEC_MANAGER_MAP.get(type(spec))
     if cls is None:

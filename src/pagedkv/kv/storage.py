@@ -47,7 +47,9 @@ class KVCacheStorage:
     """K/V pages for every layer.
 
     Pages are allocated uninitialized (``torch.empty``: a 4 GiB zero fill costs seconds and
-    touches every page); attention reads only slots that a step has written.
+    touches every page); attention reads only slots that a step has written, except the
+    null page 0 (the table entry of a page a sliding window gave back), which is zeroed so
+    a read of it is finite.
 
     Raises:
         ValueError: for a spec dtype with no storage here.
@@ -65,6 +67,8 @@ class KVCacheStorage:
         shapes = [(num_blocks, s.block_size, s.num_kv_heads, s.head_dim) for s in self.layer_specs]
         self.k = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        for t in self.k + self.v:
+            t[0].zero_()
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         self._calibrated = [False] * len(shapes)

@@ -340,7 +340,10 @@ class Kernel {
       for (int64_t r = i0 * H_; r < tl.nq * H_; ++r) ws.cur_ml[2 * r] = kNegInf, ws.cur_ml[2 * r + 1] = 0.0f;
       std::fill(ws.cur_acc.begin() + i0 * H_ * D, ws.cur_acc.begin() + tl.nq * H_ * D, 0.0f);
       const int64_t b_end = std::min(it.p_end * part_pages_, last / BS_ + 1);  // the item's last page + 1
-      for (int64_t b = b0; b < b1; ++b) {
+      // pages wholly before the first row's window: no row reads them (a sliding-window table
+      // may hold the null page there)
+      const int64_t b_win = a_.window > 0 ? std::max<int64_t>(0, pos0 - a_.window + 1) / BS_ : 0;
+      for (int64_t b = std::max(b0, b_win); b < b1; ++b) {
         const auto [kp, vp] = page(table[b], std::min(BS_, last - b * BS_ + 1), ws);
         const Prefetch next = b + 1 < b_end ? prefetch(table[b + 1]) : Prefetch{};
         for (int64_t i = i0; i < tl.nq; ++i) {
