@@ -208,3 +208,26 @@ def test_mixed_window_and_full_layers_keep_one_full_group(qwen2_dir):
 
     llm = LLM(model=str(qwen2_dir), num_blocks=64)
     assert not isinstance(llm.engine.kv.groups[0], SlidingWindowManager)
+
+
+def test_planner_and_engine_agree_on_the_pages_a_window_request_holds(mistral_dir):
+    """``pagedkv plan``'s paged bytes per request (a window straddles one extra block) is
+    the most a long request holds in the engine after any decode step, and it is reached."""
+    from pagedkv import LLM, SamplingParams, plan
+
+    bs, seq_len = 4, 60
+    result = plan(model=str(mistral_dir), block_size=bs, seq_len=seq_len, kv_cache_dtype="float32")
+    llm = LLM(model=str(mistral_dir), num_blocks=64, block_size=bs, enable_prefix_caching=False)
+    eng = llm.engine
+    page_bytes = eng.parts.spec.page_size_bytes
+    assert result.paged_bytes_per_request == (-(-WINDOW // bs) + 1) * page_bytes
+    prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(8)).tolist()
+    eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=seq_len - 20, temperature=0.0,
+                                                                  ignore_eos=True), request_id="r")
+    held = []
+    eng.step()  # the prefill holds the whole prompt while it computes it
+    while eng.has_unfinished_requests():
+        eng.step()
+        table = eng.kv.groups[0].block_tables.get("r", [])
+        held.append(sum(b != eng.kv.pool.null_block for b in table))
+    assert max(held) * page_bytes == result.paged_bytes_per_request
