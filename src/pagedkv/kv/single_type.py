@@ -72,12 +72,14 @@ class FullAttentionManager:
 
     def cache_full_blocks(self, request_id: str, hashes: list[BlockHash], tokens: list[int],
                           num_written_tokens: int) -> None:
-        """Publish the pages that are full once ``num_written_tokens`` have KV written."""
+        """Publish the pages that are full once ``num_written_tokens`` have KV written (a
+        null entry, a page a sliding window gave back after publishing it, is skipped)."""
         start = self.num_published.get(request_id, 0)
         end = min(num_written_tokens // self.block_size, len(hashes))
         table, bs = self.block_tables[request_id], self.block_size
         for i in range(start, end):
-            self.pool.cache_block(table[i], (self.group_id, hashes[i]), tuple(tokens[i * bs:(i + 1) * bs]))
+            if table[i] != self.pool.null_block:
+                self.pool.cache_block(table[i], (self.group_id, hashes[i]), tuple(tokens[i * bs:(i + 1) * bs]))
         self.num_published[request_id] = max(start, end)
 
     def trim(self, req, total_tokens: int) -> bool:
@@ -151,17 +153,6 @@ class SlidingWindowManager(FullAttentionManager):
         self.num_skipped[req.request_id] = first
         self.blocks_given_back += len(gone)
         return len(gone)
-
-    def cache_full_blocks(self, request_id: str, hashes: list[BlockHash], tokens: list[int],
-                          num_written_tokens: int) -> None:
-        """As for full attention; pages already given back were published before they went."""
-        start = self.num_published.get(request_id, 0)
-        end = min(num_written_tokens // self.block_size, len(hashes))
-        table, bs = self.block_tables[request_id], self.block_size
-        for i in range(start, end):
-            if table[i] != self.pool.null_block:
-                self.pool.cache_block(table[i], (self.group_id, hashes[i]), tuple(tokens[i * bs:(i + 1) * bs]))
-        self.num_published[request_id] = max(start, end)
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
