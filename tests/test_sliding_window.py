@@ -231,3 +231,27 @@ def test_planner_and_engine_agree_on_the_pages_a_window_request_holds(mistral_di
         table = eng.kv.groups[0].block_tables.get("r", [])
         held.append(sum(b != eng.kv.pool.null_block for b in table))
     assert max(held) * page_bytes == result.paged_bytes_per_request
+
+
+def test_a_hit_survives_the_eviction_of_a_long_prompts_early_pages(mistral_dir):
+    """Other requests evict the early pages of a 56-token prompt (its first, least recently
+    used ones); a window needs only the last pages, so the repeat still hits and its tokens
+    equal a fresh engine's. Under full attention's leading-run lookup the hit would be 0."""
+    from pagedkv import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = lambda seed, n: {"prompt_token_ids": torch.randint(  # noqa: E731
+        0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()}
+    a = ids(100, 56)
+    llm = LLM(model=str(mistral_dir), num_blocks=48, block_size=4, debug_invariants=True)
+    first = llm.generate([a], params)[0]
+    for seed, n in ((0, 56), (1, 56), (2, 20)):  # 16 + 16 + 7 pages: the last few must evict
+        llm.generate([ids(seed, n)], params)
+    mgr = llm.engine.kv.groups[0]
+    hashes = llm.engine.kv.block_hashes(type("R", (), {"request_id": "probe", "all_token_ids": a["prompt_token_ids"],
+                                                        "cache_salt": None})())
+    assert mgr.pool.lookup((0, hashes[0]), tuple(a["prompt_token_ids"][:4])) is None  # page 0 was evicted
+    again = llm.generate([a], params)[0]
+    assert again.num_cached_tokens >= 4 * 4 and again.token_ids == first.token_ids
+    fresh = LLM(model=str(mistral_dir), num_blocks=48, block_size=4).generate([a], params)[0]
+    assert again.token_ids == fresh.token_ids

@@ -113,7 +113,8 @@ class KVCacheManager:
             g.remove_skipped(req, req.num_computed_tokens)
         total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         needs = [g.num_blocks_needed(req, total, len(_group_hit(hit, i))) for i, g in enumerate(self.groups)]
-        hit_evictable = len({b for blocks in hit.blocks for b in blocks if self.pool.ref_cnt[b] == 0})
+        null = self.pool.null_block
+        hit_evictable = len({b for blocks in hit.blocks for b in blocks if b != null and self.pool.ref_cnt[b] == 0})
         if sum(needs) > self.pool.num_available - hit_evictable:
             return False
         if req.request_id not in self.groups[0].block_tables and self.enable_prefix_caching:

@@ -63,7 +63,7 @@ class FullAttentionManager:
         pages; returns the pages added to the table (hit first)."""
         table = self.block_tables.setdefault(request_id, [])
         if hit_blocks:
-            self.pool.touch(hit_blocks)
+            self.pool.touch([b for b in hit_blocks if b != self.pool.null_block])
             table.extend(hit_blocks)
             self.num_published[request_id] = len(hit_blocks)
         new = self.pool.allocate(num_new)
@@ -127,15 +127,32 @@ class SlidingWindowManager(FullAttentionManager):
     are computed, the next query (position ``c``) reads positions ``c - W + 1 ..`` only, so
     every page wholly before that goes back to the pool (a published one stays findable
     there until it is evicted) and its table entry becomes the null page 0. A request then
-    holds at most ``ceil((W - 1) / block_size) + 1`` pages plus those of the tokens it
-    computes next. Prefix hits need every leading page still cached (as for full
-    attention: correct, not yet the window-aware lookup of the long-context issue)."""
+    holds at most ``ceil(W / block_size) + 1`` pages plus those of the tokens it computes
+    next. A prefix hit of ``n`` blocks needs only the pages the window of position
+    ``n * block_size`` reads to be cached (the earlier entries of the hit are the null
+    page), so hits survive the eviction of a long prompt's early pages."""
 
     def __init__(self, spec: SlidingWindowSpec, group_id: int, pool: BlockPool) -> None:
         super().__init__(spec, group_id, pool)
         self.window = int(spec.sliding_window)
         self.num_skipped: dict[str, int] = {}
         self.blocks_given_back = 0  # pages returned early, over the manager's life
+
+    def find_longest_hit(self, hashes: list[BlockHash], tokens: list[int], max_blocks: int) -> list[int]:
+        """The longest hit of ``n <= max_blocks`` blocks whose last pages, those the window
+        of position ``n * block_size`` reads, are all cached: those pages, after null
+        entries for the blocks before them."""
+        bs, cached = self.block_size, []
+        for i, h in enumerate(hashes[:max_blocks]):
+            cached.append(self.pool.lookup((self.group_id, h), tuple(tokens[i * bs:(i + 1) * bs])))
+        run = 0  # cached blocks in a row ending at block n - 1
+        best = 0
+        for n in range(1, len(cached) + 1):
+            run = run + 1 if cached[n - 1] is not None else 0
+            if run >= max(1, n - max(0, n * bs - self.window + 1) // bs):  # at least one real page
+                best = n
+        first = max(0, best * bs - self.window + 1) // bs
+        return [self.pool.null_block] * first + cached[first:best] if best else []
 
     def remove_skipped(self, req, num_computed: int) -> int:
         table = self.block_tables.get(req.request_id)
