@@ -150,6 +150,7 @@ def test_pages_before_the_window_go_back_and_output_is_unchanged(mistral_dir):
             held.append(sum(b != eng.kv.pool.null_block for b in table))
     assert tokens == hf_greedy(mistral_dir, prompt, 30)
     assert max(held[1:]) <= -(-(WINDOW - 1) // 4) + 2 and mgr.blocks_given_back >= 7
+    assert eng.stats().blocks_freed_by_window == mgr.blocks_given_back
     assert eng.kv.usage().used == 0  # everything back after the request
 
 

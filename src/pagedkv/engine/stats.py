@@ -28,6 +28,7 @@ class EngineStats:
     kv_offload: dict | None = None  # the CPU tier's counters (kv.cpu_offload.OffloadStats), if on
     preemptions_by_mode: dict | None = None  # {"recompute": n, "swap": m}
     spec_decode: dict | None = None  # speculative decoding counters (spec_decode.stats), if on
+    blocks_freed_by_window: int = 0  # pages a sliding window gave back before their request ended
 
     @property
     def kv_usage(self) -> float:
@@ -49,7 +50,8 @@ def collect_stats(engine) -> EngineStats:
         num_rejected=engine.num_rejected, num_generated_tokens=engine.num_generated_tokens,
         prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
         kv_offload=_offload_stats(sched.connector), preemptions_by_mode=dict(sched.preemptions_by_mode),
-        spec_decode=sched.spec_stats.to_dict() if sched.spec_stats is not None else None)
+        spec_decode=sched.spec_stats.to_dict() if sched.spec_stats is not None else None,
+        blocks_freed_by_window=sum(getattr(g, "blocks_given_back", 0) for g in kv.groups))
 
 
 def _offload_stats(connector) -> dict | None:

@@ -67,6 +67,8 @@ class _StatsCollector:
                                   value=s.prefix_cache_hits)
         yield CounterMetricFamily("pagedkv_num_preemptions", "preemptions (recompute or swap)",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily("pagedkv_kv_blocks_freed_by_window", "KV blocks a sliding window gave back "
+                                  "before their request ended", value=s.blocks_freed_by_window)
         yield from _offload_metrics(s.kv_offload)
         yield from _swap_metrics(s.kv_offload, s.preemptions_by_mode)
         yield from _spec_metrics(s.spec_decode)
