@@ -256,3 +256,25 @@ def test_a_hit_survives_the_eviction_of_a_long_prompts_early_pages(mistral_dir):
     assert again.num_cached_tokens >= 4 * 4 and again.token_ids == first.token_ids
     fresh = LLM(model=str(mistral_dir), num_blocks=48, block_size=4).generate([a], params)[0]
     assert again.token_ids == fresh.token_ids
+
+
+def test_a_window_request_may_be_longer_than_the_whole_cache(mistral_dir):
+    """16 pages of 4 tokens (64 slots); chunks of at most 16 tokens: a request holds at most
+    ceil((11 + 16) / 4) + 1 = 8 pages, so 40 + 60 tokens run, equal to HF's greedy tokens.
+    Under full attention the same request is refused at once, naming the cache."""
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(model=str(mistral_dir), num_blocks=16, block_size=4, max_num_batched_tokens=16,
+              debug_invariants=True)
+    assert llm.engine.max_model_len == TINY_CONFIG["max_position_embeddings"]
+    prompt = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(21)).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=60, temperature=0.0,
+                                                                       ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(mistral_dir, prompt, 60)
+    full = LLM(model=str(mistral_dir), num_blocks=16, block_size=4, max_num_batched_tokens=16,
+               kv_allocator="contiguous")
+    assert full.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="whole KV cache"):
+        full.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=60))
+    small = LLM(model=str(mistral_dir), num_blocks=7, block_size=4, max_num_batched_tokens=16)
+    assert small.engine.max_model_len == 28  # 8 pages would be needed: the whole cache caps it

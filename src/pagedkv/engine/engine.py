@@ -23,7 +23,7 @@ from pagedkv.engine.request import Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.setup import EngineParts, build_parts, check_fits_in_ram
+from pagedkv.engine.setup import EngineParts, build_parts, check_fits_in_ram, step_tokens
 from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.attention.dispatch import copy_pages
 from pagedkv.kv.connector import KVConnector
@@ -174,7 +174,7 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({brief(max_tokens)}) = {brief(total)} "
                              f"exceeds {limit}")
-        blocks, pool = -(-total // self.kv.block_size), self.kv.pool.num_blocks
+        blocks, pool = self.kv.peak_blocks(total, step_tokens(self.config)), self.kv.pool.num_blocks
         if blocks > pool:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {blocks} "
                              f"KV blocks of {self.kv.block_size} tokens, but the whole cache has {pool}")

@@ -115,7 +115,6 @@ def build_parts(config: EngineConfig) -> EngineParts:
     specs = (spec,) if draft is None else (spec, draft.spec)
     num_blocks = config.num_blocks or pool_num_blocks(specs, config.kv_cache_memory)
     check_fits_in_ram(pool_cache_bytes(specs, num_blocks))
-    max_len = cap_to_cache(max_len, num_blocks * config.block_size, config.max_model_len is not None)
     keys = (("kv_format", KV_FORMAT_VERSION), ("model", str(files.folder.name)), ("weights", files.weights_version),
             ("kv_dtype", dtype), ("block_size", str(config.block_size)),
             ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"),
@@ -124,6 +123,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
     groups = kv_groups(config, cfg, draft is not None)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
+    # the tokens one request can use: the whole cache, or any length when a window bounds its pages
+    fits = max_len if kv.peak_blocks(max_len, step_tokens(config)) <= num_blocks else num_blocks * config.block_size
+    max_len = cap_to_cache(max_len, fits, config.max_model_len is not None)
     model = load_model(config, files, tokenizer)
     storage = KVCacheStorage(spec, kv.pool.num_pages, draft_spec=draft.spec if draft else None)  # page 0: null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":
@@ -136,6 +138,13 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
     return EngineParts(files, model, tokenizer, spec, kv, storage, max_len, frozenset(eos), draft)
+
+
+def step_tokens(config: EngineConfig) -> int:
+    """The most tokens one request computes or holds slots for in a step: a prefill chunk
+    (``max_num_batched_tokens``) plus speculative decoding's lookahead slots."""
+    sc = config.speculative_config
+    return config.max_num_batched_tokens + (sc.num_lookahead_tokens if sc is not None else 0)
 
 
 def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[KVCacheGroup, ...]:

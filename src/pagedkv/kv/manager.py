@@ -103,6 +103,11 @@ class KVCacheManager:
         return sum(g.num_blocks_needed(req, total, len(_group_hit(hit, i)))
                    for i, g in enumerate(self.groups))
 
+    def peak_blocks(self, total_tokens: int, step_tokens: int) -> int:
+        """The most pages (all groups) one request of ``total_tokens`` holds at once when a
+        step computes at most ``step_tokens`` of them: whether it can ever run in this pool."""
+        return sum(g.peak_blocks(total_tokens, step_tokens) for g in self.groups)
+
     def allocate_slots(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> bool:
         """Pin ``hit`` and allocate pages for ``num_new_tokens`` more tokens in every group.
         Pages a sliding window no longer reads go back first (whatever the outcome).

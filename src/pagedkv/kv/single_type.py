@@ -41,6 +41,11 @@ class FullAttentionManager:
         """Tokens ``req`` must have slots for once ``total_tokens`` are computed."""
         return total_tokens
 
+    def peak_blocks(self, total_tokens: int, step_tokens: int) -> int:
+        """The most pages a request of ``total_tokens`` holds at once when a step computes at
+        most ``step_tokens`` of its tokens (all of its blocks, under full attention)."""
+        return -(-total_tokens // self.block_size)
+
     def num_blocks_needed(self, req, total_tokens: int, num_hit_blocks: int) -> int:
         """New pages an allocation for ``total_tokens`` takes beyond the table and the hit."""
         held = len(self.block_tables.get(req.request_id, ())) + num_hit_blocks
@@ -137,6 +142,12 @@ class SlidingWindowManager(FullAttentionManager):
         self.window = int(spec.sliding_window)
         self.num_skipped: dict[str, int] = {}
         self.blocks_given_back = 0  # pages returned early, over the manager's life
+
+    def peak_blocks(self, total_tokens: int, step_tokens: int) -> int:
+        """A step reads the ``W - 1`` positions before its first token and writes
+        ``step_tokens``: at most that span's blocks, one more where it straddles a block."""
+        span = -(-(self.window - 1 + step_tokens) // self.block_size) + 1
+        return min(super().peak_blocks(total_tokens, step_tokens), span)
 
     def find_longest_hit(self, hashes: list[BlockHash], tokens: list[int], max_blocks: int) -> list[int]:
         """The longest hit of ``n <= max_blocks`` blocks whose last pages, those the window
