@@ -200,3 +200,22 @@ def test_a_negative_window_is_refused(op):
     q, k, v, meta = make_batch([(1, 20)], seed=7)
     with pytest.raises(RuntimeError, match="window must be >= 0"):
         run_window(op, q, k, v, meta, -1)
+
+
+@pytest.mark.parametrize("window,sinks", [(5, 1), (16, 4), (17, 20), (100, 16), (1, 3)])
+def test_sinks_and_window_match_the_reference(op, window, sinks):
+    """StreamingLLM's pattern: rows see keys 0..sinks-1 and their window; sink pages are read
+    even when the window has moved far past them."""
+    specs = [(1, 15), (1, 300), (40, 600), (17, 17), (1, 3000), (33, 100)]
+    q, k, v, meta = make_batch(specs, seed=8)
+    ref = paged_attention_reference(q, k, v, meta, q.shape[-1] ** -0.5, window=window, sinks=sinks)
+    out = op(q, k, v, *meta.packed, q.shape[-1] ** -0.5, -1, None, None, window, sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out, run_window(op, q, k, v, meta, window))  # the sinks change the result
+    assert torch.equal(op(q, k, v, *meta.packed, q.shape[-1] ** -0.5, 1, None, None, window, sinks), out)
+
+
+def test_sinks_need_a_window(op):
+    q, k, v, meta = make_batch([(1, 20)], seed=9)
+    with pytest.raises(RuntimeError, match="sinks must be"):
+        op(q, k, v, *meta.packed, 0.1, -1, None, None, 0, 4)

@@ -15,6 +15,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8
 KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
+KV_EVICTIONS = ("none", "streaming")  # see pagedkv.kv.single_type.SlidingWindowManager
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOAD_POLICIES = ("lru", "lfu")
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # see pagedkv.engine.preemption
@@ -100,6 +101,14 @@ class EngineConfig:
         enable_prefix_caching: share the KV pages of equal prompt prefixes across requests.
         kv_allocator: paged, or contiguous: reserve prompt + max_tokens slots per request at
             admission, the pre-paging baseline for benchmarks.
+        kv_eviction: none, or streaming (StreamingLLM, Xiao et al. 2023): every layer attends
+            to the first num_sink_tokens (--num-sink-tokens) positions and the last
+            kv_window_tokens (--kv-window-tokens), and the pages in between go back to the
+            pool; keys keep their original positions, so a sequence is still limited to the
+            model's positions. Changes outputs once a sequence is longer than the window.
+        num_sink_tokens: attention-sink tokens kept with streaming eviction.
+        kv_window_tokens: recent tokens each position attends to with streaming eviction
+            (required with it).
         seed: seed of the engine's sampler, for requests without their own seed.
         scheduling_policy: fcfs (first come, first served), or priority: waiting requests
             are admitted by their ``priority`` (lower first; ties by arrival), and a
@@ -132,6 +141,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     kv_allocator: str = "paged"
+    kv_eviction: str = "none"
+    num_sink_tokens: int = 4
+    kv_window_tokens: int | None = None
     seed: int = 0
     scheduling_policy: str = "fcfs"
     debug_invariants: bool = False
@@ -170,6 +182,14 @@ class EngineConfig:
             self.model = str(self.model)  # a pathlib.Path names a model too
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.kv_eviction not in KV_EVICTIONS:
+            raise ValueError(f"kv_eviction must be one of {KV_EVICTIONS}, got {self.kv_eviction!r}")
+        if self.kv_eviction == "streaming" and (not isinstance(self.kv_window_tokens, int)
+                                                or self.kv_window_tokens < 1):
+            raise ValueError("kv_eviction streaming needs kv_window_tokens (--kv-window-tokens) >= 1, "
+                             f"got {self.kv_window_tokens!r}")
+        if not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0:
+            raise ValueError(f"num_sink_tokens must be an integer >= 0, got {self.num_sink_tokens!r}")
         if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
         if self.kv_cache_scale not in KV_CACHE_SCALES:

@@ -85,9 +85,11 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return out * scale.float().view(1, -1, 1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+           sinks: int = 0) -> torch.Tensor:
     """Causal GQA attention of the last ``n`` positions of a length-``L`` context; with
-    ``window`` W > 0, the row at position p sees keys ``p - W + 1 .. p`` only.
+    ``window`` W > 0, the row at position p sees keys ``p - W + 1 .. p`` only, and keys
+    ``0 .. sinks - 1`` (StreamingLLM's attention sinks).
 
     ``q`` ``[n, H, D]``, ``k``/``v`` ``[L, Hkv, D]`` with ``n <= L``; returns ``[n, H, D]``.
     """
@@ -100,7 +102,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
         rows = torch.arange(length - n, length).unsqueeze(1)  # position of each query row
         hidden = torch.arange(length).unsqueeze(0) > rows     # [n, L]: the future
         if window:
-            hidden |= torch.arange(length).unsqueeze(0) <= rows - window  # before the window
+            col = torch.arange(length).unsqueeze(0)
+            hidden |= (col <= rows - window) & (col >= sinks)  # before the window, not a sink
         scores = scores.view(kv_heads, group, n, length).masked_fill(hidden, float("-inf"))
         scores = scores.view(kv_heads, group * n, length)
     probs = torch.softmax(scores, dim=-1)
@@ -110,14 +113,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                              v_scale: torch.Tensor | None = None, window: int = 0, sinks: int = 0) -> torch.Tensor:
     """Attention over paged KV, one sequence at a time (see the module's shape contract);
     quantized pages are dequantized with ``k_scale``/``v_scale`` as they are read; ``window``:
-    the sliding window in tokens (0: none)."""
+    the sliding window in tokens (0: none), ``sinks``: leading positions every row sees too."""
     out = torch.empty_like(q)
     for s in meta.seqs:
         rows = slice(s.query_start, s.query_start + s.query_len)
         k = gather_pages(k_cache, s.block_table, s.context_len, k_scale)
         v = gather_pages(v_cache, s.block_table, s.context_len, v_scale)
-        out[rows] = attend(q[rows], k, v, scale, window)
+        out[rows] = attend(q[rows], k, v, scale, window, sinks)
     return out

@@ -42,7 +42,7 @@ def layer_kv(model, token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tens
     for layer in model.layers:
         q, k, v = layer.project(x, positions, model.rope)
         out.append((k, v))
-        x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5, layer.window))
+        x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5, layer.window, layer.sinks))
     return out
 
 

@@ -119,6 +119,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
             ("kv_dtype", dtype), ("block_size", str(config.block_size)),
             ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"),
             ("weight_dtype", config.weight_dtype), ("activation_dtype", config.activation_dtype))
+    if config.kv_eviction != "none":  # a token's KV depends on what the tokens before it saw
+        keys += (("kv_eviction", f"{config.kv_eviction}:{config.num_sink_tokens}:{config.kv_window_tokens}"),)
     if draft is not None:  # pages hold the draft's KV too: never share them with other drafts
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
     groups = kv_groups(config, cfg, draft is not None)
@@ -150,14 +152,17 @@ def step_tokens(config: EngineConfig) -> int:
 def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[KVCacheGroup, ...]:
     """One group of every layer: a sliding-window group (pages before the window go back,
     :class:`~pagedkv.kv.single_type.SlidingWindowManager`) when every layer has the same
-    window and nothing else reads those pages, else full attention (correct for any model:
+    window (or streaming eviction gives them one, with sinks) and nothing else reads those
+    pages, else full attention (correct for any model:
     attention itself applies each layer's window). Not yet for: a draft model (its layers
     attend to everything on the same tables), CPU/disk tiers and swap preemption (they copy
     whole tables), the contiguous allocator, models mixing window and full layers."""
-    windows = set(cfg.layer_windows)
+    windows, sinks = set(cfg.layer_windows), 0
+    if config.kv_eviction == "streaming":
+        windows, sinks = {config.kv_window_tokens}, config.num_sink_tokens
     if (len(windows) == 1 and None not in windows and not has_draft and config.kv_allocator == "paged"
             and config.kv_offload_memory is None):  # (swap preemption needs the tier too)
-        spec = SlidingWindowSpec(config.block_size, sliding_window=windows.pop())
+        spec = SlidingWindowSpec(config.block_size, sliding_window=windows.pop(), num_sinks=sinks)
         return group_layers([spec] * cfg.num_hidden_layers)
     return single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
 
@@ -178,6 +183,10 @@ def load_model(config: EngineConfig, files: ModelFiles, tokenizer) -> LlamaModel
     w8a8 = config.activation_dtype == "int8"
     model = LlamaModel(files.config, state, batch_invariant=invariant,
                        weight_dtype="float32" if w8a8 else config.weight_dtype, quantized=blocks)
+    if config.kv_eviction == "streaming":  # every layer: sinks + recent window (StreamingLLM)
+        for layer in model.layers:
+            layer.window = min(layer.window or config.kv_window_tokens, config.kv_window_tokens)
+            layer.sinks = config.num_sink_tokens
     if w8a8:  # calibrated on the fp32 model, then quantized (pagedkv.model.w8a8)
         quantize_w8a8(model, engine_calibration_ids(tokenizer, files.config))
         model.weight_dtype = config.weight_dtype

@@ -59,11 +59,11 @@ def attention_errors(model, windows: list[list[int]], settings: list[KVSetting],
         positions = torch.arange(len(ids))
         for i, layer in enumerate(model.layers):
             q, k, v = layer.project(x, positions, model.rope)
-            ref = attend(q, k, v, scale, layer.window)
+            ref = attend(q, k, v, scale, layer.window, layer.sinks)
             den[i] += float(ref.pow(2).sum())
             ck, cv = cal[i] if cal else (None, None)
             for s in settings:
-                out = attend(q, stored(k, s, ck), stored(v, s, cv, values=True), scale, layer.window)
+                out = attend(q, stored(k, s, ck), stored(v, s, cv, values=True), scale, layer.window, layer.sinks)
                 num[s.label][i] += float((out - ref).pow(2).sum())
             x = layer.finish(x, ref)
     return {label: [(n / d) ** 0.5 for n, d in zip(errs, den)] for label, errs in num.items()}

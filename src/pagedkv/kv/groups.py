@@ -43,9 +43,11 @@ class ContiguousAttentionSpec(FullAttentionSpec):
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
     """Layers that attend to the last ``sliding_window`` tokens (Mistral, Gemma-2/3,
-    Qwen2's window layers); :class:`~pagedkv.kv.single_type.SlidingWindowManager` gives
-    back their pages before the window."""
+    Qwen2's window layers), and with ``num_sinks`` S also to the first S positions
+    (StreamingLLM); :class:`~pagedkv.kv.single_type.SlidingWindowManager` gives back their
+    pages between the sinks and the window."""
     sliding_window: int = 0
+    num_sinks: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -140,13 +140,14 @@ class SlidingWindowManager(FullAttentionManager):
     def __init__(self, spec: SlidingWindowSpec, group_id: int, pool: BlockPool) -> None:
         super().__init__(spec, group_id, pool)
         self.window = int(spec.sliding_window)
+        self.sink_blocks = -(-int(spec.num_sinks) // self.block_size)  # pages of attention sinks: kept
         self.num_skipped: dict[str, int] = {}
         self.blocks_given_back = 0  # pages returned early, over the manager's life
 
     def peak_blocks(self, total_tokens: int, step_tokens: int) -> int:
         """A step reads the ``W - 1`` positions before its first token and writes
         ``step_tokens``: at most that span's blocks, one more where it straddles a block."""
-        span = -(-(self.window - 1 + step_tokens) // self.block_size) + 1
+        span = -(-(self.window - 1 + step_tokens) // self.block_size) + 1 + self.sink_blocks
         return min(super().peak_blocks(total_tokens, step_tokens), span)
 
     def find_longest_hit(self, hashes: list[BlockHash], tokens: list[int], max_blocks: int) -> list[int]:
@@ -156,21 +157,24 @@ class SlidingWindowManager(FullAttentionManager):
         bs, cached = self.block_size, []
         for i, h in enumerate(hashes[:max_blocks]):
             cached.append(self.pool.lookup((self.group_id, h), tuple(tokens[i * bs:(i + 1) * bs])))
+        sinks = self.sink_blocks
+        if any(b is None for b in cached[:sinks]):
+            return []
         run = 0  # cached blocks in a row ending at block n - 1
         best = 0
         for n in range(1, len(cached) + 1):
             run = run + 1 if cached[n - 1] is not None else 0
-            if run >= max(1, n - max(0, n * bs - self.window + 1) // bs):  # at least one real page
+            if run >= max(1, n - max(sinks, (n * bs - self.window + 1) // bs)):  # at least one real page
                 best = n
-        first = max(0, best * bs - self.window + 1) // bs
-        return [self.pool.null_block] * first + cached[first:best] if best else []
+        first = max(sinks, max(0, best * bs - self.window + 1) // bs)
+        return cached[:sinks] + [self.pool.null_block] * (first - sinks) + cached[first:best] if best else []
 
     def remove_skipped(self, req, num_computed: int) -> int:
         table = self.block_tables.get(req.request_id)
         if not table:
             return 0
         first = min(len(table), max(0, num_computed - self.window + 1) // self.block_size)
-        start = self.num_skipped.get(req.request_id, 0)
+        start = self.num_skipped.get(req.request_id, self.sink_blocks)
         if first <= start:
             return 0
         null = self.pool.null_block

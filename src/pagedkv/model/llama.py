@@ -63,6 +63,7 @@ class LlamaLayer:
         get = lambda n: w.pop(f"{prefix}.{n}")  # noqa: E731 - frees memory as it goes
         self.cfg = cfg
         self.window = int(window or 0)  # sliding window in tokens (0: full attention)
+        self.sinks = 0  # with a window: leading positions every query also sees (streaming eviction)
         self.linear = F.linear  # or numerics.invariant_linear (LlamaModel.set_batch_invariant)
         self.in_norm, self.post_norm = get("input_layernorm.weight"), get("post_attention_layernorm.weight")
         self.qkv = fuse([get(f"self_attn.{p}_proj.weight") for p in "qkv"])  # [(H + 2 Hkv) * D, hidden]
@@ -81,7 +82,7 @@ class LlamaLayer:
         kv.write(idx, meta.slot_mapping, k, v)
         pages = kv.layer(idx)
         attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale,
-                               self.window)
+                               self.window, self.sinks)
         return self.finish(x, attn)
 
     def forward_fused(self, op, x: torch.Tensor, idx: int, tables, kv: KVCacheStorage,
@@ -93,7 +94,7 @@ class LlamaLayer:
         return op(x, self.in_norm, self.post_norm, cfg.rms_norm_eps, *_op_weight(self.qkv), *_op_weight(self.o),
                   *_op_weight(self.gate_up), *_op_weight(self.down), tables[0], tables[1], cfg.num_attention_heads,
                   cfg.num_key_value_heads, cfg.head_dim, pages.k, pages.v, meta.slot_mapping, seq_info, block_tables,
-                  cfg.head_dim ** -0.5, self.window)
+                  cfg.head_dim ** -0.5, self.window, self.sinks)
 
     def fusable(self) -> bool:
         """Whether :meth:`forward_fused` covers this layer's weights."""

@@ -227,7 +227,7 @@ def input_amax(model, token_ids: list[int]) -> tuple[list[dict[str, torch.Tensor
         positions = torch.arange(len(token_ids))
         for layer in model.layers:
             q, k, v = layer.project(x, positions, model.rope)
-            x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5, layer.window))
+            x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5, layer.window, layer.sinks))
     finally:
         for layer, fn in zip(model.layers, saved):
             layer.linear = fn

@@ -165,12 +165,13 @@ class Kernel {
     }
   }
 
-  // Online-softmax update of the G query heads of one row (q: [G, D]) with keys lo..n-1 of one
-  // KV head of a page (k, v: key j at k + j * stride; keys before lo are scored, then masked:
-  // they lie before the row's sliding window). ml: [G, 2], acc: [G, D]. sc: workspace.
+  // Online-softmax update of the G query heads of one row (q: [G, D]) with keys 0..sink_end-1
+  // and lo..n-1 of one KV head of a page (k, v: key j at k + j * stride; keys in between are
+  // scored, then masked: they lie before the row's sliding window and after its attention
+  // sinks). ml: [G, 2], acc: [G, D]. sc: workspace.
   // pf: the next page, whose KV head g is prefetched during the first PV pass.
-  void update_group(const float* q, const float* k, const float* v, int64_t lo, int64_t n, float* sc,
-                    float* ml, float* acc, const Prefetch& pf, int64_t g) const {
+  void update_group(const float* q, const float* k, const float* v, int64_t sink_end, int64_t lo, int64_t n,
+                    float* sc, float* ml, float* acc, const Prefetch& pf, int64_t g) const {
     const int64_t stride = Hkv_ * D;
     float* alphas = sc + G_ * bspad_;  // [G]
     for (int64_t h = 0; h < G_; ++h) {  // scores, 16 keys at a time; keys >= n repeat key n-1
@@ -194,7 +195,7 @@ class Kernel {
     for (int64_t h = 0; h < G_; ++h) {
       float* s = sc + h * bspad_;
       for (int64_t j = n; j < bspad_; ++j) s[j] = kNegInf;
-      for (int64_t j = 0; j < lo; ++j) s[j] = kNegInf;
+      for (int64_t j = sink_end; j < lo; ++j) s[j] = kNegInf;
       vf mx = loadv(s);
       for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));
       const float m_old = ml[2 * h], m_new = std::max(m_old, hmax(mx));
@@ -343,17 +344,20 @@ class Kernel {
       // pages wholly before the first row's window: no row reads them (a sliding-window table
       // may hold the null page there)
       const int64_t b_win = a_.window > 0 ? std::max<int64_t>(0, pos0 - a_.window + 1) / BS_ : 0;
-      for (int64_t b = std::max(b0, b_win); b < b1; ++b) {
+      const int64_t b_sinks = (a_.sinks + BS_ - 1) / BS_;  // pages holding attention sinks
+      for (int64_t b = b0; b < b1; ++b) {
+        if (b < b_win && b >= b_sinks) continue;
         const auto [kp, vp] = page(table[b], std::min(BS_, last - b * BS_ + 1), ws);
         const Prefetch next = b + 1 < b_end ? prefetch(table[b + 1]) : Prefetch{};
         for (int64_t i = i0; i < tl.nq; ++i) {
           const int64_t n = std::min(BS_, pos0 + i - b * BS_ + 1);
           const int64_t lo = a_.window > 0 ? std::max<int64_t>(0, pos0 + i - a_.window + 1 - b * BS_) : 0;
-          if (n <= 0 || lo >= n) continue;  // the page is after the row, or before its window
+          const int64_t sink_end = std::min({lo, n, std::max<int64_t>(0, a_.sinks - b * BS_)});
+          if (n <= 0 || (lo >= n && sink_end == 0)) continue;  // after the row, or between sinks and window
           const float* q = a_.q + (sq[0] + tl.q0 + i) * H_ * D;
           for (int64_t g = 0; g < Hkv_; ++g) {
             const int64_t r = i * H_ + g * G_;
-            update_group(q + g * G_ * D, kp + g * D, vp + g * D, lo, n, ws.scores.data(),
+            update_group(q + g * G_ * D, kp + g * D, vp + g * D, sink_end, std::min(lo, n), n, ws.scores.data(),
                          ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D, i == i0 ? next : Prefetch{}, g);
           }
         }
