@@ -11,7 +11,8 @@ measured in the same run (:class:`pagedkv.bench.roofline.Machine`):
 (QK^T and PV, causal: query i sees i+1 keys; the LM head is applied to the last row only).
 Each run also times the attention calls (``paged_attention``) apart from the rest.
 
-    python benchmarks/bench_prefill.py --lengths 1024,2048,4096,8192 --repeats 3
+    python benchmarks/bench_prefill.py --lengths 1024,2048,4096,8192 --repeats 3 \
+        [--weight-dtype int8 --activation-dtype int8]
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def timed_attention(sink: list[float]):
     return inner, wrapper
 
 
+def prefill_bound(cost, n: int, machine, int8: bool) -> float:
+    """Seconds at the measured rates: everything at the fp32 rate, or (W8A8) the products at
+    the int8 GEMM rate and attention at the fp32 one."""
+    if not int8:
+        return prefill_flops(cost, n) / machine.fp32_flops
+    products = 2 * cost.layer_matmul_params * n + 2 * cost.lm_head_params
+    return products / machine.int8_ops + cost.attn_flops_per_pair * n * (n + 1) / 2 / machine.fp32_flops
+
+
 def prefill_flops(cost, n: int) -> float:
     """The planner's count: layer matmuls per token, the LM head once, attention per causal pair."""
     return 2 * cost.layer_matmul_params * n + 2 * cost.lm_head_params + cost.attn_flops_per_pair * n * (n + 1) / 2
@@ -51,11 +61,15 @@ def main() -> int:
     p.add_argument("--lengths", default="1024,2048,4096,8192")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--weight-dtype", default="auto")
+    p.add_argument("--activation-dtype", default="float32", help="int8: W8A8 (needs --weight-dtype int8); the "
+                   "bound then prices the products at the int8 GEMM rate, attention at the fp32 one")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     llm = LLM(max_model_len=max(lengths) + 1, num_blocks=(max(lengths) + 1) // 16 + 2, enable_prefix_caching=False,
-              max_num_batched_tokens=a.max_num_batched_tokens)
+              max_num_batched_tokens=a.max_num_batched_tokens, weight_dtype=a.weight_dtype,
+              activation_dtype=a.activation_dtype)
     ids = llm.get_tokenizer()(TEXT.read_text(encoding="utf-8")[:200_000], add_special_tokens=False).input_ids
     cost = model_cost(llm.engine)
     machine = Machine.measure("probe")
@@ -74,7 +88,7 @@ def main() -> int:
                 llm.generate([{"prompt_token_ids": ids[r * 97:r * 97 + n]}], SamplingParams(max_tokens=1))
                 runs.append((time.perf_counter() - t, sink[0]))
             sec, att = statistics.median(x[0] for x in runs), statistics.median(x[1] for x in runs)
-            bound = prefill_flops(cost, n) / machine.fp32_flops
+            bound = prefill_bound(cost, n, machine, a.activation_dtype == "int8")
             rows.append({"tokens": n, "seconds": sec, "tokens_per_s": n / sec, "attention_s": att,
                          "attention_share": att / sec, "compute_bound_s": bound, "fraction_of_bound": bound / sec})
     finally:
@@ -82,7 +96,8 @@ def main() -> int:
     if a.json:
         print(json.dumps({"machine": machine.to_dict(), "rows": rows}))
         return 0
-    print(f"fp32 matmul {machine.fp32_flops / 1e9:.0f} GFLOP/s (best probe this run); medians of {a.repeats}")
+    print(f"fp32 matmul {machine.fp32_flops / 1e9:.0f} GFLOP/s, int8 GEMM {machine.int8_ops / 1e9:.0f} GOP/s "
+          f"(best probes this run); medians of {a.repeats}; weights {a.weight_dtype}, activations {a.activation_dtype}")
     print(f"{'tokens':>7} {'seconds':>8} {'tok/s':>7} {'attention':>10} {'bound s':>8} {'of bound':>8}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>7.1f} {r['attention_share']:>9.0%} "
