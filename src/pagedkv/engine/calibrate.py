@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.attention.paged import attend
 
 CALIBRATION_TOKENS = 512
 
@@ -33,16 +32,11 @@ def calibration_ids(tokenizer, max_tokens: int = CALIBRATION_TOKENS) -> list[int
     return list(tokenizer(text, add_special_tokens=False).input_ids)[:max_tokens]
 
 
-@torch.inference_mode()
 def layer_kv(model, token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's fp32 (k, v) ``[T, Hkv, D]`` for ``token_ids`` run through ``model`` (a
     :class:`pagedkv.model.llama.LlamaModel`) with float32 activations and attention."""
-    x = model.embed[torch.tensor(token_ids)]
-    positions, out = torch.arange(len(token_ids)), []
-    for layer in model.layers:
-        q, k, v = layer.project(x, positions, model.rope)
-        out.append((k, v))
-        x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5, layer.window, layer.sinks))
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    model.dense_forward(token_ids, lambda i, k, v: out.append((k, v)))
     return out
 
 

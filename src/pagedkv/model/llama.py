@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pagedkv.attention.dispatch import layer_op, paged_attention
 from pagedkv.attention.kernel import kernel_supports
-from pagedkv.attention.paged import AttentionMetadata
+from pagedkv.attention.paged import AttentionMetadata, attend
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.int8_weights import Int8Weight, weight_bytes
@@ -207,6 +207,21 @@ class LlamaModel:
                 x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables)
             if kv_hooks is not None:
                 kv_hooks.save_kv_layer(i, kv, metas[i])
+        return self.final_norm(x)
+
+    @torch.inference_mode()
+    def dense_forward(self, token_ids: list[int], on_kv=None) -> torch.Tensor:
+        """``token_ids`` through every layer without pages (fp32 activations, each layer's
+        attention over the fp32 k/v it just made, window and sinks applied): the normed hidden
+        states ``[T, hidden]``. ``on_kv(i, k, v)`` sees each layer's k, v ``[T, Hkv, D]``.
+        The calibrations' forward (static KV scales, W8A8 smoothing)."""
+        x = self.embed[torch.tensor(token_ids)]
+        positions = torch.arange(len(token_ids))
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.project(x, positions, self.rope)
+            if on_kv is not None:
+                on_kv(i, k, v)
+            x = layer.finish(x, attend(q, k, v, self.cfg.head_dim ** -0.5, layer.window, layer.sinks))
         return self.final_norm(x)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.attention.paged import attend
 from pagedkv.model.int8_weights import kernel_op
 
 QMAX = 127
@@ -223,15 +222,11 @@ def input_amax(model, token_ids: list[int]) -> tuple[list[dict[str, torch.Tensor
                 return base(x, weight, bias)
             layer.linear = record
             out.append(seen)
-        x = model.embed[torch.tensor(token_ids)]
-        positions = torch.arange(len(token_ids))
-        for layer in model.layers:
-            q, k, v = layer.project(x, positions, model.rope)
-            x = layer.finish(x, attend(q, k, v, model.cfg.head_dim ** -0.5, layer.window, layer.sinks))
+        hidden = model.dense_forward(token_ids)
     finally:
         for layer, fn in zip(model.layers, saved):
             layer.linear = fn
-    return out, model.final_norm(x).abs().amax(dim=0)
+    return out, hidden.abs().amax(dim=0)
 
 
 def quantize_model(model, token_ids: list[int]) -> None:
