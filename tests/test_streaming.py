@@ -75,6 +75,10 @@ def test_streaming_settings_are_checked():
         EngineConfig(kv_eviction="streaming", kv_window_tokens=8, num_sink_tokens=-1)
     with pytest.raises(ValueError, match="kv_eviction must be one of"):
         EngineConfig(kv_eviction="h2o")
+    for stray in (dict(kv_window_tokens=64), dict(num_sink_tokens=8)):  # would silently do nothing
+        with pytest.raises(ValueError, match="apply to kv_eviction streaming"):
+            EngineConfig(**stray)
+    assert EngineConfig(kv_eviction="streaming", kv_window_tokens=8).num_sink_tokens == 4
 
 
 def test_streaming_is_a_cli_flag(tiny_model_dir):

@@ -106,7 +106,7 @@ class EngineConfig:
             kv_window_tokens (--kv-window-tokens), and the pages in between go back to the
             pool; keys keep their original positions, so a sequence is still limited to the
             model's positions. Changes outputs once a sequence is longer than the window.
-        num_sink_tokens: attention-sink tokens kept with streaming eviction.
+        num_sink_tokens: attention-sink tokens kept with streaming eviction (default 4).
         kv_window_tokens: recent tokens each position attends to with streaming eviction
             (required with it).
         seed: seed of the engine's sampler, for requests without their own seed.
@@ -142,7 +142,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_allocator: str = "paged"
     kv_eviction: str = "none"
-    num_sink_tokens: int = 4
+    num_sink_tokens: int | None = None
     kv_window_tokens: int | None = None
     seed: int = 0
     scheduling_policy: str = "fcfs"
@@ -188,7 +188,12 @@ class EngineConfig:
                                                 or self.kv_window_tokens < 1):
             raise ValueError("kv_eviction streaming needs kv_window_tokens (--kv-window-tokens) >= 1, "
                              f"got {self.kv_window_tokens!r}")
-        if not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0:
+        if self.kv_eviction == "none" and (self.kv_window_tokens is not None or self.num_sink_tokens is not None):
+            raise ValueError("kv_window_tokens (--kv-window-tokens) and num_sink_tokens (--num-sink-tokens) apply "
+                             "to kv_eviction streaming (--kv-eviction streaming), which is off")
+        if self.kv_eviction == "streaming" and self.num_sink_tokens is None:
+            self.num_sink_tokens = 4  # StreamingLLM's choice
+        if self.num_sink_tokens is not None and (not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0):
             raise ValueError(f"num_sink_tokens must be an integer >= 0, got {self.num_sink_tokens!r}")
         if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
