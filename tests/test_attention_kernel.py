@@ -215,6 +215,27 @@ def test_sinks_and_window_match_the_reference(op, window, sinks):
     assert torch.equal(op(q, k, v, *meta.packed, q.shape[-1] ** -0.5, 1, None, None, window, sinks), out)
 
 
+@pytest.mark.parametrize("window,sinks", [(5, 1), (17, 20), (100, 16)])
+def test_sink_queries_score_the_sinks(op, window, sinks):
+    """``sink_q`` (streaming's positions within the cache) scores keys 0..sinks-1, ``q`` the
+    window: as the reference; ``sink_q = q`` is bit-identical to no ``sink_q``."""
+    specs = [(1, 15), (1, 300), (40, 600), (17, 17), (1, 3000), (33, 100)]
+    q, k, v, meta = make_batch(specs, seed=10)
+    sink_q = torch.randn(q.shape, generator=torch.Generator().manual_seed(11))
+    scale = q.shape[-1] ** -0.5
+    ref = paged_attention_reference(q, k, v, meta, scale, window=window, sinks=sinks, sink_q=sink_q)
+    out = op(q, k, v, *meta.packed, scale, -1, None, None, window, sinks, sink_q)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    plain = op(q, k, v, *meta.packed, scale, -1, None, None, window, sinks)
+    assert not torch.equal(out, plain)
+    assert torch.equal(op(q, k, v, *meta.packed, scale, 1, None, None, window, sinks, sink_q), out)
+    assert torch.equal(op(q, k, v, *meta.packed, scale, -1, None, None, window, sinks, q.clone()), plain)
+    with pytest.raises(RuntimeError, match="sink_q must be"):
+        op(q, k, v, *meta.packed, scale, -1, None, None, window, sinks, sink_q[1:])
+    with pytest.raises(RuntimeError, match="sinks is 0"):
+        op(q, k, v, *meta.packed, scale, -1, None, None, window, 0, sink_q)
+
+
 def test_sinks_need_a_window(op):
     q, k, v, meta = make_batch([(1, 20)], seed=9)
     with pytest.raises(RuntimeError, match="sinks must be"):

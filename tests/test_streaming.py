@@ -1,5 +1,5 @@
 """StreamingLLM eviction (issue 14, ``--kv-eviction streaming``): attention sinks plus a
-recent window for any model, the pages in between given back; original positions."""
+recent window for any model, the pages in between given back (positions: test_streaming_positions.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_pages_between_sinks_and_window_go_back_the_sinks_stay(tiny_llm_factory)
     eng = llm.engine
     mgr = eng.kv.groups[0]
     assert isinstance(mgr, SlidingWindowManager) and mgr.sink_blocks == 1
-    assert eng.max_model_len == 512  # the model positions (original positions; 16-token chunks bound the pages)
+    assert eng.max_model_len == 512  # the model positions by default (16-token chunks bound the pages)
     eng.add_request(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), request_id="r")
     eng.step()  # the prefill's two 16-token chunks hold the prompt's pages while they compute it
     eng.step()

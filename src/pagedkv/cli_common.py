@@ -21,7 +21,8 @@ import re
 import typing
 
 from pagedkv.config import (ACTIVATION_DTYPES, KV_ALLOCATORS, KV_CACHE_DTYPES, KV_CACHE_SCALES, KV_EVICTIONS,
-                            KV_OFFLOAD_POLICIES, PREEMPTION_MODES, SCHEDULING_POLICIES, WEIGHT_DTYPES, EngineConfig)
+                            KV_OFFLOAD_POLICIES, PREEMPTION_MODES, SCHEDULING_POLICIES, STREAMING_POSITIONS, WEIGHT_DTYPES,
+                            EngineConfig)
 
 #: argparse options per field beyond type, default and help; fields absent here are
 #: plain typed flags. ``None`` marks a field that is not a flag.
@@ -33,6 +34,7 @@ FLAG_OPTIONS: dict[str, dict | None] = {
     "weight_dtype": {"choices": WEIGHT_DTYPES},
     "activation_dtype": {"choices": ACTIVATION_DTYPES},
     "kv_eviction": {"choices": KV_EVICTIONS},
+    "streaming_positions": {"choices": STREAMING_POSITIONS},
     "kv_offload_policy": {"choices": KV_OFFLOAD_POLICIES},
     "preemption_mode": {"choices": PREEMPTION_MODES},
     "debug_invariants": None,  # a testing aid, set from Python (tests, benchmarks)

@@ -16,6 +16,7 @@ KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
 KV_EVICTIONS = ("none", "streaming")  # see pagedkv.kv.single_type.SlidingWindowManager
+STREAMING_POSITIONS = ("cache", "original")  # see LlamaModel.sink_tables
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOAD_POLICIES = ("lru", "lfu")
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # see pagedkv.engine.preemption
@@ -104,11 +105,16 @@ class EngineConfig:
         kv_eviction: none, or streaming (StreamingLLM, Xiao et al. 2023): every layer attends
             to the first num_sink_tokens (--num-sink-tokens) positions and the last
             kv_window_tokens (--kv-window-tokens), and the pages in between go back to the
-            pool; keys keep their original positions, so a sequence is still limited to the
-            model's positions. Changes outputs once a sequence is longer than the window.
+            pool, so a sequence may run past the model's positions (set max_model_len) in
+            bounded memory. Changes outputs once a sequence is longer than the window.
         num_sink_tokens: attention-sink tokens kept with streaming eviction (default 4).
         kv_window_tokens: recent tokens each position attends to with streaming eviction
             (required with it).
+        streaming_positions: the positions streaming eviction attends with: cache (the
+            default, StreamingLLM's: positions within the cache, so a query sits at most
+            num_sink_tokens + kv_window_tokens - 1 positions after the sinks, within what the
+            model was trained on) or original (every token at its place in the text: past
+            the model's positions the sinks lie at distances it never saw).
         seed: seed of the engine's sampler, for requests without their own seed.
         scheduling_policy: fcfs (first come, first served), or priority: waiting requests
             are admitted by their ``priority`` (lower first; ties by arrival), and a
@@ -144,6 +150,7 @@ class EngineConfig:
     kv_eviction: str = "none"
     num_sink_tokens: int | None = None
     kv_window_tokens: int | None = None
+    streaming_positions: str = "cache"
     seed: int = 0
     scheduling_policy: str = "fcfs"
     debug_invariants: bool = False
@@ -191,6 +198,9 @@ class EngineConfig:
         if self.kv_eviction == "none" and (self.kv_window_tokens is not None or self.num_sink_tokens is not None):
             raise ValueError("kv_window_tokens (--kv-window-tokens) and num_sink_tokens (--num-sink-tokens) apply "
                              "to kv_eviction streaming (--kv-eviction streaming), which is off")
+        if self.streaming_positions not in STREAMING_POSITIONS:
+            raise ValueError(f"streaming_positions must be one of {STREAMING_POSITIONS}, "
+                             f"got {self.streaming_positions!r}")
         if self.kv_eviction == "streaming" and self.num_sink_tokens is None:
             self.num_sink_tokens = 4  # StreamingLLM's choice
         if self.num_sink_tokens is not None and (not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0):

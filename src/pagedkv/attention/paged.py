@@ -86,18 +86,29 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
-           sinks: int = 0) -> torch.Tensor:
+           sinks: int = 0, sink_q: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of the last ``n`` positions of a length-``L`` context; with
     ``window`` W > 0, the row at position p sees keys ``p - W + 1 .. p`` only, and keys
-    ``0 .. sinks - 1`` (StreamingLLM's attention sinks).
+    ``0 .. sinks - 1`` (StreamingLLM's attention sinks); a sink before a row's window is
+    scored with ``sink_q``'s row where it is given (``[n, H, D]``: queries rotated to their
+    position within the cache).
 
     ``q`` ``[n, H, D]``, ``k``/``v`` ``[L, Hkv, D]`` with ``n <= L``; returns ``[n, H, D]``.
     """
     n, num_heads, dim = q.shape
     length, kv_heads, _ = k.shape
     group = num_heads // kv_heads
-    qh = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
-    scores = torch.bmm(qh, k.permute(1, 2, 0)) * scale    # [Hkv, G*n, L]
+
+    def by_kv_head(x: torch.Tensor) -> torch.Tensor:  # [n, H, D] -> [Hkv, G*n, D]
+        return x.reshape(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
+
+    scores = torch.bmm(by_kv_head(q), k.permute(1, 2, 0)) * scale    # [Hkv, G*n, L]
+    if sink_q is not None and sinks and window:  # sinks before a row's window: scored by its sink query
+        s = min(sinks, length)
+        rows = torch.arange(length - n, length).unsqueeze(1)
+        before = (torch.arange(s).unsqueeze(0) <= rows - window).repeat(group, 1)  # [G*n, s]
+        sink_scores = torch.bmm(by_kv_head(sink_q), k[:s].permute(1, 2, 0)) * scale
+        scores[..., :s] = torch.where(before, sink_scores, scores[..., :s])
     if n > 1 or (window and length > window):
         rows = torch.arange(length - n, length).unsqueeze(1)  # position of each query row
         hidden = torch.arange(length).unsqueeze(0) > rows     # [n, L]: the future
@@ -113,14 +124,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None, window: int = 0, sinks: int = 0) -> torch.Tensor:
+                              v_scale: torch.Tensor | None = None, window: int = 0, sinks: int = 0,
+                              sink_q: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over paged KV, one sequence at a time (see the module's shape contract);
     quantized pages are dequantized with ``k_scale``/``v_scale`` as they are read; ``window``:
-    the sliding window in tokens (0: none), ``sinks``: leading positions every row sees too."""
+    the sliding window in tokens (0: none), ``sinks``: leading positions every row sees too
+    (scored with ``sink_q`` ``[T, H, D]`` where given, as :func:`attend`)."""
     out = torch.empty_like(q)
     for s in meta.seqs:
         rows = slice(s.query_start, s.query_start + s.query_len)
         k = gather_pages(k_cache, s.block_table, s.context_len, k_scale)
         v = gather_pages(v_cache, s.block_table, s.context_len, v_scale)
-        out[rows] = attend(q[rows], k, v, scale, window, sinks)
+        out[rows] = attend(q[rows], k, v, scale, window, sinks, None if sink_q is None else sink_q[rows])
     return out

@@ -52,17 +52,34 @@ class DraftParts:
     spec: KVCacheSpec
 
 
-def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+def resolve_max_model_len(cfg: ModelConfig, requested: int | None, streaming: bool = False) -> int:
     """``max_model_len``: the request, capped by the model's positions (sliding-window
-    layers attend to their window at any length).
+    layers attend to their window at any length), unless ``streaming`` eviction bounds
+    what a token sees (``EngineConfig.streaming_positions``); the default is the model's.
 
     Raises:
         ValueError: if ``requested`` exceeds what the model supports here.
     """
     limit = cfg.max_position_embeddings
-    if requested is not None and requested > limit:
-        raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
+    if requested is not None and requested > limit and not streaming:
+        raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens "
+                         "(streaming eviction, --kv-eviction streaming, runs past it)")
     return requested or limit
+
+
+def check_streaming(config: EngineConfig, cfg: ModelConfig) -> None:
+    """Streaming's cache positions must stay within the model's: sinks + window at most
+    ``max_position_embeddings`` (raises ValueError); original positions past them warn."""
+    if config.kv_eviction != "streaming":
+        return
+    limit, cache = cfg.max_position_embeddings, config.num_sink_tokens + config.kv_window_tokens
+    if config.streaming_positions == "cache" and cache > limit:
+        raise ValueError(f"num_sink_tokens + kv_window_tokens = {cache} exceeds the model's {limit} positions: "
+                         "positions within the cache would too")
+    if config.streaming_positions == "original" and (config.max_model_len or 0) > limit:
+        warnings.warn(f"pagedkv: streaming with original positions past the model's {limit}: the sinks lie at "
+                      "distances the model never saw (streaming_positions 'cache' keeps them within)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def engine_calibration_ids(tokenizer, cfg: ModelConfig) -> list[int]:
@@ -105,7 +122,8 @@ def kv_dtype(config: EngineConfig) -> str:
 def build_parts(config: EngineConfig) -> EngineParts:
     files = resolve_model(config.model)
     cfg = files.config
-    max_len = resolve_max_model_len(cfg, config.max_model_len)
+    check_streaming(config, cfg)
+    max_len = resolve_max_model_len(cfg, config.max_model_len, config.kv_eviction == "streaming")
     dtype = kv_dtype(config)
     spec = cfg.kv_spec(dtype, config.block_size, scale_granularity=config.kv_cache_scale)
     tokenizer = load_tokenizer(files.folder)
@@ -120,7 +138,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
             ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"),
             ("weight_dtype", config.weight_dtype), ("activation_dtype", config.activation_dtype))
     if config.kv_eviction != "none":  # a token's KV depends on what the tokens before it saw
-        keys += (("kv_eviction", f"{config.kv_eviction}:{config.num_sink_tokens}:{config.kv_window_tokens}"),)
+        keys += (("kv_eviction", f"{config.kv_eviction}:{config.num_sink_tokens}:{config.kv_window_tokens}:"
+                                 f"{config.streaming_positions}"),)
     if draft is not None:  # pages hold the draft's KV too: never share them with other drafts
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
     groups = kv_groups(config, cfg, draft is not None)
@@ -187,6 +206,8 @@ def load_model(config: EngineConfig, files: ModelFiles, tokenizer) -> LlamaModel
         for layer in model.layers:
             layer.window = min(layer.window or config.kv_window_tokens, config.kv_window_tokens)
             layer.sinks = config.num_sink_tokens
+        if config.streaming_positions == "cache":
+            model.streaming_cache_len = config.num_sink_tokens + config.kv_window_tokens
     if w8a8:  # calibrated on the fp32 model, then quantized (pagedkv.model.w8a8)
         quantize_w8a8(model, engine_calibration_ids(tokenizer, files.config))
         model.weight_dtype = config.weight_dtype

@@ -76,25 +76,35 @@ class LlamaLayer:
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
 
     def forward(self, x: torch.Tensor, idx: int, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv: KVCacheStorage, meta: AttentionMetadata, tables=None) -> torch.Tensor:
+                kv: KVCacheStorage, meta: AttentionMetadata, tables=None, sink_tables=None) -> torch.Tensor:
+        """``sink_tables`` (:meth:`LlamaModel.sink_tables`, or None): the rotation from each
+        row's position to its position within the cache, for the queries that score the sinks."""
         cfg = self.cfg
         q, k, v = self.project(x, positions, rope, tables)
         kv.write(idx, meta.slot_mapping, k, v)
         pages = kv.layer(idx)
         attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale,
-                               self.window, self.sinks)
+                               self.window, self.sinks, self.sink_queries(q, sink_tables))
         return self.finish(x, attn)
 
+    def sink_queries(self, q: torch.Tensor, sink_tables) -> torch.Tensor | None:
+        """``q`` ``[T, H, D]`` (rotated) rotated again by ``sink_tables``: what scores this
+        layer's attention sinks; None without sinks or tables."""
+        if sink_tables is None or not self.sinks:
+            return None
+        return RotaryEmbedding.rotate_(q.clone(memory_format=torch.contiguous_format), *sink_tables)
+
     def forward_fused(self, op, x: torch.Tensor, idx: int, tables, kv: KVCacheStorage,
-                      meta: AttentionMetadata) -> torch.Tensor:
+                      meta: AttentionMetadata, sink_tables=None) -> torch.Tensor:
         """:meth:`forward` as one call of the kernel library's ``decoder_layer`` (GGML or
         int8 weights, unquantized pages; see :meth:`LlamaModel.fused_op`): bit-identical, less Python."""
         cfg, pages = self.cfg, kv.layer(idx)
         seq_info, block_tables = meta.packed
+        sink_cos, sink_sin = sink_tables if sink_tables is not None and self.sinks else (None, None)
         return op(x, self.in_norm, self.post_norm, cfg.rms_norm_eps, *_op_weight(self.qkv), *_op_weight(self.o),
                   *_op_weight(self.gate_up), *_op_weight(self.down), tables[0], tables[1], cfg.num_attention_heads,
                   cfg.num_key_value_heads, cfg.head_dim, pages.k, pages.v, meta.slot_mapping, seq_info, block_tables,
-                  cfg.head_dim ** -0.5, self.window, self.sinks)
+                  cfg.head_dim ** -0.5, self.window, self.sinks, sink_cos, sink_sin)
 
     def fusable(self) -> bool:
         """Whether :meth:`forward_fused` covers this layer's weights."""
@@ -151,6 +161,8 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.weight_dtype = weight_dtype
         self.fused_layers = True  # use the one-call decoder_layer op where it applies (fused_op)
+        # streaming's positions within the cache (sinks + window tokens), or None: original positions
+        self.streaming_cache_len: int | None = None
         if weight_dtype == "int8":
             self._quantize_int8()
         elif weight_dtype in ("auto", "int4"):
@@ -196,15 +208,15 @@ class LlamaModel:
         """
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         x = self.embed[input_ids]
-        tables = self.rope.tables(positions)
+        tables, sink_tables = self.rope.tables(positions), self.sink_tables(positions)
         fused = self.fused_op(kv)
         for i, layer in enumerate(self.layers):
             if kv_hooks is not None:
                 kv_hooks.wait_for_layer_load(i)
             if fused is not None:
-                x = layer.forward_fused(fused, x, i, tables, kv, metas[i])
+                x = layer.forward_fused(fused, x, i, tables, kv, metas[i], sink_tables)
             else:
-                x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables)
+                x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables, sink_tables)
             if kv_hooks is not None:
                 kv_hooks.save_kv_layer(i, kv, metas[i])
         return self.final_norm(x)
@@ -217,12 +229,30 @@ class LlamaModel:
         The calibrations' forward (static KV scales, W8A8 smoothing)."""
         x = self.embed[torch.tensor(token_ids)]
         positions = torch.arange(len(token_ids))
+        sink_tables = self.sink_tables(positions)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project(x, positions, self.rope)
             if on_kv is not None:
                 on_kv(i, k, v)
-            x = layer.finish(x, attend(q, k, v, self.cfg.head_dim ** -0.5, layer.window, layer.sinks))
+            attn = attend(q, k, v, self.cfg.head_dim ** -0.5, layer.window, layer.sinks,
+                          layer.sink_queries(q, sink_tables))
+            x = layer.finish(x, attn)
         return self.final_norm(x)
+
+    def sink_tables(self, positions: torch.Tensor):
+        """Streaming's positions within the cache (StreamingLLM, Xiao et al. 2023, sec. 3.2):
+        with ``streaming_cache_len`` C = sinks + window, the row at position p sits at cache
+        position min(p, C - 1) and the sinks at 0..S-1, so a sink key is scored by q rotated
+        back by p - (C - 1) (window keys keep their distance p - j: RoPE scores depend on it
+        alone, so their stored keys need no re-rotation). Returns that rotation's (cos, sin)
+        tables ``[T, 1, D]`` (identity where p < C), or None when no row needs one."""
+        if self.streaming_cache_len is None or not positions.numel():
+            return None
+        back = (positions - (self.streaming_cache_len - 1)).clamp_(min=0)
+        if not bool(back.any()):
+            return None
+        cos, sin = self.rope.tables(back)
+        return cos, -sin
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's output ``[T, hidden]`` normed as the LM head takes it."""

@@ -48,16 +48,29 @@ class RotaryEmbedding:
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
-        inv = inv_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)                                     # [P, D]
+        self.inv = inv_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), self.inv)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)                                          # [P, D]
         self.cos, self.sin = emb.cos(), emb.sin()
         self.max_positions = max_positions
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of ``positions`` ``[T]``, each ``[T, 1, head_dim]`` (look up once per
-        forward; every layer rotates with the same tables)."""
+        forward; every layer rotates with the same tables). Positions past the table (a
+        streaming sequence longer than the model's positions) are computed row by row in
+        float64, so a row's values never depend on the other rows."""
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            return self._past_table(positions)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def _past_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        past = positions >= self.max_positions
+        inside = positions.clamp(max=self.max_positions - 1)
+        cos, sin = self.cos[inside], self.sin[inside]
+        freqs = torch.outer(positions[past].double(), self.inv.double())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos[past], sin[past] = emb.cos().float(), emb.sin().float()
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.rotate(x, *self.tables(positions))

@@ -7,8 +7,10 @@
 //                 o_type, gate_up, gate_up_scale, gate_up_type, down, down_scale, down_type,
 //                 cos [T, 1, D], sin [T, 1, D], H, Hkv, D,
 //                 k_cache, v_cache [pages, block, Hkv, D], slot_mapping [T], seq_info, block_tables,
-//                 scale, window=0, sinks=0) -> x' [T, hidden] (window: the layer's sliding window,
-//                 0 = none; sinks: leading positions every row also sees)
+//                 scale, window=0, sinks=0, sink_cos=None, sink_sin=None) -> x' [T, hidden] (window:
+//                 the layer's sliding window, 0 = none; sinks: leading positions every row also
+//                 sees; sink_cos/sin [T, 1, D]: the rotation of each row's rotated q that scores
+//                 the sinks, as LlamaLayer.forward's sink_tables)
 //
 // h = rms_norm(x); qkv = h W_qkv^T; RoPE on q, k (in place); k, v -> pages at slot_mapping;
 // a = paged_attention(q); x += a W_o^T; h = rms_norm(x); x += silu_and_mul(h W_gu^T) W_down^T.
@@ -35,7 +37,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
                          const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& seq_info, const at::Tensor& block_tables,
-                         double scale, int64_t window, int64_t sinks) {
+                         double scale, int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_cos,
+                         const c10::optional<at::Tensor>& sink_sin) {
   TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, hidden]");
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) && v_cache.scalar_type() == dtype,
@@ -50,8 +53,14 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
   const at::Tensor v = projected.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
   k_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, qk.narrow(1, H, Hkv).to(dtype));  // as KVCacheStorage.write
   v_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, v.to(dtype));
-  const at::Tensor attn = paged_attention_fn(qk.narrow(1, 0, H).contiguous(), k_cache, v_cache, seq_info,
-                                             block_tables, scale, window, sinks);
+  const at::Tensor q = qk.narrow(1, 0, H).contiguous();
+  c10::optional<at::Tensor> sink_q;
+  if (sink_cos.has_value() && sink_sin.has_value()) {  // as LlamaLayer.forward: q rotated again, for the sinks
+    at::Tensor qs = q.clone();
+    rope_rotate_fn(qs, *sink_cos, *sink_sin);
+    sink_q = qs;
+  }
+  const at::Tensor attn = paged_attention_fn(q, k_cache, v_cache, seq_info, block_tables, scale, window, sinks, sink_q);
   const at::Tensor y = x + product(attn.reshape({T, q_size}), o, o_scale, o_type);
   const at::Tensor h = rms_norm_fn(y, post_norm, eps);
   return y + product(silu_and_mul_fn(product(h, gate_up, gate_up_scale, gate_up_type)), down, down_scale, down_type);
@@ -65,6 +74,7 @@ TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
         "int qkv_type, Tensor o, Tensor? o_scale, int o_type, Tensor gate_up, Tensor? gate_up_scale, "
         "int gate_up_type, Tensor down, Tensor? down_scale, int down_type, Tensor cos, "
         "Tensor sin, int num_heads, int num_kv_heads, int head_dim, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping, Tensor seq_info, Tensor block_tables, float scale, int window=0, int sinks=0) -> Tensor",
+        "Tensor slot_mapping, Tensor seq_info, Tensor block_tables, float scale, int window=0, int sinks=0, "
+        "Tensor? sink_cos=None, Tensor? sink_sin=None) -> Tensor",
         &pagedkv::decoder_layer);
 }

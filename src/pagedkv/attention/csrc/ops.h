@@ -14,6 +14,6 @@ at::Tensor int8_linear_fn(const at::Tensor& x, const at::Tensor& q, const at::Te
 // unquantized caches only (no scales), split = -1 (the kernel decides); window 0 = none
 at::Tensor paged_attention_fn(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& seq_info, const at::Tensor& block_tables, double scale,
-                              int64_t window, int64_t sinks);
+                              int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_q);
 
 }  // namespace pagedkv

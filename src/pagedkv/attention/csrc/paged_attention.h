@@ -15,7 +15,9 @@
 // Query row r of sequence i sits at position context_len - query_len + r and sees keys
 // 0..position (causal), or with a sliding window W > 0 keys position - W + 1..position (the
 // W most recent, itself included: Mistral's and HF's convention) plus, with S sinks, keys
-// 0..S-1 (StreamingLLM's attention sinks); query head h reads KV head h / (num_heads / num_kv_heads).
+// 0..S-1 (StreamingLLM's attention sinks), those before the row's window scored with
+// sink_q's row where it is given;
+// query head h reads KV head h / (num_heads / num_kv_heads).
 #pragma once
 
 #include <cstdint>
@@ -52,6 +54,9 @@ struct PagedAttentionArgs {
   int split;                  // context partitions on separate threads: -1 auto, 0 never, 1 always
   int64_t window = 0;         // sliding window in tokens, 0 = none (causal over the whole context)
   int64_t sinks = 0;          // with a window: the first `sinks` positions stay visible to every row
+  // [T, H, D] or null: the queries that score the sinks before a row's window (StreamingLLM's
+  // positions within the cache: q rotated to the row's cache position)
+  const float* sink_q = nullptr;
 };
 
 // Head sizes the kernel is instantiated for (multiples of 16 floats).

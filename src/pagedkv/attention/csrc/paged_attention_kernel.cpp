@@ -121,13 +121,13 @@ class Kernel {
  private:
   struct Workspace {
     std::vector<float> kbuf, vbuf;      // a converted page [BS, Hkv, D] (fp16/bf16/int8/fp8 caches)
-    std::vector<float> scores;          // [G, bspad] scores, then probabilities; [G] rescale factors
+    std::vector<float> scores;          // [G, bspad] scores, then probabilities; [G] rescale factors; [bspad]
     std::vector<float> cur_ml, cur_acc; // partition state per (row, head): [R, 2], [R, D]
     std::vector<float> run_ml, run_acc; // folded state
     explicit Workspace(const Kernel& k) {
       const int64_t R = kPrefillTile * k.H_;
       if (k.a_.kv_type != KVType::f32) kbuf.resize(k.BS_ * k.Hkv_ * D), vbuf.resize(k.BS_ * k.Hkv_ * D);
-      scores.resize(k.G_ * (k.bspad_ + 1));
+      scores.resize(k.G_ * (k.bspad_ + 1) + k.bspad_);
       cur_ml.resize(R * 2), cur_acc.resize(R * D), run_ml.resize(R * 2), run_acc.resize(R * D);
     }
   };
@@ -165,32 +165,43 @@ class Kernel {
     }
   }
 
+  // Scores of one query head q [D] against keys 0..n-1 (key j at k + j * stride), scaled,
+  // into s[0..n rounded up to 16): keys >= n repeat key n-1.
+  void score_keys(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
+#if PAGEDKV_AVX2_ONLY
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) storev(s + j0, dot16(q, k, j0, n, stride) * splat(a_.scale));
+#else
+    vf qh[NV];
+    for (int c = 0; c < NV; ++c) qh[c] = loadv(q + c * kLanes);
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      vf part[kLanes];
+      for (int jj = 0; jj < kLanes; ++jj) {
+        const float* kj = k + std::min<int64_t>(j0 + jj, n - 1) * stride;
+        part[jj] = qh[0] * loadv(kj);
+        for (int c = 1; c < NV; ++c) part[jj] += qh[c] * loadv(kj + c * kLanes);
+      }
+      storev(s + j0, hsum16(part) * a_.scale);
+    }
+#endif
+  }
+
   // Online-softmax update of the G query heads of one row (q: [G, D]) with keys 0..sink_end-1
   // and lo..n-1 of one KV head of a page (k, v: key j at k + j * stride; keys in between are
   // scored, then masked: they lie before the row's sliding window and after its attention
-  // sinks). ml: [G, 2], acc: [G, D]. sc: workspace.
+  // sinks). qs: the queries that score the sink keys (q itself unless sink_q is given).
+  // ml: [G, 2], acc: [G, D]. sc: workspace.
   // pf: the next page, whose KV head g is prefetched during the first PV pass.
-  void update_group(const float* q, const float* k, const float* v, int64_t sink_end, int64_t lo, int64_t n,
-                    float* sc, float* ml, float* acc, const Prefetch& pf, int64_t g) const {
+  void update_group(const float* q, const float* qs, const float* k, const float* v, int64_t sink_end, int64_t lo,
+                    int64_t n, float* sc, float* ml, float* acc, const Prefetch& pf, int64_t g) const {
     const int64_t stride = Hkv_ * D;
     float* alphas = sc + G_ * bspad_;  // [G]
-    for (int64_t h = 0; h < G_; ++h) {  // scores, 16 keys at a time; keys >= n repeat key n-1
-#if PAGEDKV_AVX2_ONLY
-      for (int64_t j0 = 0; j0 < n; j0 += kLanes)
-        storev(sc + h * bspad_ + j0, dot16(q + h * D, k, j0, n, stride) * splat(a_.scale));
-#else
-      vf qh[NV];
-      for (int c = 0; c < NV; ++c) qh[c] = loadv(q + h * D + c * kLanes);
-      for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-        vf part[kLanes];
-        for (int jj = 0; jj < kLanes; ++jj) {
-          const float* kj = k + std::min<int64_t>(j0 + jj, n - 1) * stride;
-          part[jj] = qh[0] * loadv(kj);
-          for (int c = 1; c < NV; ++c) part[jj] += qh[c] * loadv(kj + c * kLanes);
-        }
-        storev(sc + h * bspad_ + j0, hsum16(part) * a_.scale);
+    for (int64_t h = 0; h < G_; ++h) score_keys(q + h * D, k, n, stride, sc + h * bspad_);
+    if (qs != q && sink_end > 0) {  // sink keys scored by the sink queries (their own workspace row)
+      float* tmp = alphas + G_;
+      for (int64_t h = 0; h < G_; ++h) {
+        score_keys(qs + h * D, k, sink_end, stride, tmp);
+        std::memcpy(sc + h * bspad_, tmp, sink_end * sizeof(float));
       }
-#endif
     }
     for (int64_t h = 0; h < G_; ++h) {
       float* s = sc + h * bspad_;
@@ -354,11 +365,13 @@ class Kernel {
           const int64_t lo = a_.window > 0 ? std::max<int64_t>(0, pos0 + i - a_.window + 1 - b * BS_) : 0;
           const int64_t sink_end = std::min({lo, n, std::max<int64_t>(0, a_.sinks - b * BS_)});
           if (n <= 0 || (lo >= n && sink_end == 0)) continue;  // after the row, or between sinks and window
-          const float* q = a_.q + (sq[0] + tl.q0 + i) * H_ * D;
+          const int64_t row = (sq[0] + tl.q0 + i) * H_ * D;
+          const float* q = a_.q + row;
+          const float* qs = a_.sink_q != nullptr ? a_.sink_q + row : q;
           for (int64_t g = 0; g < Hkv_; ++g) {
             const int64_t r = i * H_ + g * G_;
-            update_group(q + g * G_ * D, kp + g * D, vp + g * D, sink_end, std::min(lo, n), n, ws.scores.data(),
-                         ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D, i == i0 ? next : Prefetch{}, g);
+            update_group(q + g * G_ * D, qs + g * G_ * D, kp + g * D, vp + g * D, sink_end, std::min(lo, n), n,
+                         ws.scores.data(), ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D, i == i0 ? next : Prefetch{}, g);
           }
         }
       }

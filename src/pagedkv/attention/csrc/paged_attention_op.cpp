@@ -1,6 +1,7 @@
 // torch binding of the fused CPU paged attention kernel: validates the tensors and registers
 //   torch.ops.pagedkv.paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, split=-1,
-//                                     k_scale=None, v_scale=None, window=0, sinks=0)
+//                                     k_scale=None, v_scale=None, window=0, sinks=0,
+//                                     sink_q=None)
 // Shapes: see paged_attention.h. Only light ATen headers, to keep the JIT build short.
 
 #include <ATen/Parallel.h>
@@ -91,17 +92,25 @@ ScaleLayout scale_layout(const at::Tensor& k, const at::Tensor& s, const char* n
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& seq_info, const at::Tensor& block_tables, double scale, int64_t split,
                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                           int64_t window, int64_t sinks) {
+                           int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_q) {
   check_tensors(q, k_cache, v_cache, seq_info, block_tables);
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "paged_attention: sinks must be >= 0 and need a window, got ",
               sinks, " with window ", window);
   check_sequences(q, k_cache, seq_info, block_tables);
+  if (sink_q.has_value()) {
+    TORCH_CHECK(sinks > 0, "paged_attention: sink_q scores attention sinks, but sinks is 0");
+    TORCH_CHECK(sink_q->sizes() == q.sizes() && sink_q->scalar_type() == at::kFloat && sink_q->is_contiguous() &&
+                    sink_q->device() == q.device(),
+                "paged_attention: sink_q must be a contiguous float32 tensor shaped like q ", q.sizes(), ", got ",
+                sink_q->sizes(), " ", sink_q->scalar_type());
+  }
   const KVType type = kv_type(k_cache);
   PagedAttentionArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), type, {}, {},
                        seq_info.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), nullptr,
                        seq_info.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
-                       static_cast<float>(scale), static_cast<int>(split), window, sinks};
+                       static_cast<float>(scale), static_cast<int>(split), window, sinks,
+                       sink_q.has_value() ? sink_q->data_ptr<float>() : nullptr};
   if (is_quantized(type)) {
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "paged_attention: an int8/fp8 cache needs k_scale and v_scale");
     a.k_scale = scale_layout(k_cache, *k_scale, "k_scale");
@@ -120,14 +129,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 at::Tensor paged_attention_fn(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& seq_info, const at::Tensor& block_tables, double scale,
-                              int64_t window, int64_t sinks) {
-  return paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, -1, c10::nullopt, c10::nullopt, window, sinks);
+                              int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_q) {
+  return paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, -1, c10::nullopt, c10::nullopt, window,
+                         sinks, sink_q);
 }
 
 }  // namespace pagedkv
 
 TORCH_LIBRARY(pagedkv, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_info, Tensor block_tables, "
-        "float scale, int split=-1, Tensor? k_scale=None, Tensor? v_scale=None, int window=0, int sinks=0) -> Tensor",
+        "float scale, int split=-1, Tensor? k_scale=None, Tensor? v_scale=None, int window=0, int sinks=0, Tensor? sink_q=None) -> Tensor",
         &pagedkv::paged_attention);
 }
