@@ -87,6 +87,17 @@ def test_eval_ppl_cli_compares_dtypes(tiny_model_dir, tmp_path):
     assert rows[0]["ppl_vs_first"] == 1.0 and abs(rows[1]["ppl_vs_first"] - 1) < 0.01
 
 
+def test_eval_ppl_cli_by_position_on_the_bundled_text_past_the_models_positions(tiny_model_dir):
+    """No --file: the bundled Monte Cristo chapters; streaming runs one 600-token window on a
+    model of 512 positions."""
+    r = subprocess.run([sys.executable, "-m", "pagedkv.cli", "eval", "ppl", "--model", str(tiny_model_dir),
+                        "--num-tokens", "600", "--window", "600", "--num-blocks", "64", "--by-position", "200",
+                        "--kv-cache-dtype", "float32", "--kv-eviction", "streaming", "--kv-window-tokens", "60",
+                        "--block-size", "4", "--max-num-batched-tokens", "64"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "599 tokens in 1 windows" in r.stdout and "positions     400-599" in r.stdout
+
+
 # lm-eval 0.4.13's requests for ten tokens 100..109 with prefix token 1 and model_args
 # max_length = window + 1 (TemplateAPI keeps max_length - 1 tokens for the prompt; printed
 # from lm_eval.utils.get_rolling_token_windows + make_disjoint_window and TemplateAPI's
@@ -110,6 +121,27 @@ def test_rolling_windows_score_every_token_once(n, window):
     scored = [t for w in wins for t in w.token_ids[w.first_scored:]]
     assert scored == ids and all(len(w.token_ids) <= window for w in wins)
     assert wins[0].token_ids[0] == 7
+    offsets = [w.offset + i for w in wins for i in range(w.first_scored, len(w.token_ids))]
+    assert offsets == list(range(n))  # each scored token at its place in the text
+
+
+def test_position_buckets_group_tokens_by_place_in_the_text():
+    from pagedkv.eval.ppl import Window, position_buckets
+
+    wins = [Window([0] * 4, offset=0), Window([0] * 4, offset=4)]  # scores text positions 1-3 and 5-7
+    logps = [[-1.0, -1.0, -3.0], [-2.0, -2.0, -2.0]]
+    got = position_buckets(wins, logps, 4)
+    assert [(b.start, b.end, b.num_scored_tokens) for b in got] == [(0, 4, 3), (4, 8, 3)]
+    assert math.isclose(got[0].ppl, math.exp(5 / 3)) and math.isclose(got[1].ppl, math.exp(2))
+
+
+def test_perplexity_by_position_matches_the_whole(tiny_llm_factory):
+    llm = tiny_llm_factory(num_blocks=16)
+    r = perplexity(llm, IDS, 40, 20, bucket=8)
+    assert [b.start for b in r.by_position] == [0, 8, 16, 24, 32]
+    assert sum(b.num_scored_tokens for b in r.by_position) == r.num_scored_tokens == 38
+    nll = sum(math.log(b.ppl) * b.num_scored_tokens for b in r.by_position) / r.num_scored_tokens
+    assert math.isclose(nll, r.nll, rel_tol=1e-9)
 
 
 def test_rolling_perplexity_scores_all_tokens(tiny_llm_factory):

@@ -1,9 +1,10 @@
-"""``pagedkv eval ppl | attn-error | agreement``: what a KV storage setting costs in quality.
+"""``pagedkv eval ppl | attn-error | agreement | needle``: what a KV setting costs in quality.
 
 Each takes ``--kv-cache-dtype`` as a comma-separated list of settings, ``dtype`` or
 ``dtype:granularity`` (see :mod:`pagedkv.eval.settings`; ``--kv-cache-scale`` is the
 granularity of entries without one). ``ppl`` and ``agreement`` compare with the first
-setting; ``attn-error`` always measures against the float32 cache.
+setting; ``attn-error`` always measures against the float32 cache. ``needle`` runs the one
+engine its flags describe (:mod:`pagedkv.eval.needle`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ EXAMPLES = """examples:
       --kv-cache-dtype float32,int8,int8:per-tensor,fp8_e4m3
   pagedkv eval attn-error --file ../shared/data/wikitext-2-raw/wiki.test.raw --num-tokens 2048 --window 512
   pagedkv eval agreement --num-prompts 16 --max-tokens 64 --kv-cache-dtype float32,int8,fp8_e4m3
+  pagedkv eval needle --lengths 2048,4096 --kv-eviction streaming --kv-window-tokens 1020
 """
 DEFAULT_SETTINGS = "float32,float16,int8,int8:per-head,int8:per-tensor,fp8_e4m3,fp8_e5m2"
+LONG_TEXT = "monte_cristo_ch01-08.txt"  # bundled (bench/data/README.md), the default --file
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -27,11 +30,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub = ev.add_subparsers(dest="eval_command", required=True, parser_class=type(ev))
     p = _sub(sub, "ppl", "perplexity of a text file through the engine (prompt logprobs)", run_ppl)
     _text_args(p, window=1024)
+    p.add_argument("--by-position", type=int, default=0, metavar="N",
+                   help="also print perplexity per N tokens of the text, by position (long-context quality: "
+                   "e.g. --window 40960 --by-position 4096 with --kv-eviction streaming)")
     p.add_argument("--rolling", action="store_true",
                    help="score every token with lm-eval's loglikelihood_rolling windows (prefixed with the "
                    "tokenizer's BOS, else EOS; compare with lm-eval at max_length = --window + 1)")
     p = _sub(sub, "attn-error", "per-layer attention-output relative error vs the float32 cache", run_attn_error)
     _text_args(p, window=512)
+    p = _sub(sub, "needle", "passkey retrieval: a fact planted at depths of real-text haystacks, asked at the end",
+             run_needle)
+    p.add_argument("--file", type=Path, default=None, help="haystack text (default: the bundled Monte Cristo "
+                   "chapters)")
+    p.add_argument("--lengths", default="2048,4096,8192", help="haystack lengths in tokens (default: %(default)s)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 (start) to 1 (end) "
+                   "(default: %(default)s)")
+    p.add_argument("--num-trials", type=int, default=3, help="passkeys per cell, drawn from --seed "
+                   "(default: %(default)s)")
     p = _sub(sub, "agreement", "greedy agreement with the float32 cache on arena-hard chat prompts", run_agreement)
     p.add_argument("--num-prompts", type=int, default=16, help="bundled arena-hard prompts (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="prompt cap (default: %(default)s)")
@@ -47,6 +62,8 @@ def _sub(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per setting")
     add_engine_args(p)
     for action in p._actions:  # here --kv-cache-dtype takes a list of settings to compare
+        if action.dest == "kv_cache_dtype" and name == "needle":
+            continue  # one engine setting, as given
         if action.dest == "kv_cache_dtype":
             action.choices, action.default = None, DEFAULT_SETTINGS if name != "ppl" else "float32,int8,fp8_e4m3"
             action.help = ("comma-separated dtype[:granularity] settings; " +
@@ -59,7 +76,9 @@ def _sub(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
 
 
 def _text_args(p: argparse.ArgumentParser, window: int) -> None:
-    p.add_argument("--file", type=Path, required=True, help="UTF-8 text file to score")
+    p.add_argument("--file", type=Path, default=None,
+                   help="UTF-8 text file to score (default: the bundled chapters 1-8 of The Count of Monte "
+                   "Cristo, 43,657 tokens, public domain)")
     p.add_argument("--num-tokens", type=int, default=8192, help="use the first N tokens (default: %(default)s)")
     p.add_argument("--window", type=int, default=window, help="tokens per window (default: %(default)s)")
 
@@ -67,31 +86,42 @@ def _text_args(p: argparse.ArgumentParser, window: int) -> None:
 def _text_ids(a, tokenizer) -> list[int]:
     if a.num_tokens < 2 or a.window < 2:
         raise ValueError("--num-tokens and --window must be at least 2")
-    if not a.file.exists():
-        raise FileNotFoundError(f"text file {a.file} does not exist")
-    if not a.file.is_file():
-        raise ValueError(f"{a.file} is not a regular file")
-    text = a.file.read_text(encoding="utf-8")
-    return tokenizer(text[: a.num_tokens * 12], add_special_tokens=False).input_ids
+    return _read_ids(a.file, tokenizer, a.num_tokens * 12)
+
+
+def _read_ids(file: Path | None, tokenizer, max_chars: int) -> list[int]:
+    """Token ids of the first ``max_chars`` characters of ``file`` (default: the bundled text)."""
+    if file is None:
+        from pagedkv.bench.workloads import data_path
+
+        file = data_path(LONG_TEXT)
+    if not file.exists():
+        raise FileNotFoundError(f"text file {file} does not exist")
+    if not file.is_file():
+        raise ValueError(f"{file} is not a regular file")
+    return tokenizer(file.read_text(encoding="utf-8")[:max_chars], add_special_tokens=False).input_ids
 
 
 def _llm(a, setting, **extra):
+    """An engine from the flags, with ``setting``'s KV dtype (None: the flags' own)."""
     from pagedkv import LLM
     from pagedkv.cli_common import engine_kwargs
 
-    return LLM(**(engine_kwargs(a) | setting.engine_args() | extra))
+    return LLM(**(engine_kwargs(a) | (setting.engine_args() if setting is not None else {}) | extra))
 
 
 def run_ppl(a) -> int:
     from pagedkv.eval.ppl import perplexity
     from pagedkv.eval.settings import parse_settings
 
+    if a.by_position < 0:
+        raise ValueError(f"--by-position must be >= 0, got {a.by_position}")
     settings, results = parse_settings(a.kv_cache_dtype, a.kv_cache_scale), []
     for s in settings:
         llm = _llm(a, s, max_model_len=a.window + 1)
         tok = llm.get_tokenizer()
         prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-        results.append(perplexity(llm, _text_ids(a, tok), a.num_tokens, a.window, a.rolling, prefix))
+        results.append(perplexity(llm, _text_ids(a, tok), a.num_tokens, a.window, a.rolling, prefix, a.by_position))
         del llm
     base = results[0].ppl
     numerics = {"weight_dtype": a.weight_dtype, "activation_dtype": a.activation_dtype}
@@ -103,6 +133,9 @@ def run_ppl(a) -> int:
         else:
             print(f"{s.label:>24}  ppl {r.ppl:9.4f}  ({(r.ppl / base - 1) * 100:+.3f}% vs {settings[0].label})  "
                   f"{r.num_scored_tokens} tokens in {r.num_windows} windows")
+            for b in r.by_position:
+                print(f"{'':>24}  positions {b.start:>7,}-{b.end - 1:<7,}  ppl {b.ppl:9.4f}  "
+                      f"({b.num_scored_tokens} tokens)")
     return 0
 
 
@@ -124,6 +157,31 @@ def run_attn_error(a) -> int:
                               "per_layer": per_layer, "num_tokens": sum(map(len, wins))}))
         else:
             print(f"{label:>24}  relative error mean {mean:.2e}  max {worst:.2e} (layer {per_layer.index(worst)})")
+    return 0
+
+
+def run_needle(a) -> int:
+    from pagedkv.eval.needle import needle_eval
+
+    lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
+    depths = [float(x) for x in a.depths.split(",") if x.strip()]
+    if not lengths or min(lengths) < 2 or not depths or a.num_trials < 1:
+        raise ValueError("--lengths (each >= 2), --depths and --num-trials (>= 1) need at least one value")
+    llm = _llm(a, None, max_model_len=a.max_model_len or max(lengths) + 16, enable_prefix_caching=True)
+    text = _read_ids(a.file, llm.get_tokenizer(), max(lengths) * 12)
+
+    def show(c):
+        if a.json:
+            print(json.dumps(c.to_dict()), flush=True)
+        else:
+            print(f"length {c.length:>7,}  depth {c.depth:4.0%}  {c.correct}/{c.trials} correct", flush=True)
+
+    cells = needle_eval(llm, text, lengths, depths, a.num_trials, seed=a.seed, progress=show)
+    total = sum(c.correct for c in cells) / sum(c.trials for c in cells)
+    if a.json:
+        print(json.dumps({"accuracy": total, "trials": sum(c.trials for c in cells)}))
+    else:
+        print(f"accuracy {total:.1%} over {sum(c.trials for c in cells)} trials")
     return 0
 
 

@@ -28,20 +28,33 @@ from pagedkv.engine.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class Window:
-    """One request: ``token_ids``, of which positions ``first_scored..`` are scored."""
+    """One request: ``token_ids``, of which positions ``first_scored..`` are scored;
+    ``offset``: the text position of ``token_ids[0]`` (-1: a prefix token before the text)."""
     token_ids: list[int]
     first_scored: int = 1
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class PositionBucket:
+    """Perplexity of the scored tokens at text positions ``start .. end - 1``."""
+    start: int
+    end: int
+    ppl: float
+    num_scored_tokens: int
 
 
 @dataclass(frozen=True)
 class PerplexityResult:
-    """``ppl`` = exp(``nll``); ``nll`` mean negative log-likelihood (nats per token)."""
+    """``ppl`` = exp(``nll``); ``nll`` mean negative log-likelihood (nats per token);
+    ``by_position``: the same by position in the text (with ``bucket`` > 0)."""
     kv_cache_dtype: str
     ppl: float
     nll: float
     num_scored_tokens: int
     num_windows: int
     window: int
+    by_position: tuple[PositionBucket, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,11 +81,24 @@ def rolling_windows(token_ids: list[int], num_tokens: int, window: int, prefix_t
     for start in range(0, len(s) - 1, stride):
         end = min(start + window, len(s))
         if end - start == window or start == 0:
-            out.append(Window(s[start:end]))
+            out.append(Window(s[start:end], offset=start - 1))
         else:  # the short last window: full length, scoring only its new tokens
             begin = max(0, end - window)
-            out.append(Window(s[begin:end], first_scored=start + 1 - begin))
+            out.append(Window(s[begin:end], first_scored=start + 1 - begin, offset=begin - 1))
     return out
+
+
+def position_buckets(wins: list[Window], logps: list[list[float]], bucket: int) -> tuple[PositionBucket, ...]:
+    """Perplexity per ``bucket`` positions of the text, so that settings compare on the same
+    tokens (with one window over the whole text, also the position the model saw)."""
+    sums: dict[int, list[float]] = {}
+    for w, lps in zip(wins, logps):
+        for i, lp in enumerate(lps, start=w.offset + w.first_scored):
+            acc = sums.setdefault(i // bucket, [0.0, 0])
+            acc[0] -= lp
+            acc[1] += 1
+    return tuple(PositionBucket(b * bucket, (b + 1) * bucket, math.exp(nll / n), n)
+                 for b, (nll, n) in sorted(sums.items()))
 
 
 def window_logprobs(llm, wins: list[Window]) -> list[list[float]]:
@@ -84,9 +110,10 @@ def window_logprobs(llm, wins: list[Window]) -> list[list[float]]:
 
 
 def perplexity(llm, token_ids: list[int], num_tokens: int, window: int, rolling: bool = False,
-               prefix_token_id: int | None = None) -> PerplexityResult:
+               prefix_token_id: int | None = None, bucket: int = 0) -> PerplexityResult:
     """Perplexity of ``token_ids`` under ``llm`` (a :class:`pagedkv.LLM`); ``rolling``:
-    lm-eval's windows, prefixed with ``prefix_token_id``.
+    lm-eval's windows, prefixed with ``prefix_token_id``; ``bucket`` > 0: also by position
+    in the text, per ``bucket`` positions (:func:`position_buckets`).
 
     Raises:
         ValueError: no window to score, a window longer than the engine's max_model_len,
@@ -97,10 +124,12 @@ def perplexity(llm, token_ids: list[int], num_tokens: int, window: int, rolling:
             raise ValueError("rolling windows need a prefix token id (the tokenizer's BOS or EOS)")
         wins = rolling_windows(token_ids, num_tokens, window, prefix_token_id) if token_ids else []
     else:
-        wins = [Window(w) for w in windows(token_ids, num_tokens, window)]
+        wins = [Window(w, offset=j * window) for j, w in enumerate(windows(token_ids, num_tokens, window))]
     if not wins:
         raise ValueError("the text has fewer than 2 tokens to score")
-    logps = [lp for lps in window_logprobs(llm, wins) for lp in lps]
+    per_window = window_logprobs(llm, wins)
+    logps = [lp for lps in per_window for lp in lps]
     nll = -sum(logps) / len(logps)
     dtype = llm.engine.parts.spec.dtype
-    return PerplexityResult(dtype, math.exp(nll), nll, len(logps), len(wins), window)
+    buckets = position_buckets(wins, per_window, bucket) if bucket > 0 else ()
+    return PerplexityResult(dtype, math.exp(nll), nll, len(logps), len(wins), window, buckets)
