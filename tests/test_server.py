@@ -357,6 +357,8 @@ BAD = [  # (path, body, status, param or None, code or None)
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [49152]}, 400, "stop_token_ids", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**70]}, 400, "stop_token_ids", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "stop": ["y" * 1001]}, 400, "stop", "invalid_value"),
+    # issue 14: SnapKV's per-request budget
+    ("/v1/completions", {"prompt": "x", "kv_budget_tokens": 0}, 400, "kv_budget_tokens", "invalid_value"),
 ]
 
 
@@ -375,6 +377,11 @@ def test_bad_input_gets_4xx_with_openai_error(server, path, body, status, param,
 def test_off_values_of_unsupported_fields_are_accepted_as_numbers(server, field, value):
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
     assert r.status_code == 200, r.text
+
+
+def test_a_kv_budget_needs_a_snapkv_engine(server):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_budget_tokens": 64})
+    assert r.status_code == 400 and "--kv-eviction snapkv" in r.json()["error"]["message"], r.text
 
 
 def test_out_of_vocabulary_stop_ids_are_counted_as_such(server):

@@ -15,7 +15,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8
 KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
-KV_EVICTIONS = ("none", "streaming")  # see pagedkv.kv.single_type.SlidingWindowManager
+KV_EVICTIONS = ("none", "streaming", "snapkv")  # SlidingWindowManager; pagedkv.engine.kv_eviction
 STREAMING_POSITIONS = ("cache", "original")  # see LlamaModel.sink_tables
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOAD_POLICIES = ("lru", "lfu")
@@ -107,9 +107,17 @@ class EngineConfig:
             kv_window_tokens (--kv-window-tokens), and the pages in between go back to the
             pool, so a sequence may run past the model's positions (set max_model_len) in
             bounded memory. Changes outputs once a sequence is longer than the window.
-        num_sink_tokens: attention-sink tokens kept with streaming eviction (default 4).
+            snapkv (SnapKV, Li et al. 2024): at the end of a prompt longer than
+            kv_budget_tokens, the attention of its last kv_window_tokens queries picks the
+            prompt tokens to keep (with num_sink_tokens first ones and those last ones); the
+            others' KV leaves the cache and the kept tokens are compacted into fewer pages.
+        num_sink_tokens: attention-sink tokens kept with streaming or snapkv eviction
+            (default 4).
         kv_window_tokens: recent tokens each position attends to with streaming eviction
-            (required with it).
+            (required with it); with snapkv, the last prompt tokens always kept, which are
+            also the observation window (default 32).
+        kv_budget_tokens: prompt tokens a request keeps with snapkv eviction (required
+            with it; a request's ``SamplingParams.kv_budget_tokens`` overrides it).
         streaming_positions: the positions streaming eviction attends with: cache (the
             default, StreamingLLM's: positions within the cache, so a query sits at most
             num_sink_tokens + kv_window_tokens - 1 positions after the sinks, within what the
@@ -150,6 +158,7 @@ class EngineConfig:
     kv_eviction: str = "none"
     num_sink_tokens: int | None = None
     kv_window_tokens: int | None = None
+    kv_budget_tokens: int | None = None
     streaming_positions: str = "cache"
     seed: int = 0
     scheduling_policy: str = "fcfs"
@@ -189,22 +198,7 @@ class EngineConfig:
             self.model = str(self.model)  # a pathlib.Path names a model too
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        if self.kv_eviction not in KV_EVICTIONS:
-            raise ValueError(f"kv_eviction must be one of {KV_EVICTIONS}, got {self.kv_eviction!r}")
-        if self.kv_eviction == "streaming" and (not isinstance(self.kv_window_tokens, int)
-                                                or self.kv_window_tokens < 1):
-            raise ValueError("kv_eviction streaming needs kv_window_tokens (--kv-window-tokens) >= 1, "
-                             f"got {self.kv_window_tokens!r}")
-        if self.kv_eviction == "none" and (self.kv_window_tokens is not None or self.num_sink_tokens is not None):
-            raise ValueError("kv_window_tokens (--kv-window-tokens) and num_sink_tokens (--num-sink-tokens) apply "
-                             "to kv_eviction streaming (--kv-eviction streaming), which is off")
-        if self.streaming_positions not in STREAMING_POSITIONS:
-            raise ValueError(f"streaming_positions must be one of {STREAMING_POSITIONS}, "
-                             f"got {self.streaming_positions!r}")
-        if self.kv_eviction == "streaming" and self.num_sink_tokens is None:
-            self.num_sink_tokens = 4  # StreamingLLM's choice
-        if self.num_sink_tokens is not None and (not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0):
-            raise ValueError(f"num_sink_tokens must be an integer >= 0, got {self.num_sink_tokens!r}")
+        self._check_eviction()
         if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
         if self.kv_cache_scale not in KV_CACHE_SCALES:
@@ -219,6 +213,51 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+
+    def _check_eviction(self) -> None:
+        """The KV eviction fields (raises ValueError naming the flag); fills defaults."""
+        if self.kv_eviction not in KV_EVICTIONS:
+            raise ValueError(f"kv_eviction must be one of {KV_EVICTIONS}, got {self.kv_eviction!r}")
+        if self.streaming_positions not in STREAMING_POSITIONS:
+            raise ValueError(f"streaming_positions must be one of {STREAMING_POSITIONS}, "
+                             f"got {self.streaming_positions!r}")
+        if self.kv_eviction == "none" and (self.kv_window_tokens is not None or self.num_sink_tokens is not None):
+            raise ValueError("kv_window_tokens (--kv-window-tokens) and num_sink_tokens (--num-sink-tokens) apply "
+                             "to kv_eviction streaming or snapkv (--kv-eviction), which is off")
+        if self.kv_eviction != "snapkv" and self.kv_budget_tokens is not None:
+            raise ValueError("kv_budget_tokens (--kv-budget-tokens) applies to kv_eviction snapkv "
+                             "(--kv-eviction snapkv)")
+        if self.kv_eviction == "none":
+            return
+        if self.kv_eviction == "streaming" and self.kv_window_tokens is None:
+            raise ValueError("kv_eviction streaming needs kv_window_tokens (--kv-window-tokens) >= 1, got None")
+        if self.num_sink_tokens is None:
+            self.num_sink_tokens = 4  # StreamingLLM's choice
+        if self.kv_eviction == "snapkv" and self.kv_window_tokens is None:
+            self.kv_window_tokens = 32  # SnapKV's observation window
+        for name in ("num_sink_tokens", "kv_window_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "num_sink_tokens" else 1):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= "
+                                 f"{0 if name == 'num_sink_tokens' else 1}, got {v!r}")
+        if self.kv_eviction == "snapkv":
+            self._check_snapkv()
+
+    def _check_snapkv(self) -> None:
+        need = self.num_sink_tokens + self.kv_window_tokens
+        b = self.kv_budget_tokens
+        if not isinstance(b, int) or isinstance(b, bool) or b < need:
+            raise ValueError(f"kv_eviction snapkv needs kv_budget_tokens (--kv-budget-tokens) of at least "
+                             f"num_sink_tokens + kv_window_tokens = {need}, got {b!r}")
+        if self.kv_window_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"kv_window_tokens {self.kv_window_tokens} (snapkv's observation window) must fit "
+                             f"in one step: max_num_batched_tokens is {self.max_num_batched_tokens}")
+        for clash, on in (("speculative_config", self.speculative_config is not None),
+                          ("kv_offload_memory", bool(self.kv_offload_memory)),
+                          ("kv_allocator contiguous", self.kv_allocator == "contiguous")):
+            if on:
+                raise ValueError(f"kv_eviction snapkv cannot be combined with {clash} yet (compacted pages "
+                                 "hold no token prefix a tier or draft could use)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -17,6 +17,7 @@ import torch
 from pagedkv.config import EngineConfig
 from pagedkv.engine.core import EngineCore
 from pagedkv.engine.core_io import EngineCoreOutput
+from pagedkv.engine.kv_eviction import eviction_policy
 from pagedkv.engine.outputs import RequestOutput, TextRequest
 from pagedkv.engine.preemption import model_preemption_cost
 from pagedkv.engine.request import Request
@@ -61,18 +62,18 @@ class LLMEngine:
             check_fits_in_ram(parts.storage.nbytes + c.kv_offload_memory)  # cache + tier
             kv_connector = cpu_offload_connector(self.kv, parts.storage, c.kv_offload_memory, c.kv_offload_policy,
                                                  c.kv_offload_dir, c.kv_offload_disk_size, copy_pages)
-        spec = self.config.speculative_config
+        spec, eviction = self.config.speculative_config, eviction_policy(self.config)
         scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.max_model_len, self.eos_token_ids,
                               kv_connector.scheduler if kv_connector else None,
                               self.config.scheduling_policy,
                               model_preemption_cost(self.config.preemption_mode, self.model),
                               spec.num_speculative_tokens if spec else 0,
-                              spec.num_lookahead_tokens if spec else 0)
+                              spec.num_lookahead_tokens if spec else 0, eviction)
         runner = ModelRunner(self.model, parts.storage, self.kv.kv_groups,
                              torch.Generator().manual_seed(self.config.seed),
                              kv_connector.worker if kv_connector else None,
-                             make_proposer(spec, parts))
+                             make_proposer(spec, parts), eviction)
         self.core = EngineCore(scheduler, runner, debug_invariants=self.config.debug_invariants)
         if kv_connector is not None and hasattr(kv_connector.scheduler, "requests"):
             kv_connector.scheduler.requests = scheduler.requests  # the live requests, read-only
@@ -160,6 +161,13 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+        if params.kv_budget_tokens is not None:
+            c = self.config
+            if c.kv_eviction != "snapkv":
+                raise ValueError("kv_budget_tokens needs an engine with snapkv eviction (--kv-eviction snapkv)")
+            if params.kv_budget_tokens < c.num_sink_tokens + c.kv_window_tokens:
+                raise ValueError(f"kv_budget_tokens {params.kv_budget_tokens} is under the engine's sinks + window "
+                                 f"({c.num_sink_tokens} + {c.kv_window_tokens} tokens)")
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         """Output tokens this request may make; rejects what could never fit."""

@@ -20,7 +20,9 @@ import torch
 from pagedkv.attention.paged import AttentionMetadata, SeqAttention
 from pagedkv.engine.prompt_logprobs import prompt_logprobs
 from pagedkv.engine.sampler import SampledToken, sample
+from pagedkv.engine.kv_eviction import KVEvictionPolicy
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.snapkv import Observed, SnapKVScorer, select_tokens
 from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedkv.kv.groups import KVCacheGroup
 from pagedkv.kv.storage import KVCacheStorage
@@ -37,6 +39,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    num_evicted_tokens: int = 0  # token p (past the compacted ones) at cache index p - this
 
 
 class ModelRunner:
@@ -49,12 +52,15 @@ class ModelRunner:
         generator: sampling generator of requests without a seed.
         connector: the worker side of a KV connector, or None.
         proposer: the speculative decoding proposer (:mod:`pagedkv.spec_decode.proposer`), or None.
+        eviction: score-based KV eviction (:mod:`pagedkv.engine.kv_eviction`): the runner
+            scores each long prompt as its last chunk runs and answers with the tokens to keep.
     """
 
     def __init__(self, model: LlamaModel, storage: KVCacheStorage, kv_groups: tuple[KVCacheGroup, ...],
-                 generator: torch.Generator, connector=None, proposer=None) -> None:
+                 generator: torch.Generator, connector=None, proposer=None,
+                 eviction: KVEvictionPolicy | None = None) -> None:
         self.model, self.storage, self.generator, self.connector = model, storage, generator, connector
-        self.proposer = proposer
+        self.proposer, self.eviction = proposer, eviction
         self.block_size = kv_groups[0].spec.block_size
         self.layer_group = [0] * sum(len(g.layer_ids) for g in kv_groups)
         for gi, g in enumerate(kv_groups):
@@ -89,9 +95,11 @@ class ModelRunner:
             if new.sampling_params.seed is not None and new.req_id not in self.generators:
                 self.generators[new.req_id] = torch.Generator().manual_seed(new.sampling_params.seed)
         c = out.scheduled_cached_reqs
-        for rid, toks, blocks, computed, kept in zip(c.req_ids, c.new_token_ids, c.new_block_ids,
-                                                     c.num_computed_tokens, c.kept_blocks):
+        for rid, toks, blocks, computed, kept, keep in zip(c.req_ids, c.new_token_ids, c.new_block_ids,
+                                                           c.num_computed_tokens, c.kept_blocks, c.compacted):
             state = self.requests[rid]
+            if keep is not None:
+                self._compact(state, keep, blocks, computed)
             state.token_ids.extend(toks)
             for g, (table, added) in enumerate(zip(state.block_ids, blocks)):
                 if kept is not None:
@@ -100,6 +108,16 @@ class ModelRunner:
             if kept is not None and proposer is not None:
                 proposer.cut(rid, kept[0] * self.block_size)
             state.num_computed_tokens = computed
+
+    def _compact(self, state: CachedRequestState, keep: list[int], new_tables, computed: int) -> None:
+        """KV eviction's compaction: the KV of cache indices ``keep`` moves, in order, from
+        the old pages to the new tables' first slots (the caller then installs the tables)."""
+        bs = self.block_size
+        for old, new in zip(state.block_ids, new_tables):
+            src = torch.tensor([old[i // bs] * bs + i % bs for i in keep], dtype=torch.int64)
+            dst = torch.tensor([new[i // bs] * bs + i % bs for i in range(len(keep))], dtype=torch.int64)
+            self.storage.copy_slots(src, dst)
+        state.num_evicted_tokens = computed - len(keep)
 
     # ---- one step --------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
@@ -112,9 +130,10 @@ class ModelRunner:
         for rid in out.req_ids:
             st, n = self.requests[rid], out.num_scheduled_tokens[rid]
             start, drafts = st.num_computed_tokens, out.scheduled_spec_decode_tokens.get(rid, [])
+            c0 = start - st.num_evicted_tokens  # cache index of the chunk's first token
             for g, table in enumerate(st.block_ids):
-                seqs[g].append(SeqAttention(len(ids), n, start + n, torch.tensor(table, dtype=torch.int64)))
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                seqs[g].append(SeqAttention(len(ids), n, c0 + n, torch.tensor(table, dtype=torch.int64)))
+                slots[g].extend(table[c // bs] * bs + c % bs for c in range(c0, c0 + n))
             ids.extend((st.token_ids + drafts)[start:start + n] if drafts else st.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             if start + n == len(st.token_ids) + len(drafts):  # the last token and each draft: d + 1 rows
@@ -134,7 +153,11 @@ class ModelRunner:
             self._finish_connector(out, result)
             return result
         ids, positions, metas, rows = self.prepare(out)
-        hidden = self.model.forward(ids, positions, self.storage, [metas[g] for g in self.layer_group], hooks)
+        scorer = self._scorer(out)
+        hidden = self.model.forward(ids, positions, self.storage, [metas[g] for g in self.layer_group], hooks,
+                                    observer=scorer)
+        if scorer is not None:
+            result.kv_keep = self._choose(scorer)
         result.prompt_logprobs = prompt_logprobs(self.model, hidden, self._chunks(out))
         failed = self.connector.get_block_ids_with_load_errors() if self.connector is not None else set()
         bad = self._read_failed_loads(out, failed)  # recomputed next step
@@ -148,6 +171,32 @@ class ModelRunner:
         self._finish_connector(out, result)
         result.execute_seconds = time.perf_counter() - t0
         return result
+
+    def _scorer(self, out: SchedulerOutput) -> SnapKVScorer | None:
+        """A scorer for the requests whose chunk ends a prompt longer than their budget,
+        with nothing evicted yet (the scheduler made the chunk hold the whole window)."""
+        ev, observed = self.eviction, {}
+        if ev is None:
+            return None
+        for rid, state, row, n in self._chunks_of(out):
+            prompt = state.num_prompt_tokens
+            if (not state.num_evicted_tokens and state.num_computed_tokens + n == prompt
+                    and prompt > ev.budget(state) and n >= ev.window):
+                observed[rid] = Observed(row + n - ev.window, prompt, torch.tensor(state.block_ids[0]))
+        return SnapKVScorer(observed, ev.window, self.model.cfg.head_dim ** -0.5) if observed else None
+
+    def _choose(self, scorer: SnapKVScorer) -> dict[str, list[int]]:
+        ev = self.eviction
+        return {rid: select_tokens(sc, ev.budget(self.requests[rid]), ev.num_sinks, ev.window)
+                for rid, sc in scorer.scores.items()}
+
+    def _chunks_of(self, out: SchedulerOutput):
+        """``(req_id, state, first row, num rows)`` of each request's chunk in the batch."""
+        row = 0
+        for rid in out.req_ids:
+            n = out.num_scheduled_tokens[rid]
+            yield rid, self.requests[rid], row, n
+            row += n
 
     def _rows_of(self, out: SchedulerOutput, rows: list[int], samplers: list[str]) -> dict[str, list[int]]:
         """Each sampling request's rows of ``hidden`` (1, or d + 1 with d drafts), in batch order."""
@@ -172,11 +221,8 @@ class ModelRunner:
 
     def _chunks(self, out: SchedulerOutput):
         """``(state, first row, num rows)`` of each request's chunk in the batch."""
-        row = 0
-        for rid in out.req_ids:
-            n = out.num_scheduled_tokens[rid]
-            yield self.requests[rid], row, n
-            row += n
+        for _, state, row, n in self._chunks_of(out):
+            yield state, row, n
 
     def _sample(self, req_ids: list[str], hidden: torch.Tensor, rows: dict[str, list[int]],
                 drafts: dict[str, list[int]]) -> dict[str, SampledTokens]:

@@ -38,6 +38,9 @@ class SamplingParams:
             ``None`` = none. Such requests compute their whole prompt (no prefix-cache hits:
             a hit has no logits).
         skip_special_tokens: leave special tokens out of the text.
+        kv_budget_tokens: prompt tokens this request keeps in an engine with snapkv eviction
+            (``--kv-eviction snapkv``), instead of the engine's ``kv_budget_tokens``;
+            ``None`` = the engine's.
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """
@@ -53,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    kv_budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -88,6 +92,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {brief(self.prompt_logprobs)}")
+        if self.kv_budget_tokens is not None and (not _is_int(self.kv_budget_tokens) or self.kv_budget_tokens < 1):
+            raise ValueError(f"kv_budget_tokens must be a positive integer, got {brief(self.kv_budget_tokens)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

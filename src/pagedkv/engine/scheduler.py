@@ -19,6 +19,11 @@ Each step, under a token budget (``max_num_batched_tokens``):
    connector) comes first; the tokens to schedule are derived from its hit, then the
    pages are allocated.
 
+With score-based KV eviction (:mod:`pagedkv.engine.kv_eviction`), a long prompt's chunks are
+cut so its observation window runs in its last chunk; the runner answers with the tokens to
+keep, and the request is compacted the next time it is scheduled (the runner copies the
+kept KV before that step's forward).
+
 The scheduler is the only writer of request state. ``schedule`` returns a plain-data
 :class:`~pagedkv.engine.step_io.SchedulerOutput`; ``update`` applies the runner's
 :class:`~pagedkv.engine.step_io.ModelRunnerOutput` (progress, published pages, sampled
@@ -33,6 +38,7 @@ from collections import deque
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedkv.engine.core_io import EngineCoreOutput, check_stop
+from pagedkv.engine.kv_eviction import KVEvictionPolicy
 from pagedkv.engine.policy import SCHEDULING_POLICY_MAP
 from pagedkv.engine.preemption import PreemptionCost
 from pagedkv.kv.connector import KVConnectorScheduler
@@ -58,14 +64,20 @@ class Scheduler:
         num_lookahead_tokens: slots past a sampling request's tokens to allocate for a draft
             model's proposals (their KV is written before they are verified); shortened,
             never preempting, when pages are short. 0 for n-gram drafts.
+        eviction: score-based KV eviction with compaction (:mod:`pagedkv.engine.kv_eviction`),
+            or None.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
                  connector: KVConnectorScheduler | None = None, policy: str = "fcfs",
                  preemption: PreemptionCost | None = None, num_speculative_tokens: int = 0,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, eviction: KVEvictionPolicy | None = None) -> None:
         self.kv = kv
+        self.eviction = eviction
+        self.num_tokens_evicted = 0      # KV eviction: tokens dropped from requests' caches
+        self.blocks_freed_by_eviction = 0
+        self._compactions: dict[str, list[int]] = {}  # compacted since the runner last saw them
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -112,7 +124,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:  # its observation window waits for a step with room for all of it
+                i += 1
+                continue
+            if req.kv_keep is not None:
+                self._compact(req)
             drafts = self._drafts(req, n, budget)
             look = self._lookahead(req, n + len(drafts), req.num_computed_tokens + n == req.num_tokens)
             while not self.kv.allocate_slots(req, n + len(drafts) + look):
@@ -130,6 +147,27 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
         return budget
+
+    def _chunk(self, req: Request, start: int, n: int) -> int:
+        return self.eviction.chunk(req, start, n) if self.eviction is not None else n
+
+    def _compact(self, req: Request) -> None:
+        """Apply the runner's eviction choice now that ``req`` runs this step (its old pages
+        are reused only by this step's writes, after the runner's copy); when the pool is
+        short of the new pages, it waits for a later step."""
+        keep = self.eviction.keep_after(req, req.kv_keep)
+        freed = self.kv.compact(req, len(keep))
+        if freed < 0:
+            return
+        self.blocks_freed_by_eviction += freed
+        self.num_tokens_evicted += req.num_computed_tokens - req.num_evicted_tokens - len(keep)
+        req.num_evicted_tokens = req.num_computed_tokens - len(keep)
+        req.kv_keep = None
+        rid = req.request_id
+        self._compactions[rid] = keep
+        sent = self._sent[rid]
+        self._sent[rid] = (sent[0], [0] * len(sent[1]))  # the runner's tables start over
+        self._trimmed.add(rid)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The request's proposed drafts that this step can verify: only for a decode (one
@@ -153,9 +191,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.get_computed_blocks(req)
+            hit = self.kv.get_computed_blocks(req, self.eviction.num_uncached(req) if self.eviction else 1)
             external = self._external_hit(req, hit.num_tokens)
-            n = min(req.num_tokens - req.num_computed_tokens - hit.num_tokens - external, budget)
+            start = req.num_computed_tokens + hit.num_tokens + external
+            n = self._chunk(req, start, min(req.num_tokens - start, budget))
             ends = req.num_computed_tokens + hit.num_tokens + external + n == req.num_tokens
             look = self._lookahead(req, hit.num_tokens + external + n, ends)
             if n <= 0 or not (look and self.kv.allocate_slots(req, n + external + look, hit)
@@ -193,7 +232,7 @@ class Scheduler:
             kept = tuple(sent[1]) if rid in self._trimmed else None
             out.scheduled_cached_reqs.add(rid, req.all_token_ids[sent[0]:],
                                           tuple(g[k:] for g, k in zip(blocks, sent[1])),
-                                          req.num_computed_tokens, kept)
+                                          req.num_computed_tokens, kept, self._compactions.pop(rid, None))
         self._trimmed.discard(rid)
         self._sent[rid] = (req.num_tokens, [len(g) for g in blocks])
 
@@ -204,6 +243,8 @@ class Scheduler:
         if req.request_id in self._sent:
             self._sent[req.request_id] = None  # the runner drops its pages; sent in full again
         req.num_computed_tokens = 0
+        req.num_evicted_tokens, req.kv_keep = 0, None  # recomputed, scored and compacted again
+        self._compactions.pop(req.request_id, None)
         req.spec_token_ids = []
         self._trimmed.discard(req.request_id)
         req.num_preemptions += 1
@@ -251,6 +292,8 @@ class Scheduler:
                 self._after_verification(req, len(drafts), accepted)
             if not req.is_finished:
                 req.spec_token_ids = result.spec_token_ids.get(rid, [])
+                if rid in result.kv_keep:
+                    req.kv_keep = result.kv_keep[rid]
         if self.connector is not None:
             self.connector.update_connector_output(result.kv_connector_output)
         self._finish_transfers(result)
@@ -319,6 +362,7 @@ class Scheduler:
             self._finished_ids.append(request_id)
             del self._sent[request_id]
         self._trimmed.discard(request_id)
+        self._compactions.pop(request_id, None)
         delay = self.connector is not None and self.connector.request_finished(
             req, self.kv.get_block_ids(request_id))
         if delay:

@@ -137,7 +137,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
             ("kv_dtype", dtype), ("block_size", str(config.block_size)),
             ("kv_scale", config.kv_cache_scale if spec.is_quantized else "none"),
             ("weight_dtype", config.weight_dtype), ("activation_dtype", config.activation_dtype))
-    if config.kv_eviction != "none":  # a token's KV depends on what the tokens before it saw
+    if config.kv_eviction == "streaming":  # a token's KV depends on what the tokens before it saw
         keys += (("kv_eviction", f"{config.kv_eviction}:{config.num_sink_tokens}:{config.kv_window_tokens}:"
                                  f"{config.streaming_positions}"),)
     if draft is not None:  # pages hold the draft's KV too: never share them with other drafts
@@ -177,6 +177,11 @@ def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[
     attend to everything on the same tables), CPU/disk tiers and swap preemption (they copy
     whole tables), the contiguous allocator, models mixing window and full layers."""
     windows, sinks = set(cfg.layer_windows), 0
+    if config.kv_eviction == "snapkv":
+        if any(w is not None for w in windows):
+            raise ValueError("kv_eviction snapkv needs a model with full attention in every layer "
+                             "(this one has sliding-window layers)")
+        return single_group(cfg.num_hidden_layers, config.block_size)
     if config.kv_eviction == "streaming":
         windows, sinks = {config.kv_window_tokens}, config.num_sink_tokens
     if (len(windows) == 1 and None not in windows and not has_draft and config.kv_allocator == "paged"

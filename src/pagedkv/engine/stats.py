@@ -29,6 +29,8 @@ class EngineStats:
     preemptions_by_mode: dict | None = None  # {"recompute": n, "swap": m}
     spec_decode: dict | None = None  # speculative decoding counters (spec_decode.stats), if on
     blocks_freed_by_window: int = 0  # pages a sliding window gave back before their request ended
+    tokens_evicted: int = 0            # tokens score-based eviction (snapkv) dropped from caches
+    blocks_freed_by_eviction: int = 0  # pages its compactions gave back on net
 
     @property
     def kv_usage(self) -> float:
@@ -51,7 +53,8 @@ def collect_stats(engine) -> EngineStats:
         prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
         kv_offload=_offload_stats(sched.connector), preemptions_by_mode=dict(sched.preemptions_by_mode),
         spec_decode=sched.spec_stats.to_dict() if sched.spec_stats is not None else None,
-        blocks_freed_by_window=sum(getattr(g, "blocks_given_back", 0) for g in kv.groups))
+        blocks_freed_by_window=sum(getattr(g, "blocks_given_back", 0) for g in kv.groups),
+        tokens_evicted=sched.num_tokens_evicted, blocks_freed_by_eviction=sched.blocks_freed_by_eviction)
 
 
 def _offload_stats(connector) -> dict | None:

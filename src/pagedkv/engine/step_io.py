@@ -56,21 +56,28 @@ class CachedRequestData:
     token it sampled last step, for a decode). ``new_block_ids[i]``: pages appended to
     each group's table, after cutting each table to ``kept_blocks[i]`` pages when that is
     not None (pages that held only rejected draft positions went back to the pool).
-    ``num_computed_tokens[i]``: where this step's chunk starts.
+    ``num_computed_tokens[i]``: where this step's chunk starts. ``compacted[i]``: when not
+    None, KV eviction compacted the request since the runner last saw it: the cache
+    indices kept, in order; the runner copies their KV (all layers) from its old table into
+    the new one (``kept_blocks`` is then all zeros and ``new_block_ids`` the whole new
+    table) before the step runs, and from then on token p sits at cache index
+    ``p - (num_computed_tokens[i] - len(compacted[i]))``.
     """
     req_ids: list[str] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[BlockIds] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     kept_blocks: list[tuple[int, ...] | None] = field(default_factory=list)
+    compacted: list[list[int] | None] = field(default_factory=list)
 
     def add(self, req_id: str, new_token_ids: list[int], new_block_ids: BlockIds, num_computed: int,
-            kept_blocks: tuple[int, ...] | None = None) -> None:
+            kept_blocks: tuple[int, ...] | None = None, compacted: list[int] | None = None) -> None:
         self.req_ids.append(req_id)
         self.new_token_ids.append(new_token_ids)
         self.new_block_ids.append(new_block_ids)
         self.num_computed_tokens.append(num_computed)
         self.kept_blocks.append(kept_blocks)
+        self.compacted.append(compacted)
 
 
 @dataclass
@@ -151,3 +158,5 @@ class ModelRunnerOutput:
     kv_connector_output: object | None = None  # the connector worker's report of the step
     execute_seconds: float = 0.0  # wall time of the step's execution (0.0: not measured)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts proposed for the next step
+    # KV eviction (SnapKV): per request whose prompt ended this step, the cache indices to keep
+    kv_keep: dict[str, list[int]] = field(default_factory=dict)

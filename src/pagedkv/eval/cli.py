@@ -47,6 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     p.add_argument("--num-trials", type=int, default=3, help="passkeys per cell, drawn from --seed "
                    "(default: %(default)s)")
+    p.add_argument("--kv-budget-fraction", type=float, default=None, metavar="F",
+                   help="with --kv-eviction snapkv: each request keeps this fraction of its prompt "
+                   "(instead of --kv-budget-tokens), e.g. 0.25")
     p = _sub(sub, "agreement", "greedy agreement with the float32 cache on arena-hard chat prompts", run_agreement)
     p.add_argument("--num-prompts", type=int, default=16, help="bundled arena-hard prompts (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="prompt cap (default: %(default)s)")
@@ -167,6 +170,11 @@ def run_needle(a) -> int:
     depths = [float(x) for x in a.depths.split(",") if x.strip()]
     if not lengths or min(lengths) < 2 or not depths or a.num_trials < 1:
         raise ValueError("--lengths (each >= 2), --depths and --num-trials (>= 1) need at least one value")
+    frac = a.kv_budget_fraction
+    if frac is not None and (a.kv_eviction != "snapkv" or not 0 < frac <= 1):
+        raise ValueError("--kv-budget-fraction is a fraction in (0, 1] for --kv-eviction snapkv")
+    if frac is not None and a.kv_budget_tokens is None:
+        a.kv_budget_tokens = max(lengths)  # the engine's default; every request sets its own
     llm = _llm(a, None, max_model_len=a.max_model_len or max(lengths) + 16, enable_prefix_caching=True)
     text = _read_ids(a.file, llm.get_tokenizer(), max(lengths) * 12)
 
@@ -176,7 +184,7 @@ def run_needle(a) -> int:
         else:
             print(f"length {c.length:>7,}  depth {c.depth:4.0%}  {c.correct}/{c.trials} correct", flush=True)
 
-    cells = needle_eval(llm, text, lengths, depths, a.num_trials, seed=a.seed, progress=show)
+    cells = needle_eval(llm, text, lengths, depths, a.num_trials, seed=a.seed, progress=show, budget_fraction=frac)
     total = sum(c.correct for c in cells) / sum(c.trials for c in cells)
     if a.json:
         print(json.dumps({"accuracy": total, "trials": sum(c.trials for c in cells)}))

@@ -79,9 +79,11 @@ def passkeys(trials: int, seed: int) -> list[str]:
 
 
 def needle_eval(llm, text_ids: list[int], lengths: list[int], depths: list[float], trials: int = 3,
-                max_tokens: int = 8, seed: int = 0, progress=None) -> list[NeedleCell]:
+                max_tokens: int = 8, seed: int = 0, progress=None,
+                budget_fraction: float | None = None) -> list[NeedleCell]:
     """Passkey accuracy per (length, depth) cell under ``llm`` (a :class:`pagedkv.LLM`);
-    ``progress(cell)`` is called after each cell.
+    ``progress(cell)`` is called after each cell. ``budget_fraction``: with snapkv
+    eviction, each request keeps that fraction of its prompt (``kv_budget_tokens``).
 
     Raises:
         ValueError: no length, depth or trial, or a prompt that cannot be built
@@ -90,9 +92,10 @@ def needle_eval(llm, text_ids: list[int], lengths: list[int], depths: list[float
     if not lengths or not depths or trials < 1:
         raise ValueError("the needle eval needs at least one length, one depth and one trial")
     tok = llm.get_tokenizer()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     keys, cells = passkeys(trials, seed), []
     for length in lengths:
+        budget = None if budget_fraction is None else max(1, round(budget_fraction * length))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, kv_budget_tokens=budget)
         for depth in depths:
             prompts = [build_prompt(tok, text_ids, length, depth, k) for k in keys]
             correct = 0

@@ -142,6 +142,13 @@ class BlockPool:
                 dropped += 1
         return dropped
 
+    def forget(self, blocks: list[int]) -> None:
+        """Unpublish in-use ``blocks`` whose contents are about to change (no lookup finds them)."""
+        for b in blocks:
+            if self.ref_cnt[b] <= 0:
+                raise RuntimeError(f"block {b} is not in use")
+            self._drop_hash(b)
+
     def _drop_hash(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None and self._hash_to_block.get(h) == block:

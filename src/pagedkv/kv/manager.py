@@ -28,10 +28,17 @@ from pagedkv.kv.single_type import FullAttentionManager, manager_for
 
 
 class CacheRequest(Protocol):
+    """What the manager reads of a request (a request may also have ``num_evicted_tokens``:
+    tokens KV eviction compacted away, so its pages hold ``num_computed - num_evicted``)."""
     request_id: str
     all_token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
+
+
+def cached_tokens(req: CacheRequest) -> int:
+    """Tokens of ``req`` with KV in its pages: computed ones less those eviction dropped."""
+    return req.num_computed_tokens - getattr(req, "num_evicted_tokens", 0)
 
 
 class ComputedBlocks(NamedTuple):
@@ -85,13 +92,14 @@ class KVCacheManager:
         self.prefix_hits = 0     # tokens found
 
     # ---- lookup and allocation ------------------------------------------------------
-    def get_computed_blocks(self, req: CacheRequest) -> ComputedBlocks:
+    def get_computed_blocks(self, req: CacheRequest, num_uncached: int = 1) -> ComputedBlocks:
         """Longest cached prefix of ``req`` in whole blocks present in every group,
-        leaving >= 1 token to compute (the last token's logits are needed). Does not pin:
-        pass the result to ``allocate_slots`` in the same scheduling step."""
+        leaving >= ``num_uncached`` tokens to compute (at least the last, whose logits are
+        needed; KV eviction's observation window). Does not pin: pass the result to
+        ``allocate_slots`` in the same scheduling step."""
         if not self.enable_prefix_caching or req.num_computed_tokens or _wants_prompt_logits(req):
             return NO_HIT
-        max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+        max_blocks = max(0, len(req.all_token_ids) - max(1, num_uncached)) // self.block_size
         hashes = self.block_hashes(req)
         hits = [g.find_longest_hit(hashes, req.all_token_ids, max_blocks) for g in self.groups]
         n = min(len(h) for h in hits)
@@ -99,7 +107,7 @@ class KVCacheManager:
 
     def blocks_needed(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> int:
         """New pages ``allocate_slots`` would take over all groups, beyond tables and hit."""
-        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        total = cached_tokens(req) + hit.num_tokens + num_new_tokens
         return sum(g.num_blocks_needed(req, total, len(_group_hit(hit, i)))
                    for i, g in enumerate(self.groups))
 
@@ -116,7 +124,7 @@ class KVCacheManager:
         """
         for g in self.groups:
             g.remove_skipped(req, req.num_computed_tokens)
-        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        total = cached_tokens(req) + hit.num_tokens + num_new_tokens
         needs = [g.num_blocks_needed(req, total, len(_group_hit(hit, i))) for i, g in enumerate(self.groups)]
         null = self.pool.null_block
         hit_evictable = len({b for blocks in hit.blocks for b in blocks if b != null and self.pool.ref_cnt[b] == 0})
@@ -139,6 +147,24 @@ class KVCacheManager:
         hashes = self.block_hashes(req)
         for g in self.groups:
             g.cache_full_blocks(req.request_id, hashes, req.all_token_ids, num_written_tokens)
+
+    def compact(self, req: CacheRequest, num_kept: int) -> int:
+        """KV eviction: give ``req`` tables of ``ceil(num_kept / block_size)`` pages in every
+        group, into which the runner copies the kept tokens' KV in order (fresh pages when
+        the pool has them, else its own: :meth:`FullAttentionManager.compact`); the others
+        go back. Its pages are never published again. Returns the pages freed on net, or
+        -1, changing nothing, when no group can find the pages (other tables share them
+        and the pool is empty).
+
+        Raises:
+            ValueError: for a group whose manager cannot compact (sliding window, contiguous).
+        """
+        need = -(-num_kept // self.block_size)
+        if len(self.groups) > 1 and need * len(self.groups) > self.pool.num_available:
+            return -1  # groups share the pool: only fresh pages for all of them at once
+        if not all(g.can_compact(req.request_id, need) for g in self.groups):
+            return -1
+        return sum(g.compact(req.request_id, need) for g in self.groups)
 
     def trim(self, req: CacheRequest, num_tokens: int) -> bool:
         """Give back pages beyond what ``num_tokens`` tokens need, in every group (pages that

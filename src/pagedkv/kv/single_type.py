@@ -35,6 +35,7 @@ class FullAttentionManager:
         self.block_size = spec.block_size
         self.block_tables: dict[str, list[int]] = {}
         self.num_published: dict[str, int] = {}
+        self.compacted: set[str] = set()  # requests whose pages KV eviction rewrote: never published
 
     # ---- sizing ---------------------------------------------------------------------
     def tokens_to_hold(self, req, total_tokens: int) -> int:
@@ -79,6 +80,8 @@ class FullAttentionManager:
                           num_written_tokens: int) -> None:
         """Publish the pages that are full once ``num_written_tokens`` have KV written (a
         null entry, a page a sliding window gave back after publishing it, is skipped)."""
+        if request_id in self.compacted:  # the pages no longer hold the tokens their hashes name
+            return
         start = self.num_published.get(request_id, 0)
         end = min(num_written_tokens // self.block_size, len(hashes))
         table, bs = self.block_tables[request_id], self.block_size
@@ -107,6 +110,37 @@ class FullAttentionManager:
         table = self.block_tables.pop(request_id, [])
         self.pool.release([b for b in reversed(table) if b != self.pool.null_block])
         self.num_published.pop(request_id, None)
+        self.compacted.discard(request_id)
+
+    def _own_pages(self, request_id: str) -> list[int]:
+        """The request's pages no other table holds."""
+        return [b for b in self.block_tables[request_id] if b != self.pool.null_block and self.pool.ref_cnt[b] == 1]
+
+    def can_compact(self, request_id: str, num_blocks: int) -> bool:
+        """Whether :meth:`compact` can find ``num_blocks`` pages (fresh or the request's own)."""
+        if type(self) is not FullAttentionManager:
+            raise ValueError(f"{type(self).__name__} cannot compact a request's pages (full attention only)")
+        return num_blocks <= self.pool.num_available + len(self._own_pages(request_id))
+
+    def compact(self, request_id: str, num_blocks: int) -> int:
+        """Give the request a table of ``num_blocks`` pages for its kept tokens: fresh ones
+        when the pool has them (the old pages, released tail first, keep the prompt's KV
+        for prefix hits), else its own pages first (unpublished: their contents change)
+        and fresh ones for the rest. Returns the pages freed on net; check
+        :meth:`can_compact` first."""
+        old, null = self.block_tables[request_id], self.pool.null_block
+        if num_blocks <= self.pool.num_available:
+            new, gone = self.pool.allocate(num_blocks), old
+        else:
+            reused = self._own_pages(request_id)[:num_blocks]
+            self.pool.forget(reused)
+            new = reused + self.pool.allocate(num_blocks - len(reused))
+            gone = [b for b in old if b not in set(reused)]
+        self.block_tables[request_id] = new
+        self.pool.release([b for b in reversed(gone) if b != null])
+        self.num_published[request_id] = 0
+        self.compacted.add(request_id)
+        return sum(b != null for b in old) - num_blocks
 
     def remove_skipped(self, req, num_computed: int) -> int:
         """Give back pages no future query reads once ``num_computed`` tokens are computed

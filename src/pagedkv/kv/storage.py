@@ -125,6 +125,16 @@ class KVCacheStorage:
                 out.append(scales[layer])
         return out
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the KV (and per-token scales) of flat slots ``src`` ``[n]`` to ``dst`` ``[n]``
+        in every layer, as bytes (KV eviction's compaction). They may share pages: every
+        source is read before any destination is written."""
+        for layer in range(self.num_layers):
+            for t in self.page_tensors(layer):
+                flat = t.view(torch.uint8) if t.element_size() == 1 else t
+                flat = flat.view(t.shape[0] * t.shape[1], -1)
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+
     def layer(self, layer: int) -> LayerKV:
         if not self.spec.is_quantized:
             return LayerKV(self.k[layer], self.v[layer], None, None)

@@ -76,13 +76,17 @@ class LlamaLayer:
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
 
     def forward(self, x: torch.Tensor, idx: int, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv: KVCacheStorage, meta: AttentionMetadata, tables=None, sink_tables=None) -> torch.Tensor:
+                kv: KVCacheStorage, meta: AttentionMetadata, tables=None, sink_tables=None,
+                observer=None) -> torch.Tensor:
         """``sink_tables`` (:meth:`LlamaModel.sink_tables`, or None): the rotation from each
-        row's position to its position within the cache, for the queries that score the sinks."""
+        row's position to its position within the cache, for the queries that score the sinks.
+        ``observer(idx, q, pages)``, if given, sees the queries once this step's KV is written."""
         cfg = self.cfg
         q, k, v = self.project(x, positions, rope, tables)
         kv.write(idx, meta.slot_mapping, k, v)
         pages = kv.layer(idx)
+        if observer is not None:
+            observer(idx, q, pages)
         attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale,
                                self.window, self.sinks, self.sink_queries(q, sink_tables))
         return self.finish(x, attn)
@@ -198,8 +202,10 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCacheStorage,
-                meta: AttentionMetadata | Sequence[AttentionMetadata], kv_hooks=None) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm; ``input_ids``/``positions`` ``[T]``.
+                meta: AttentionMetadata | Sequence[AttentionMetadata], kv_hooks=None,
+                observer=None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; ``input_ids``/``positions`` ``[T]``;
+        ``observer``: see :meth:`LlamaLayer.forward` (it takes the per-op path).
 
         ``meta``: one attention metadata for every layer, or one per layer (layers of
         different KV cache groups read different block tables). ``kv_hooks`` (a KV
@@ -209,14 +215,14 @@ class LlamaModel:
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         x = self.embed[input_ids]
         tables, sink_tables = self.rope.tables(positions), self.sink_tables(positions)
-        fused = self.fused_op(kv)
+        fused = self.fused_op(kv) if observer is None else None
         for i, layer in enumerate(self.layers):
             if kv_hooks is not None:
                 kv_hooks.wait_for_layer_load(i)
             if fused is not None:
                 x = layer.forward_fused(fused, x, i, tables, kv, metas[i], sink_tables)
             else:
-                x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables, sink_tables)
+                x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables, sink_tables, observer)
             if kv_hooks is not None:
                 kv_hooks.save_kv_layer(i, kv, metas[i])
         return self.final_norm(x)

@@ -69,6 +69,10 @@ class _StatsCollector:
                                   value=s.num_preemptions)
         yield CounterMetricFamily("pagedkv_kv_blocks_freed_by_window", "KV blocks a sliding window gave back "
                                   "before their request ended", value=s.blocks_freed_by_window)
+        yield CounterMetricFamily("pagedkv_kv_tokens_evicted", "tokens score-based KV eviction (snapkv) dropped "
+                                  "from requests' caches", value=s.tokens_evicted)
+        yield CounterMetricFamily("pagedkv_kv_blocks_freed_by_eviction", "KV blocks score-based eviction's "
+                                  "compactions gave back", value=s.blocks_freed_by_eviction)
         yield from _offload_metrics(s.kv_offload)
         yield from _swap_metrics(s.kv_offload, s.preemptions_by_mode)
         yield from _spec_metrics(s.spec_decode)

@@ -224,7 +224,8 @@ def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: i
                      top_k=_int(body, "top_k", 0, lo=-1), seed=_seed(body, n),
                      stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"),
                      ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
-                     prompt_logprobs=prompt_logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True))
+                     prompt_logprobs=prompt_logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True),
+                     kv_budget_tokens=_int(body, "kv_budget_tokens", None, lo=1))
     return dict(model=model, params=params, n=n,
                 stream=_bool(body, "stream", False),
                 include_usage=_bool(stream_options or {}, "include_usage", False),
