@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import LLM, EngineConfig, SamplingParams
-from pagedkv.engine.snapkv import POOL_KERNEL, select_tokens
+from pagedkv.engine.eviction_scores import POOL_KERNEL, select_tokens
 
 SNAP = dict(kv_eviction="snapkv", kv_budget_tokens=24, num_sink_tokens=2, kv_window_tokens=8, block_size=4,
             num_blocks=96, max_num_batched_tokens=16)
@@ -22,7 +22,7 @@ def run(folder, prompt=PROMPT, params=GREEDY, **kw):
     llm = LLM(model=str(folder), debug_invariants=True, **kw)
     kept = []
     choose = llm.engine.runner._choose
-    llm.engine.runner._choose = lambda scorer: kept.append(choose(scorer)) or kept[-1]
+    llm.engine.runner._choose = lambda scorer, out: kept.append(choose(scorer, out)) or kept[-1]
     return llm, llm.generate([{"prompt_token_ids": prompt}], params)[0], kept
 
 
@@ -163,4 +163,4 @@ def test_snapkv_from_the_cli_and_the_needle_eval(tiny_model_dir):
     assert json.loads(r.stdout.splitlines()[0])["trials"] == 1
     r = subprocess.run(base + ["eval", "needle", "--model", str(tiny_model_dir), "--lengths", "300",
                        "--kv-budget-fraction", "0.25"], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "--kv-eviction snapkv" in r.stderr
+    assert r.returncode != 0 and "--kv-eviction snapkv or h2o" in r.stderr

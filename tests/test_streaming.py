@@ -74,7 +74,7 @@ def test_streaming_settings_are_checked():
     with pytest.raises(ValueError, match="num_sink_tokens"):
         EngineConfig(kv_eviction="streaming", kv_window_tokens=8, num_sink_tokens=-1)
     with pytest.raises(ValueError, match="kv_eviction must be one of"):
-        EngineConfig(kv_eviction="h2o")
+        EngineConfig(kv_eviction="tova")
     for stray in (dict(kv_window_tokens=64), dict(num_sink_tokens=8)):  # would silently do nothing
         with pytest.raises(ValueError, match="apply to kv_eviction streaming"):
             EngineConfig(**stray)

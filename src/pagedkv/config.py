@@ -15,8 +15,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8
 KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's --kv-cache-dtype fp8
 KV_CACHE_SCALES = ("per-token-head", "per-head", "per-tensor", "per-channel")
 KV_ALLOCATORS = ("paged", "contiguous")
-KV_EVICTIONS = ("none", "streaming", "snapkv")  # SlidingWindowManager; pagedkv.engine.kv_eviction
+KV_EVICTIONS = ("none", "streaming", "snapkv", "h2o")  # SlidingWindowManager; pagedkv.engine.kv_eviction
 STREAMING_POSITIONS = ("cache", "original")  # see LlamaModel.sink_tables
+SCORED_EVICTIONS = ("snapkv", "h2o")  # score-based, with compaction
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOAD_POLICIES = ("lru", "lfu")
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # see pagedkv.engine.preemption
@@ -110,14 +111,18 @@ class EngineConfig:
             snapkv (SnapKV, Li et al. 2024): at the end of a prompt longer than
             kv_budget_tokens, the attention of its last kv_window_tokens queries picks the
             prompt tokens to keep (with num_sink_tokens first ones and those last ones); the
-            others' KV leaves the cache and the kept tokens are compacted into fewer pages.
-        num_sink_tokens: attention-sink tokens kept with streaming or snapkv eviction
+            others' KV leaves the cache and the kept tokens are compacted into fewer pages;
+            h2o (H2O, Zhang et al. 2023): every query's attention accumulates on the keys
+            it reads, and a request keeps kv_budget_tokens (heavy hitters, sinks, recent)
+            at the end of a longer prompt and whenever its cache has grown a block past the
+            budget, so decoding runs in bounded memory too.
+        num_sink_tokens: attention-sink tokens kept with streaming, snapkv or h2o eviction
             (default 4).
         kv_window_tokens: recent tokens each position attends to with streaming eviction
-            (required with it); with snapkv, the last prompt tokens always kept, which are
-            also the observation window (default 32).
-        kv_budget_tokens: prompt tokens a request keeps with snapkv eviction (required
-            with it; a request's ``SamplingParams.kv_budget_tokens`` overrides it).
+            (required with it); with snapkv or h2o, the last tokens always kept (snapkv's
+            observation window; default 32).
+        kv_budget_tokens: tokens a request keeps at each snapkv or h2o eviction (required
+            with them; a request's ``SamplingParams.kv_budget_tokens`` overrides it).
         streaming_positions: the positions streaming eviction attends with: cache (the
             default, StreamingLLM's: positions within the cache, so a query sits at most
             num_sink_tokens + kv_window_tokens - 1 positions after the sinks, within what the
@@ -223,31 +228,31 @@ class EngineConfig:
                              f"got {self.streaming_positions!r}")
         if self.kv_eviction == "none" and (self.kv_window_tokens is not None or self.num_sink_tokens is not None):
             raise ValueError("kv_window_tokens (--kv-window-tokens) and num_sink_tokens (--num-sink-tokens) apply "
-                             "to kv_eviction streaming or snapkv (--kv-eviction), which is off")
-        if self.kv_eviction != "snapkv" and self.kv_budget_tokens is not None:
-            raise ValueError("kv_budget_tokens (--kv-budget-tokens) applies to kv_eviction snapkv "
-                             "(--kv-eviction snapkv)")
+                             "to kv_eviction streaming, snapkv or h2o (--kv-eviction), which is off")
+        if self.kv_eviction not in SCORED_EVICTIONS and self.kv_budget_tokens is not None:
+            raise ValueError("kv_budget_tokens (--kv-budget-tokens) applies to kv_eviction snapkv or h2o "
+                             "(--kv-eviction)")
         if self.kv_eviction == "none":
             return
         if self.kv_eviction == "streaming" and self.kv_window_tokens is None:
             raise ValueError("kv_eviction streaming needs kv_window_tokens (--kv-window-tokens) >= 1, got None")
         if self.num_sink_tokens is None:
             self.num_sink_tokens = 4  # StreamingLLM's choice
-        if self.kv_eviction == "snapkv" and self.kv_window_tokens is None:
+        if self.kv_eviction in SCORED_EVICTIONS and self.kv_window_tokens is None:
             self.kv_window_tokens = 32  # SnapKV's observation window
         for name in ("num_sink_tokens", "kv_window_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "num_sink_tokens" else 1):
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= "
                                  f"{0 if name == 'num_sink_tokens' else 1}, got {v!r}")
-        if self.kv_eviction == "snapkv":
-            self._check_snapkv()
+        if self.kv_eviction in SCORED_EVICTIONS:
+            self._check_scored()
 
-    def _check_snapkv(self) -> None:
+    def _check_scored(self) -> None:
         need = self.num_sink_tokens + self.kv_window_tokens
         b = self.kv_budget_tokens
         if not isinstance(b, int) or isinstance(b, bool) or b < need:
-            raise ValueError(f"kv_eviction snapkv needs kv_budget_tokens (--kv-budget-tokens) of at least "
+            raise ValueError(f"kv_eviction {self.kv_eviction} needs kv_budget_tokens (--kv-budget-tokens) of at least "
                              f"num_sink_tokens + kv_window_tokens = {need}, got {b!r}")
         if self.kv_window_tokens > self.max_num_batched_tokens:
             raise ValueError(f"kv_window_tokens {self.kv_window_tokens} (snapkv's observation window) must fit "
@@ -256,7 +261,7 @@ class EngineConfig:
                           ("kv_offload_memory", bool(self.kv_offload_memory)),
                           ("kv_allocator contiguous", self.kv_allocator == "contiguous")):
             if on:
-                raise ValueError(f"kv_eviction snapkv cannot be combined with {clash} yet (compacted pages "
+                raise ValueError(f"kv_eviction {self.kv_eviction} cannot be combined with {clash} yet (compacted pages "
                                  "hold no token prefix a tier or draft could use)")
 
     @classmethod

@@ -14,7 +14,7 @@ import operator
 
 import torch
 
-from pagedkv.config import EngineConfig
+from pagedkv.config import SCORED_EVICTIONS, EngineConfig
 from pagedkv.engine.core import EngineCore
 from pagedkv.engine.core_io import EngineCoreOutput
 from pagedkv.engine.kv_eviction import eviction_policy
@@ -163,8 +163,9 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         if params.kv_budget_tokens is not None:
             c = self.config
-            if c.kv_eviction != "snapkv":
-                raise ValueError("kv_budget_tokens needs an engine with snapkv eviction (--kv-eviction snapkv)")
+            if c.kv_eviction not in SCORED_EVICTIONS:
+                raise ValueError("kv_budget_tokens needs an engine with snapkv or h2o eviction "
+                                 "(--kv-eviction snapkv|h2o)")
             if params.kv_budget_tokens < c.num_sink_tokens + c.kv_window_tokens:
                 raise ValueError(f"kv_budget_tokens {params.kv_budget_tokens} is under the engine's sinks + window "
                                  f"({c.num_sink_tokens} + {c.kv_window_tokens} tokens)")

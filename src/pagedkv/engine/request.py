@@ -46,11 +46,11 @@ class Request:
     max_tokens: int = 0                # resolved against max_model_len by the engine
     priority: int = 0                  # scheduling_policy "priority": lower runs first
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
-    # KV eviction with compaction (SnapKV): tokens whose KV left the cache, so token p >= the
-    # compacted ones sits at cache index p - num_evicted_tokens; and the cache indices the
-    # runner chose to keep, compacted when the request is next scheduled
+    # KV eviction with compaction (SnapKV, H2O): tokens whose KV left the cache, so token p
+    # past the compacted ones sits at cache index p - num_evicted_tokens; and the runner's
+    # choice (cache indices to keep, among how many), compacted when it is next scheduled
     num_evicted_tokens: int = 0
-    kv_keep: list[int] | None = None
+    kv_keep: tuple[list[int], int] | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: dict[int, float] = field(default_factory=dict)  # position -> log p
     prompt_top_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # position -> top-k

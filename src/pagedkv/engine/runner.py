@@ -22,7 +22,7 @@ from pagedkv.engine.prompt_logprobs import prompt_logprobs
 from pagedkv.engine.sampler import SampledToken, sample
 from pagedkv.engine.kv_eviction import KVEvictionPolicy
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.snapkv import Observed, SnapKVScorer, select_tokens
+from pagedkv.engine.eviction_scores import AttentionScorer, Observed, select_tokens
 from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedkv.kv.groups import KVCacheGroup
 from pagedkv.kv.storage import KVCacheStorage
@@ -69,6 +69,7 @@ class ModelRunner:
         self.num_groups = len(kv_groups)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, kept across preemption
+        self.h2o_scores: dict[str, torch.Tensor] = {}  # H2O: attention accumulated per cached token
 
     # ---- request state --------------------------------------------------------------
     def update_states(self, out: SchedulerOutput) -> None:
@@ -78,13 +79,16 @@ class ModelRunner:
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+            self.h2o_scores.pop(rid, None)
             if proposer is not None:
                 proposer.forget(rid)
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
+            self.h2o_scores.pop(rid, None)
             if proposer is not None:
                 proposer.forget(rid)
         for new in out.scheduled_new_reqs:
+            self.h2o_scores.pop(new.req_id, None)  # recomputed from its first token
             if proposer is not None:
                 proposer.start(new.req_id, new.num_computed_tokens)
             self.requests[new.req_id] = CachedRequestState(
@@ -118,6 +122,8 @@ class ModelRunner:
             dst = torch.tensor([new[i // bs] * bs + i % bs for i in range(len(keep))], dtype=torch.int64)
             self.storage.copy_slots(src, dst)
         state.num_evicted_tokens = computed - len(keep)
+        if state.req_id in self.h2o_scores:
+            self.h2o_scores[state.req_id] = self.h2o_scores[state.req_id][torch.tensor(keep)]
 
     # ---- one step --------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
@@ -157,7 +163,7 @@ class ModelRunner:
         hidden = self.model.forward(ids, positions, self.storage, [metas[g] for g in self.layer_group], hooks,
                                     observer=scorer)
         if scorer is not None:
-            result.kv_keep = self._choose(scorer)
+            result.kv_keep = self._choose(scorer, out)
         result.prompt_logprobs = prompt_logprobs(self.model, hidden, self._chunks(out))
         failed = self.connector.get_block_ids_with_load_errors() if self.connector is not None else set()
         bad = self._read_failed_loads(out, failed)  # recomputed next step
@@ -172,23 +178,42 @@ class ModelRunner:
         result.execute_seconds = time.perf_counter() - t0
         return result
 
-    def _scorer(self, out: SchedulerOutput) -> SnapKVScorer | None:
-        """A scorer for the requests whose chunk ends a prompt longer than their budget,
-        with nothing evicted yet (the scheduler made the chunk hold the whole window)."""
+    def _scorer(self, out: SchedulerOutput) -> AttentionScorer | None:
+        """A scorer for this step's observed queries: under SnapKV, the window of a chunk that
+        ends a prompt to evict (the scheduler made the chunk hold all of it); under H2O,
+        every query."""
         ev, observed = self.eviction, {}
         if ev is None:
             return None
         for rid, state, row, n in self._chunks_of(out):
-            prompt = state.num_prompt_tokens
-            if (not state.num_evicted_tokens and state.num_computed_tokens + n == prompt
-                    and prompt > ev.budget(state) and n >= ev.window):
-                observed[rid] = Observed(row + n - ev.window, prompt, torch.tensor(state.block_ids[0]))
-        return SnapKVScorer(observed, ev.window, self.model.cfg.head_dim ** -0.5) if observed else None
+            length = state.num_computed_tokens + n - state.num_evicted_tokens
+            table = torch.tensor(state.block_ids[0])
+            if ev.method == "h2o":
+                observed[rid] = Observed(row, n, length, table, False)
+            elif state.num_computed_tokens + n == ev.next_eviction(state) and n >= ev.window:
+                observed[rid] = Observed(row + n - ev.window, ev.window, length, table, True)
+        return AttentionScorer(observed, self.model.cfg.head_dim ** -0.5) if observed else None
 
-    def _choose(self, scorer: SnapKVScorer) -> dict[str, list[int]]:
-        ev = self.eviction
-        return {rid: select_tokens(sc, ev.budget(self.requests[rid]), ev.num_sinks, ev.window)
-                for rid, sc in scorer.scores.items()}
+    def _choose(self, scorer: AttentionScorer, out: SchedulerOutput) -> dict[str, list[int]]:
+        """The cache indices each request at its eviction point keeps (H2O: its scores so
+        far, this step's added)."""
+        ev, keep = self.eviction, {}
+        for rid, scores in scorer.scores.items():
+            state = self.requests[rid]
+            if ev.method == "h2o":
+                scores = self._accumulate(rid, scores)
+            if state.num_computed_tokens + out.num_scheduled_tokens[rid] == ev.next_eviction(state):
+                keep[rid] = select_tokens(scores, ev.budget(state), ev.num_sinks, ev.window)
+        return keep
+
+    def _accumulate(self, rid: str, scores: torch.Tensor) -> torch.Tensor:
+        """H2O's running sum over the request's cached tokens, extended by this step's."""
+        acc = self.h2o_scores.get(rid)
+        if acc is not None:
+            scores = scores.clone()
+            scores[:acc.shape[0]] += acc
+        self.h2o_scores[rid] = scores
+        return scores
 
     def _chunks_of(self, out: SchedulerOutput):
         """``(req_id, state, first row, num rows)`` of each request's chunk in the batch."""

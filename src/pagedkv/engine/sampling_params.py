@@ -38,8 +38,8 @@ class SamplingParams:
             ``None`` = none. Such requests compute their whole prompt (no prefix-cache hits:
             a hit has no logits).
         skip_special_tokens: leave special tokens out of the text.
-        kv_budget_tokens: prompt tokens this request keeps in an engine with snapkv eviction
-            (``--kv-eviction snapkv``), instead of the engine's ``kv_budget_tokens``;
+        kv_budget_tokens: tokens this request keeps in an engine with snapkv or h2o eviction
+            (``--kv-eviction snapkv|h2o``), instead of the engine's ``kv_budget_tokens``;
             ``None`` = the engine's.
     Raises:
         ValueError: on an out-of-range value, naming the field.

@@ -155,7 +155,7 @@ class Scheduler:
         """Apply the runner's eviction choice now that ``req`` runs this step (its old pages
         are reused only by this step's writes, after the runner's copy); when the pool is
         short of the new pages, it waits for a later step."""
-        keep = self.eviction.keep_after(req, req.kv_keep)
+        keep = self.eviction.keep_after(req, *req.kv_keep)
         freed = self.kv.compact(req, len(keep))
         if freed < 0:
             return
@@ -292,8 +292,8 @@ class Scheduler:
                 self._after_verification(req, len(drafts), accepted)
             if not req.is_finished:
                 req.spec_token_ids = result.spec_token_ids.get(rid, [])
-                if rid in result.kv_keep:
-                    req.kv_keep = result.kv_keep[rid]
+                if rid in result.kv_keep:  # chosen among the tokens cached now
+                    req.kv_keep = (result.kv_keep[rid], req.num_computed_tokens - req.num_evicted_tokens)
         if self.connector is not None:
             self.connector.update_connector_output(result.kv_connector_output)
         self._finish_transfers(result)

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 
 from pagedkv.attention.dispatch import attention_mode
-from pagedkv.config import EngineConfig
+from pagedkv.config import SCORED_EVICTIONS, EngineConfig
 from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
 from pagedkv.kv.groups import KVCacheGroup, SlidingWindowSpec, group_layers, single_group
 from pagedkv.kv.manager import KVCacheManager
@@ -177,9 +177,9 @@ def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[
     attend to everything on the same tables), CPU/disk tiers and swap preemption (they copy
     whole tables), the contiguous allocator, models mixing window and full layers."""
     windows, sinks = set(cfg.layer_windows), 0
-    if config.kv_eviction == "snapkv":
+    if config.kv_eviction in SCORED_EVICTIONS:
         if any(w is not None for w in windows):
-            raise ValueError("kv_eviction snapkv needs a model with full attention in every layer "
+            raise ValueError(f"kv_eviction {config.kv_eviction} needs a model with full attention in every layer "
                              "(this one has sliding-window layers)")
         return single_group(cfg.num_hidden_layers, config.block_size)
     if config.kv_eviction == "streaming":

@@ -48,7 +48,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-trials", type=int, default=3, help="passkeys per cell, drawn from --seed "
                    "(default: %(default)s)")
     p.add_argument("--kv-budget-fraction", type=float, default=None, metavar="F",
-                   help="with --kv-eviction snapkv: each request keeps this fraction of its prompt "
+                   help="with --kv-eviction snapkv|h2o: each request keeps this fraction of its prompt "
                    "(instead of --kv-budget-tokens), e.g. 0.25")
     p = _sub(sub, "agreement", "greedy agreement with the float32 cache on arena-hard chat prompts", run_agreement)
     p.add_argument("--num-prompts", type=int, default=16, help="bundled arena-hard prompts (default: %(default)s)")
@@ -124,7 +124,8 @@ def run_ppl(a) -> int:
         llm = _llm(a, s, max_model_len=a.window + 1)
         tok = llm.get_tokenizer()
         prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-        results.append(perplexity(llm, _text_ids(a, tok), a.num_tokens, a.window, a.rolling, prefix, a.by_position))
+        results.append(perplexity(llm, _text_ids(a, tok), a.num_tokens, a.window, a.rolling, prefix,
+                                  bucket=a.by_position))
         del llm
     base = results[0].ppl
     numerics = {"weight_dtype": a.weight_dtype, "activation_dtype": a.activation_dtype}
@@ -171,8 +172,8 @@ def run_needle(a) -> int:
     if not lengths or min(lengths) < 2 or not depths or a.num_trials < 1:
         raise ValueError("--lengths (each >= 2), --depths and --num-trials (>= 1) need at least one value")
     frac = a.kv_budget_fraction
-    if frac is not None and (a.kv_eviction != "snapkv" or not 0 < frac <= 1):
-        raise ValueError("--kv-budget-fraction is a fraction in (0, 1] for --kv-eviction snapkv")
+    if frac is not None and (a.kv_eviction not in ("snapkv", "h2o") or not 0 < frac <= 1):
+        raise ValueError("--kv-budget-fraction is a fraction in (0, 1] for --kv-eviction snapkv or h2o")
     if frac is not None and a.kv_budget_tokens is None:
         a.kv_budget_tokens = max(lengths)  # the engine's default; every request sets its own
     llm = _llm(a, None, max_model_len=a.max_model_len or max(lengths) + 16, enable_prefix_caching=True)

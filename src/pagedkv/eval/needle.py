@@ -83,7 +83,7 @@ def needle_eval(llm, text_ids: list[int], lengths: list[int], depths: list[float
                 budget_fraction: float | None = None) -> list[NeedleCell]:
     """Passkey accuracy per (length, depth) cell under ``llm`` (a :class:`pagedkv.LLM`);
     ``progress(cell)`` is called after each cell. ``budget_fraction``: with snapkv
-    eviction, each request keeps that fraction of its prompt (``kv_budget_tokens``).
+    or h2o eviction, each request keeps that fraction of its prompt (``kv_budget_tokens``).
 
     Raises:
         ValueError: no length, depth or trial, or a prompt that cannot be built
