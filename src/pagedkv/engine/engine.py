@@ -177,7 +177,9 @@ class LLMEngine:
             f", the whole KV cache: {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
             if self.max_model_len == cache_tokens else ")")
         if num_prompt >= self.max_model_len:
-            raise ValueError(f"prompt of {num_prompt} tokens leaves no room for output: limit is {limit}")
+            hint = (" (streaming eviction runs past the model's positions: raise --max-model-len)"
+                    if self.config.kv_eviction == "streaming" else "")
+            raise ValueError(f"prompt of {num_prompt} tokens leaves no room for output: limit is {limit}{hint}")
         max_tokens = params.max_tokens or self.max_model_len - num_prompt
         total = num_prompt + max_tokens
         if total > self.max_model_len:

@@ -63,7 +63,7 @@ def resolve_max_model_len(cfg: ModelConfig, requested: int | None, streaming: bo
     limit = cfg.max_position_embeddings
     if requested is not None and requested > limit and not streaming:
         raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens "
-                         "(streaming eviction, --kv-eviction streaming, runs past it)")
+                         "(only --kv-eviction streaming runs past it)")
     return requested or limit
 
 

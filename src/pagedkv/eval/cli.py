@@ -121,16 +121,17 @@ def run_ppl(a) -> int:
         raise ValueError(f"--by-position must be >= 0, got {a.by_position}")
     settings, results = parse_settings(a.kv_cache_dtype, a.kv_cache_scale), []
     for s in settings:
-        llm = _llm(a, s, max_model_len=a.window + 1)
+        llm = _ppl_llm(a, s)
         tok = llm.get_tokenizer()
         prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         results.append(perplexity(llm, _text_ids(a, tok), a.num_tokens, a.window, a.rolling, prefix,
                                   bucket=a.by_position))
         del llm
     base = results[0].ppl
-    numerics = {"weight_dtype": a.weight_dtype, "activation_dtype": a.activation_dtype}
+    numerics = {"weight_dtype": a.weight_dtype, "activation_dtype": a.activation_dtype, "attention": _attention(a)}
     if not a.json:
-        print(f"weights {a.weight_dtype}, activations {a.activation_dtype}; KV cache settings (compared with the first):")
+        print(f"weights {a.weight_dtype}, activations {a.activation_dtype}, {_attention(a)}; "
+              "KV cache settings (compared with the first):")
     for s, r in zip(settings, results):
         if a.json:
             print(json.dumps(r.to_dict() | numerics | {"setting": s.label, "ppl_vs_first": r.ppl / base}))
@@ -141,6 +142,29 @@ def run_ppl(a) -> int:
                 print(f"{'':>24}  positions {b.start:>7,}-{b.end - 1:<7,}  ppl {b.ppl:9.4f}  "
                       f"({b.num_scored_tokens} tokens)")
     return 0
+
+
+def _ppl_llm(a, setting):
+    """The engine of one ``ppl`` setting: a window of W tokens needs W + 1 positions."""
+    try:
+        return _llm(a, setting, max_model_len=a.window + 1)
+    except ValueError as e:
+        if "exceeds the model's limit" not in str(e):
+            raise
+        raise ValueError(f"--window {a.window} scores {a.window} tokens and needs {a.window + 1} positions, more "
+                         f"than the model has: use a smaller --window, or --kv-eviction streaming ({e})") from None
+
+
+def _attention(a) -> str:
+    """The attention/eviction setting a run measured, in words."""
+    if a.kv_eviction == "none":
+        return "dense attention"
+    if a.kv_eviction == "streaming":
+        return (f"streaming eviction ({a.num_sink_tokens if a.num_sink_tokens is not None else 4} sinks + "
+                f"{a.kv_window_tokens}-token window, {a.streaming_positions} positions)")
+    budget = (f"{a.kv_budget_fraction:g} of each prompt" if getattr(a, "kv_budget_fraction", None) is not None
+              else f"{a.kv_budget_tokens} tokens")
+    return f"{a.kv_eviction} eviction (budget {budget})"
 
 
 def run_attn_error(a) -> int:
@@ -172,16 +196,21 @@ def run_needle(a) -> int:
     if not lengths or min(lengths) < 2 or not depths or a.num_trials < 1:
         raise ValueError("--lengths (each >= 2), --depths and --num-trials (>= 1) need at least one value")
     frac = a.kv_budget_fraction
-    if frac is not None and (a.kv_eviction not in ("snapkv", "h2o") or not 0 < frac <= 1):
-        raise ValueError("--kv-budget-fraction is a fraction in (0, 1] for --kv-eviction snapkv or h2o")
+    if frac is not None and a.kv_eviction not in ("snapkv", "h2o"):
+        raise ValueError("--kv-budget-fraction sets each request's budget under --kv-eviction snapkv or h2o")
+    if frac is not None and not 0 < frac <= 1:
+        raise ValueError(f"--kv-budget-fraction must be in (0, 1], got {frac}")
     if frac is not None and a.kv_budget_tokens is None:
         a.kv_budget_tokens = max(lengths)  # the engine's default; every request sets its own
     llm = _llm(a, None, max_model_len=a.max_model_len or max(lengths) + 16, enable_prefix_caching=True)
     text = _read_ids(a.file, llm.get_tokenizer(), max(lengths) * 12)
 
+    if not a.json:
+        print(f"passkey retrieval, {_attention(a)}:", flush=True)
+
     def show(c):
         if a.json:
-            print(json.dumps(c.to_dict()), flush=True)
+            print(json.dumps(c.to_dict() | {"attention": _attention(a)}), flush=True)
         else:
             print(f"length {c.length:>7,}  depth {c.depth:4.0%}  {c.correct}/{c.trials} correct", flush=True)
 
