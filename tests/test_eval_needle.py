@@ -89,6 +89,7 @@ def test_needle_cli_runs_on_the_tiny_model(tiny_model_dir):
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [(x["length"], x["depth"], x["trials"]) for x in rows[:2]] == [(200, 0.0, 2), (200, 1.0, 2)]
     assert rows[2]["trials"] == 4 and 0 <= rows[2]["accuracy"] <= 1
-    bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "eval", "needle", "--model", str(tiny_model_dir),
-                          "--lengths", "", "--num-blocks", "64"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "--lengths" in bad.stderr
+    for lengths, says in (("", "--lengths"), ("505", "need 513 positions"), ("300,20", "no room")):
+        bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "eval", "needle", "--model", str(tiny_model_dir),
+                              "--lengths", lengths, "--num-blocks", "64"], capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and says in bad.stderr and "length " not in bad.stdout, (lengths, bad.stderr)

@@ -123,6 +123,34 @@ def test_preemption_recomputes_scores_and_compacts_again(tiny_model_dir):
     assert llm.engine.stats().num_preemptions > 0 and llm.engine.kv.usage().used == 0
 
 
+def test_a_resumed_request_with_outputs_is_scored_again_after_a_prefix_hit(tiny_model_dir):
+    """Found by a break-it pass: a preempted request resumed from the prefix cache took a hit
+    past its prompt's observation window (counted from prompt + outputs) and was never
+    pruned again. A pool of 33 pages preempts it; its tokens must be those it makes alone."""
+    longer = PROMPT + torch.randint(0, 49152, (10,), generator=torch.Generator().manual_seed(9)).tolist()
+    mine = SamplingParams(**(vars(GREEDY) | {"max_tokens": 20}))
+    other = SamplingParams(**(vars(GREEDY) | {"max_tokens": 40, "kv_budget_tokens": 200}))
+    _, alone, _ = run(tiny_model_dir, params=mine, **(SNAP | {"num_blocks": 200}))
+    for caching in (True, False):
+        llm = LLM(model=str(tiny_model_dir), debug_invariants=True,
+                  **(SNAP | {"num_blocks": 33, "enable_prefix_caching": caching}))
+        outs = llm.generate([{"prompt_token_ids": longer}, {"prompt_token_ids": PROMPT}], [other, mine])
+        assert outs[1].token_ids == alone.token_ids and llm.engine.stats().num_preemptions > 0
+        assert llm.engine.kv.usage().used == 0
+
+
+@pytest.mark.parametrize("num_blocks", [22, 26, 29, 33])
+def test_duplicates_sharing_prompt_pages_compact_or_wait_never_decode_uncompacted(tiny_model_dir, num_blocks):
+    """Found by a break-it pass: with no free page and its own pages shared by prefix hits, a
+    compaction was put off and the request decoded a token over its whole prompt. Now it
+    preempts, as a failed allocation does, and every duplicate gives the lone output."""
+    _, alone, _ = run(tiny_model_dir, **(SNAP | {"num_blocks": 64}))
+    llm = LLM(model=str(tiny_model_dir), debug_invariants=True, **(SNAP | {"num_blocks": num_blocks}))
+    llm.generate([{"prompt_token_ids": PROMPT}], GREEDY)  # publishes the prompt's pages
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * 4, GREEDY)
+    assert [o.token_ids for o in outs] == [alone.token_ids] * 4 and llm.engine.kv.usage().used == 0
+
+
 def test_snapkv_settings_are_checked(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_budget_tokens"):
         EngineConfig(kv_eviction="snapkv")

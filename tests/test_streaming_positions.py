@@ -121,6 +121,10 @@ def test_position_settings_are_checked(two_layers):
 
     with pytest.raises(ValueError, match="streaming_positions must be one of"):
         EngineConfig(kv_eviction="streaming", kv_window_tokens=8, streaming_positions="shifted")
+    with pytest.raises(ValueError, match="applies to kv_eviction streaming"):
+        EngineConfig(streaming_positions="original")
+    with pytest.raises(ValueError, match="contiguous allocator"):
+        EngineConfig(kv_eviction="streaming", kv_window_tokens=8, kv_allocator="contiguous")
     with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
         LLM(model=str(two_layers), **(STREAM | {"kv_window_tokens": 61}))
     with pytest.raises(ValueError, match="exceeds the model's limit of 64 tokens"):

@@ -232,6 +232,12 @@ class EngineConfig:
         if self.kv_eviction not in SCORED_EVICTIONS and self.kv_budget_tokens is not None:
             raise ValueError("kv_budget_tokens (--kv-budget-tokens) applies to kv_eviction snapkv or h2o "
                              "(--kv-eviction)")
+        if self.kv_eviction != "streaming" and self.streaming_positions != "cache":
+            raise ValueError("streaming_positions (--streaming-positions) applies to kv_eviction streaming "
+                             "(--kv-eviction streaming)")
+        if self.kv_eviction == "streaming" and self.kv_allocator == "contiguous":
+            raise ValueError("kv_eviction streaming frees pages as the window slides: the contiguous allocator "
+                             "(kv_allocator contiguous) reserves them all, so the two cannot be combined")
         if self.kv_eviction == "none":
             return
         if self.kv_eviction == "streaming" and self.kv_window_tokens is None:

@@ -70,12 +70,13 @@ class KVEvictionPolicy:
         """SnapKV scores a prompt from its last queries: they must run in one chunk."""
         return self.method == "snapkv" and self.next_eviction(req) is not None
 
-    def num_uncached(self, req) -> int:
-        """Prompt tokens a prefix hit must leave to compute: SnapKV's observation window;
-        H2O accumulates every query's attention, so it takes no hit at all."""
+    def max_hit_tokens(self, req) -> int | None:
+        """The longest prefix hit ``req`` may take: up to its prompt's observation window
+        when SnapKV will score the prompt (even for a resumed request, whose outputs follow
+        the prompt); none under H2O, which accumulates every query's attention."""
         if self.method == "h2o":
-            return req.num_prompt_tokens
-        return self.window if self.next_eviction(req) == req.num_prompt_tokens else 1
+            return 0
+        return req.num_prompt_tokens - self.window if self.next_eviction(req) == req.num_prompt_tokens else None
 
     def chunk(self, req, start: int, n: int) -> int:
         """``n`` tokens from ``start`` cut at the next eviction point (a resumed request

@@ -128,8 +128,12 @@ class Scheduler:
             if n == 0:  # its observation window waits for a step with room for all of it
                 i += 1
                 continue
-            if req.kv_keep is not None:
-                self._compact(req)
+            while req.kv_keep is not None and not self._compact(req):  # pages short: preempt, as below
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                if victim is req:
+                    return budget
             drafts = self._drafts(req, n, budget)
             look = self._lookahead(req, n + len(drafts), req.num_computed_tokens + n == req.num_tokens)
             while not self.kv.allocate_slots(req, n + len(drafts) + look):
@@ -151,14 +155,15 @@ class Scheduler:
     def _chunk(self, req: Request, start: int, n: int) -> int:
         return self.eviction.chunk(req, start, n) if self.eviction is not None else n
 
-    def _compact(self, req: Request) -> None:
+    def _compact(self, req: Request) -> bool:
         """Apply the runner's eviction choice now that ``req`` runs this step (its old pages
-        are reused only by this step's writes, after the runner's copy); when the pool is
-        short of the new pages, it waits for a later step."""
+        are reused only by this step's writes, after the runner's copy). False, changing
+        nothing, when no pages can be found (the caller preempts: a request never decodes
+        past its eviction point uncompacted, so its output does not depend on the pool)."""
         keep = self.eviction.keep_after(req, *req.kv_keep)
         freed = self.kv.compact(req, len(keep))
         if freed < 0:
-            return
+            return False
         self.blocks_freed_by_eviction += freed
         self.num_tokens_evicted += req.num_computed_tokens - req.num_evicted_tokens - len(keep)
         req.num_evicted_tokens = req.num_computed_tokens - len(keep)
@@ -168,6 +173,7 @@ class Scheduler:
         sent = self._sent[rid]
         self._sent[rid] = (sent[0], [0] * len(sent[1]))  # the runner's tables start over
         self._trimmed.add(rid)
+        return True
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The request's proposed drafts that this step can verify: only for a decode (one
@@ -191,7 +197,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.get_computed_blocks(req, self.eviction.num_uncached(req) if self.eviction else 1)
+            hit = self.kv.get_computed_blocks(req, self.eviction.max_hit_tokens(req) if self.eviction else None)
             external = self._external_hit(req, hit.num_tokens)
             start = req.num_computed_tokens + hit.num_tokens + external
             n = self._chunk(req, start, min(req.num_tokens - start, budget))

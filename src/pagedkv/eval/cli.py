@@ -42,7 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
              run_needle)
     p.add_argument("--file", type=Path, default=None, help="haystack text (default: the bundled Monte Cristo "
                    "chapters)")
-    p.add_argument("--lengths", default="2048,4096,8192", help="haystack lengths in tokens (default: %(default)s)")
+    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens; each needs 8 more "
+                   "positions for the answer (default: %(default)s)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 (start) to 1 (end) "
                    "(default: %(default)s)")
     p.add_argument("--num-trials", type=int, default=3, help="passkeys per cell, drawn from --seed "
@@ -102,7 +103,11 @@ def _read_ids(file: Path | None, tokenizer, max_chars: int) -> list[int]:
         raise FileNotFoundError(f"text file {file} does not exist")
     if not file.is_file():
         raise ValueError(f"{file} is not a regular file")
-    return tokenizer(file.read_text(encoding="utf-8")[:max_chars], add_special_tokens=False).input_ids
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return tokenizer(text[:max_chars], add_special_tokens=False).input_ids
 
 
 def _llm(a, setting, **extra):
@@ -119,6 +124,9 @@ def run_ppl(a) -> int:
 
     if a.by_position < 0:
         raise ValueError(f"--by-position must be >= 0, got {a.by_position}")
+    if a.kv_eviction in ("snapkv", "h2o"):
+        raise ValueError(f"--kv-eviction {a.kv_eviction} evicts once a prompt has been scored, so prompt "
+                         "log-probs (perplexity) never see it: measure it with pagedkv eval needle")
     settings, results = parse_settings(a.kv_cache_dtype, a.kv_cache_scale), []
     for s in settings:
         llm = _ppl_llm(a, s)
@@ -189,7 +197,7 @@ def run_attn_error(a) -> int:
 
 
 def run_needle(a) -> int:
-    from pagedkv.eval.needle import needle_eval
+    from pagedkv.eval.needle import ANSWER_TOKENS, check_lengths, needle_eval
 
     lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
     depths = [float(x) for x in a.depths.split(",") if x.strip()]
@@ -202,8 +210,14 @@ def run_needle(a) -> int:
         raise ValueError(f"--kv-budget-fraction must be in (0, 1], got {frac}")
     if frac is not None and a.kv_budget_tokens is None:
         a.kv_budget_tokens = max(lengths)  # the engine's default; every request sets its own
-    llm = _llm(a, None, max_model_len=a.max_model_len or max(lengths) + 16, enable_prefix_caching=True)
+    llm = _needle_llm(a, max(lengths) + ANSWER_TOKENS)
+    if frac is not None:
+        c = llm.engine.config
+        if round(frac * min(lengths)) < c.num_sink_tokens + c.kv_window_tokens:
+            raise ValueError(f"--kv-budget-fraction {frac} of {min(lengths)} tokens is under the sinks + window "
+                             f"({c.num_sink_tokens} + {c.kv_window_tokens} tokens)")
     text = _read_ids(a.file, llm.get_tokenizer(), max(lengths) * 12)
+    check_lengths(llm.get_tokenizer(), text, lengths)
 
     if not a.json:
         print(f"passkey retrieval, {_attention(a)}:", flush=True)
@@ -214,13 +228,26 @@ def run_needle(a) -> int:
         else:
             print(f"length {c.length:>7,}  depth {c.depth:4.0%}  {c.correct}/{c.trials} correct", flush=True)
 
-    cells = needle_eval(llm, text, lengths, depths, a.num_trials, seed=a.seed, progress=show, budget_fraction=frac)
+    cells = needle_eval(llm, text, lengths, depths, a.num_trials, ANSWER_TOKENS, a.seed, show, frac)
     total = sum(c.correct for c in cells) / sum(c.trials for c in cells)
     if a.json:
         print(json.dumps({"accuracy": total, "trials": sum(c.trials for c in cells)}))
     else:
         print(f"accuracy {total:.1%} over {sum(c.trials for c in cells)} trials")
     return 0
+
+
+def _needle_llm(a, positions: int):
+    """The needle engine: the longest prompt and its answer must fit the model's positions."""
+    try:
+        return _llm(a, None, max_model_len=a.max_model_len or positions, enable_prefix_caching=True)
+    except ValueError as e:
+        if "exceeds the model's limit" not in str(e):
+            raise
+        from pagedkv.eval.needle import ANSWER_TOKENS
+
+        raise ValueError(f"--lengths: the longest prompt and its {ANSWER_TOKENS}-token answer need {positions} "
+                         f"positions, more than the model has: use shorter --lengths ({e})") from None
 
 
 def run_agreement(a) -> int:

@@ -23,6 +23,7 @@ INTRO = ("There is a passkey hidden in the long passage below. Find it and remem
          "for it at the end.\n\n")
 NEEDLE = "\n\nThe passkey is {key}. Remember it. {key} is the passkey.\n\n"
 QUESTION = "\n\nWhat is the passkey hidden in the passage above? The passkey is"
+ANSWER_TOKENS = 8  # greedy tokens generated per trial
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,19 @@ def build_prompt(tokenizer, text_ids: list[int], length: int, depth: float, key:
     return intro + hay[:at] + needle + hay[at:] + question
 
 
+def check_lengths(tokenizer, text_ids: list[int], lengths: list[int]) -> None:
+    """Raise the ValueError :func:`build_prompt` would, before any trial runs."""
+    for length in lengths:
+        build_prompt(tokenizer, text_ids, length, 0.0, "00000")
+
+
 def passkeys(trials: int, seed: int) -> list[str]:
     """``trials`` distinct 5-digit passkeys from ``seed``."""
     return [str(k) for k in random.Random(seed).sample(range(10000, 100000), trials)]
 
 
 def needle_eval(llm, text_ids: list[int], lengths: list[int], depths: list[float], trials: int = 3,
-                max_tokens: int = 8, seed: int = 0, progress=None,
+                max_tokens: int = ANSWER_TOKENS, seed: int = 0, progress=None,
                 budget_fraction: float | None = None) -> list[NeedleCell]:
     """Passkey accuracy per (length, depth) cell under ``llm`` (a :class:`pagedkv.LLM`);
     ``progress(cell)`` is called after each cell. ``budget_fraction``: with snapkv

@@ -92,12 +92,14 @@ def position_buckets(wins: list[Window], logps: list[list[float]], bucket: int) 
     """Perplexity per ``bucket`` positions of the text, so that settings compare on the same
     tokens (with one window over the whole text, also the position the model saw)."""
     sums: dict[int, list[float]] = {}
+    last = 0
     for w, lps in zip(wins, logps):
         for i, lp in enumerate(lps, start=w.offset + w.first_scored):
             acc = sums.setdefault(i // bucket, [0.0, 0])
             acc[0] -= lp
             acc[1] += 1
-    return tuple(PositionBucket(b * bucket, (b + 1) * bucket, math.exp(nll / n), n)
+            last = max(last, i)
+    return tuple(PositionBucket(b * bucket, min((b + 1) * bucket, last + 1), math.exp(nll / n), n)
                  for b, (nll, n) in sorted(sums.items()))
 
 

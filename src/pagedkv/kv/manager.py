@@ -92,14 +92,17 @@ class KVCacheManager:
         self.prefix_hits = 0     # tokens found
 
     # ---- lookup and allocation ------------------------------------------------------
-    def get_computed_blocks(self, req: CacheRequest, num_uncached: int = 1) -> ComputedBlocks:
+    def get_computed_blocks(self, req: CacheRequest, max_hit_tokens: int | None = None) -> ComputedBlocks:
         """Longest cached prefix of ``req`` in whole blocks present in every group,
-        leaving >= ``num_uncached`` tokens to compute (at least the last, whose logits are
-        needed; KV eviction's observation window). Does not pin: pass the result to
-        ``allocate_slots`` in the same scheduling step."""
+        leaving >= 1 token to compute (the last token's logits are needed) and holding at
+        most ``max_hit_tokens`` (KV eviction's scores need some queries computed). Does not
+        pin: pass the result to ``allocate_slots`` in the same scheduling step."""
         if not self.enable_prefix_caching or req.num_computed_tokens or _wants_prompt_logits(req):
             return NO_HIT
-        max_blocks = max(0, len(req.all_token_ids) - max(1, num_uncached)) // self.block_size
+        cap = len(req.all_token_ids) - 1
+        if max_hit_tokens is not None:
+            cap = min(cap, max_hit_tokens)
+        max_blocks = max(0, cap) // self.block_size
         hashes = self.block_hashes(req)
         hits = [g.find_longest_hit(hashes, req.all_token_ids, max_blocks) for g in self.groups]
         n = min(len(h) for h in hits)
