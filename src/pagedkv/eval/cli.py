@@ -129,7 +129,8 @@ def run_ppl(a) -> int:
                          "log-probs (perplexity) never see it: measure it with pagedkv eval needle")
     settings, results = parse_settings(a.kv_cache_dtype, a.kv_cache_scale), []
     for s in settings:
-        llm = _ppl_llm(a, s)
+        llm = _llm_within(a, s, a.window + 1, f"--window {a.window}: the window and the position after it "
+                          "(use a smaller --window, or --kv-eviction streaming)")
         tok = llm.get_tokenizer()
         prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         results.append(perplexity(llm, _text_ids(a, tok), a.num_tokens, a.window, a.rolling, prefix,
@@ -152,15 +153,15 @@ def run_ppl(a) -> int:
     return 0
 
 
-def _ppl_llm(a, setting):
-    """The engine of one ``ppl`` setting: a window of W tokens needs W + 1 positions."""
+def _llm_within(a, setting, positions: int, needs: str, **extra):
+    """An engine of ``max_model_len = positions``; if the model has fewer positions, the
+    error says what ``needs`` them (the flag to change)."""
     try:
-        return _llm(a, setting, max_model_len=a.window + 1)
+        return _llm(a, setting, max_model_len=positions, **extra)
     except ValueError as e:
         if "exceeds the model's limit" not in str(e):
             raise
-        raise ValueError(f"--window {a.window} scores {a.window} tokens and needs {a.window + 1} positions, more "
-                         f"than the model has: use a smaller --window, or --kv-eviction streaming ({e})") from None
+        raise ValueError(f"{needs} need {positions} positions, more than the model has ({e})") from None
 
 
 def _attention(a) -> str:
@@ -210,7 +211,8 @@ def run_needle(a) -> int:
         raise ValueError(f"--kv-budget-fraction must be in (0, 1], got {frac}")
     if frac is not None and a.kv_budget_tokens is None:
         a.kv_budget_tokens = max(lengths)  # the engine's default; every request sets its own
-    llm = _needle_llm(a, max(lengths) + ANSWER_TOKENS)
+    llm = _llm_within(a, None, a.max_model_len or max(lengths) + ANSWER_TOKENS,
+                      f"--lengths: the longest prompt and its {ANSWER_TOKENS}-token answer", enable_prefix_caching=True)
     if frac is not None:
         c = llm.engine.config
         if round(frac * min(lengths)) < c.num_sink_tokens + c.kv_window_tokens:
@@ -235,19 +237,6 @@ def run_needle(a) -> int:
     else:
         print(f"accuracy {total:.1%} over {sum(c.trials for c in cells)} trials")
     return 0
-
-
-def _needle_llm(a, positions: int):
-    """The needle engine: the longest prompt and its answer must fit the model's positions."""
-    try:
-        return _llm(a, None, max_model_len=a.max_model_len or positions, enable_prefix_caching=True)
-    except ValueError as e:
-        if "exceeds the model's limit" not in str(e):
-            raise
-        from pagedkv.eval.needle import ANSWER_TOKENS
-
-        raise ValueError(f"--lengths: the longest prompt and its {ANSWER_TOKENS}-token answer need {positions} "
-                         f"positions, more than the model has: use shorter --lengths ({e})") from None
 
 
 def run_agreement(a) -> int:
