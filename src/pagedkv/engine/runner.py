@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.attention.paged import AttentionMetadata, SeqAttention
+from pagedkv.engine.eviction_scores import AttentionScorer, Observed, select_tokens
+from pagedkv.engine.kv_eviction import KVEvictionPolicy
 from pagedkv.engine.prompt_logprobs import prompt_logprobs
 from pagedkv.engine.sampler import SampledToken, sample
-from pagedkv.engine.kv_eviction import KVEvictionPolicy
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.eviction_scores import AttentionScorer, Observed, select_tokens
 from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedkv.kv.groups import KVCacheGroup
 from pagedkv.kv.storage import KVCacheStorage
@@ -53,7 +53,8 @@ class ModelRunner:
         connector: the worker side of a KV connector, or None.
         proposer: the speculative decoding proposer (:mod:`pagedkv.spec_decode.proposer`), or None.
         eviction: score-based KV eviction (:mod:`pagedkv.engine.kv_eviction`): the runner
-            scores each long prompt as its last chunk runs and answers with the tokens to keep.
+            scores the observed queries (SnapKV: a long prompt's last ones; H2O: all) and,
+            at a request's eviction point, answers with the cache indices to keep.
     """
 
     def __init__(self, model: LlamaModel, storage: KVCacheStorage, kv_groups: tuple[KVCacheGroup, ...],
