@@ -382,6 +382,7 @@ def test_off_values_of_unsupported_fields_are_accepted_as_numbers(server, field,
 def test_a_kv_budget_needs_a_snapkv_engine(server):
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_budget_tokens": 64})
     assert r.status_code == 400 and "--kv-eviction snapkv|h2o" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "kv_budget_tokens"
 
 
 def test_out_of_vocabulary_stop_ids_are_counted_as_such(server):

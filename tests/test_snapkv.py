@@ -172,6 +172,27 @@ def test_snapkv_settings_are_checked(tiny_model_dir, tmp_path):
         SamplingParams(kv_budget_tokens=0)
 
 
+def test_the_server_checks_a_budget_against_its_engine(tiny_model_dir):
+    import httpx
+
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.server import ServerConfig, build_app
+    from pagedkv.server.live import LiveServer
+
+    engine = LLMEngine(model=str(tiny_model_dir), **SNAP)
+    srv = LiveServer(build_app(engine, ServerConfig(["tiny"]))).start()
+    try:
+        post = lambda budget: httpx.post(srv.url + "/v1/completions", json={  # noqa: E731
+            "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "kv_budget_tokens": budget}, timeout=60)
+        low = post(9)
+        assert low.status_code == 400 and low.json()["error"]["param"] == "kv_budget_tokens", low.text
+        ok = post(24)
+        assert ok.status_code == 200, ok.text
+        assert engine.stats().tokens_evicted == 70 - 24
+    finally:
+        srv.stop()
+
+
 def test_snapkv_from_the_cli_and_the_needle_eval(tiny_model_dir):
     import json
     import subprocess

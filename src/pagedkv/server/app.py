@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pagedkv.config import SCORED_EVICTIONS
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.loader import load_tokenizer
 from pagedkv.reprs import brief
@@ -73,6 +74,7 @@ class Server:
         self.token_text = TokenText(self.tokenizer)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model.embed.shape[0]
+        self.engine_config = engine.config
         self.prompts = Prompts(self.tokenizer, engine.max_model_len, self.vocab_size)
         self.capacity_tokens = engine.kv.pool.num_blocks * engine.kv.block_size
         self.created = int(time.time())
@@ -146,6 +148,7 @@ class Server:
         if bad_id is not None:
             raise APIError(400, f"stop token id {brief(bad_id)} is outside the vocabulary [0, {self.vocab_size})",
                            param="stop_token_ids", code="invalid_value", reason="out_of_vocabulary")
+        self._check_budget(req.params.kv_budget_tokens)
         if req.cache_salt:
             salt = f"{salt or ''}|user:{req.cache_salt}"
         tt = TokenIdText(self.tokenizer) if req.return_tokens_as_token_ids else self.token_text
@@ -153,6 +156,19 @@ class Server:
         if req.stream:
             return generate.AbortingStream(self.loop, job)
         return await generate.respond(self.loop, job, request)
+
+    def _check_budget(self, budget: int | None) -> None:
+        """A request's ``kv_budget_tokens`` must suit this engine (else 400 naming the field)."""
+        c = self.engine_config
+        if budget is None:
+            return
+        if c.kv_eviction not in SCORED_EVICTIONS:
+            raise APIError(400, "'kv_budget_tokens' needs a server started with --kv-eviction snapkv|h2o",
+                           param="kv_budget_tokens", code="invalid_value")
+        if budget < c.num_sink_tokens + c.kv_window_tokens:
+            raise APIError(400, f"'kv_budget_tokens' must be at least the server's sinks + window "
+                           f"({c.num_sink_tokens} + {c.kv_window_tokens}), got {budget}",
+                           param="kv_budget_tokens", code="invalid_value")
 
     async def models(self, request: Request) -> dict:
         self.tenant_salt(request)
