@@ -11,14 +11,15 @@ Two scores pick the tokens a request keeps, ``budget`` in all: the first ``sinks
   the budget ends and then each time its cache has grown ``block_size`` tokens past the
   budget, so decoding runs in bounded memory too.
 
-Scores are summed over heads and layers (:mod:`pagedkv.engine.eviction_scores`), so one selection
-serves every layer and a request keeps one block table. The runner scores and answers with
-the tokens to keep; the scheduler then *compacts* the request the next time it runs: the
-kept tokens' KV moves, in order, into fresh pages (or the request's own when the pool has
-none; failing both, requests are preempted as for a failed allocation, so no request ever
-decodes past its eviction point uncompacted), the old pages go back to the pool (the prompt's published pages stay findable by
-their hash: their KV is still the full prompt's), and the request's pages are never
-published again (their contents no longer match a token prefix). Later tokens keep their
+Scores are summed over heads and layers (:mod:`pagedkv.engine.eviction_scores`), so one
+selection serves every layer and a request keeps one block table. The runner scores and
+answers with the tokens to keep; the scheduler then *compacts* the request the next time it
+runs: the kept tokens' KV moves, in order, into fresh pages (or the request's own when the
+pool has none; failing both, requests are preempted as for a failed allocation, so no
+request ever decodes past its eviction point uncompacted), the old pages go back to the
+pool (the prompt's published pages stay findable by their hash: their KV is still the full
+prompt's), and the request's pages are never published again (their contents no longer
+match a token prefix). Later tokens keep their
 positions in the text for RoPE and sit at cache index ``p - num_evicted_tokens``.
 
 Outputs do not depend on batching, chunking or preemption: chunks are cut at each

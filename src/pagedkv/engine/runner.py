@@ -188,11 +188,11 @@ class ModelRunner:
             return None
         for rid, state, row, n in self._chunks_of(out):
             length = state.num_computed_tokens + n - state.num_evicted_tokens
-            table = torch.tensor(state.block_ids[0])
             if ev.method == "h2o":
-                observed[rid] = Observed(row, n, length, table, False)
+                observed[rid] = Observed(row, n, length, torch.tensor(state.block_ids[0]), False)
             elif state.num_computed_tokens + n == ev.next_eviction(state) and n >= ev.window:
-                observed[rid] = Observed(row + n - ev.window, ev.window, length, table, True)
+                observed[rid] = Observed(row + n - ev.window, ev.window, length, torch.tensor(state.block_ids[0]),
+                                         True)
         return AttentionScorer(observed, self.model.cfg.head_dim ** -0.5) if observed else None
 
     def _choose(self, scorer: AttentionScorer, out: SchedulerOutput) -> dict[str, list[int]]:

@@ -201,7 +201,7 @@ class Scheduler:
             external = self._external_hit(req, hit.num_tokens)
             start = req.num_computed_tokens + hit.num_tokens + external
             n = self._chunk(req, start, min(req.num_tokens - start, budget))
-            ends = req.num_computed_tokens + hit.num_tokens + external + n == req.num_tokens
+            ends = start + n == req.num_tokens
             look = self._lookahead(req, hit.num_tokens + external + n, ends)
             if n <= 0 or not (look and self.kv.allocate_slots(req, n + external + look, hit)
                               or self.kv.allocate_slots(req, n + external, hit)):
