@@ -19,9 +19,9 @@ from importlib import import_module
 #: public name -> module that defines it
 _LAZY = {"LLM": "pagedkv.engine.llm", "SamplingParams": "pagedkv.engine.sampling_params",
          "RequestOutput": "pagedkv.engine.outputs", "EngineConfig": "pagedkv.config",
-         "plan": "pagedkv.planner"}
+         "plan": "pagedkv.planner", "simulate": "pagedkv.sim.run"}
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "plan"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "plan", "simulate"]
 __version__ = "0.1.0"
 
 

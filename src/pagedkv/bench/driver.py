@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedkv.bench.metrics import RequestRecord, WasteSamples, summarize_requests
-from pagedkv.planner.roofline import StepWork, causal_pairs
+from pagedkv.planner.roofline import StepWork, chunk_work
 from pagedkv.bench.workloads import BenchRequest
 from pagedkv.engine.sampling_params import SamplingParams
 
@@ -41,6 +41,9 @@ class EngineRun:
     num_blocks: int
     prefix_hit_tokens: int
     extra: dict = field(default_factory=dict)
+    step_starts: list[float] = field(default_factory=list)  # clock at each step's start, from t0
+    running_after: list[int] = field(default_factory=list)  # requests running after each step
+    waiting: list[int] = field(default_factory=list)        # requests waiting after each step
 
     def metrics(self) -> dict:
         m = summarize_requests(self.records, self.duration_s)
@@ -70,10 +73,13 @@ def warm_up(engine) -> None:
 
 
 def drive(engine, workload: list[BenchRequest], ignore_eos: bool = True, sample_waste: bool = True,
-          on_step: Callable[[int, int], None] | None = None) -> EngineRun:
+          on_step: Callable[[int, int], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+          sleep: Callable[[float], None] = time.sleep) -> EngineRun:
     """Run ``workload`` (arrivals by ``arrival_s``) to completion on ``engine``.
 
-    ``on_step(finished, total)`` is called after each step (a progress bar).
+    ``on_step(finished, total)`` is called after each step (a progress bar). ``clock``
+    (seconds) and ``sleep`` are the wall clock, or the simulator's virtual clock
+    (:class:`pagedkv.sim.clock.VirtualClock`), which must be the engine core's too.
     Raises:
         ValueError: if the engine rejects a request (too long for it).
     """
@@ -87,20 +93,21 @@ def drive(engine, workload: list[BenchRequest], ignore_eos: bool = True, sample_
     sched.schedule = recording_schedule   # an instance attribute, removed below
     try:
         order = sorted(enumerate(workload), key=lambda x: x[1].arrival_s)
-        return _loop(engine, order, ignore_eos, sample_waste, on_step, seen)
+        return _loop(engine, order, ignore_eos, sample_waste, on_step, seen, clock, sleep)
     finally:
         del sched.schedule
 
 
-def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_waste, on_step, seen) -> EngineRun:
+def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_waste, on_step, seen, clock,
+          sleep) -> EngineRun:
     kv, sched = engine.kv, engine.scheduler
     preempt0, hits0 = sched.num_preemptions, kv.prefix_hits
     run = EngineRun([], [], [], [], [], WasteSamples(), 0.0, 0.0, 0, kv.pool.num_blocks, 0)
     targets: dict[str, tuple[int, object, int]] = {}
     total, i = len(pending), 0
-    t0 = time.perf_counter()
+    t0 = clock()
     while i < total or engine.has_unfinished_requests():
-        now = time.perf_counter() - t0
+        now = clock() - t0
         while i < total and pending[i][1].arrival_s <= now:
             index, r = pending[i]
             req = engine.add_request({"prompt_token_ids": list(r.prompt_token_ids)}, sampling_params(r, ignore_eos),
@@ -108,13 +115,14 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
             targets[req.request_id] = (r.output_len, req, index)
             i += 1
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[i][1].arrival_s - (time.perf_counter() - t0)))
+            sleep(max(0.0, pending[i][1].arrival_s - (clock() - t0)))
             continue
         seen.clear()
-        ts = time.perf_counter()
+        run.step_starts.append(now)
+        ts = clock()
         outs = engine.step()
-        run.step_seconds.append(time.perf_counter() - ts)
-        tb = time.perf_counter()
+        run.step_seconds.append(clock() - ts)
+        tb = clock()
         _record_step(run, seen, kv, sched, sample_waste, sum(1 for o in outs if o.token_ids))
         for out in outs:
             target, req, index = targets[out.request_id]
@@ -123,10 +131,10 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
                 req.finish_reason = "length"
             if out.finished or len(out.token_ids) >= target:
                 run.records.append(_record(req, index))
-        run.bookkeeping_s += time.perf_counter() - tb
+        run.bookkeeping_s += clock() - tb
         if on_step:
             on_step(len(run.records), total)
-    run.duration_s = time.perf_counter() - t0
+    run.duration_s = clock() - t0
     run.preemptions = sched.num_preemptions - preempt0
     run.prefix_hit_tokens = kv.prefix_hits - hits0
     return run
@@ -136,11 +144,11 @@ def _record_step(run: EngineRun, seen: list, kv, sched, sample_waste: bool, num_
     out = seen[-1] if seen else None
     if out is not None and out.num_scheduled_tokens:
         chunks = out.chunks()
-        run.steps.append(StepWork(out.total_num_scheduled_tokens, num_sampled,
-                                  sum(start + n for _, start, n in chunks),
-                                  sum(causal_pairs(start, n) for _, start, n in chunks)))
+        run.steps.append(chunk_work([(start, n) for _, start, n in chunks], num_sampled))
         run.running.append(len(chunks))
     run.blocks_used.append(kv.pool.num_used)
+    run.running_after.append(len(sched.running))
+    run.waiting.append(len(sched.waiting))
     if sample_waste:
         run.waste.add(*kv.slot_usage({r.request_id: r.num_computed_tokens for r in sched.running}))
 

@@ -15,6 +15,7 @@ import operator
 import torch
 
 from pagedkv.config import SCORED_EVICTIONS, EngineConfig
+from pagedkv.engine.admission import resolve_max_tokens
 from pagedkv.engine.core import EngineCore
 from pagedkv.engine.core_io import EngineCoreOutput
 from pagedkv.engine.kv_eviction import eviction_policy
@@ -172,24 +173,8 @@ class LLMEngine:
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         """Output tokens this request may make; rejects what could never fit."""
-        cache_tokens = self.kv.pool.num_blocks * self.kv.block_size
-        limit = f"max_model_len ({self.max_model_len}" + (
-            f", the whole KV cache: {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
-            if self.max_model_len == cache_tokens else ")")
-        if num_prompt >= self.max_model_len:
-            hint = (" (streaming eviction runs past the model's positions: raise --max-model-len)"
-                    if self.config.kv_eviction == "streaming" else "")
-            raise ValueError(f"prompt of {num_prompt} tokens leaves no room for output: limit is {limit}{hint}")
-        max_tokens = params.max_tokens or self.max_model_len - num_prompt
-        total = num_prompt + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({brief(max_tokens)}) = {brief(total)} "
-                             f"exceeds {limit}")
-        blocks, pool = self.kv.peak_blocks(total, step_tokens(self.config)), self.kv.pool.num_blocks
-        if blocks > pool:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {blocks} "
-                             f"KV blocks of {self.kv.block_size} tokens, but the whole cache has {pool}")
-        return max_tokens
+        return resolve_max_tokens(self.kv, self.max_model_len, step_tokens(self.config), num_prompt, params,
+                                  self.config.kv_eviction == "streaming")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a queued or running request and free its pages; unknown ids are ignored."""

@@ -103,6 +103,14 @@ def cap_to_cache(max_len: int, cache_tokens: int, explicit: bool) -> int:
     return cache_tokens
 
 
+def cache_max_model_len(config: EngineConfig, kv: KVCacheManager, max_len: int) -> int:
+    """``max_len`` capped by what one request can use of ``kv``'s pool: the whole cache, or
+    any length when a window bounds its pages (:func:`cap_to_cache` keeps a value the user set)."""
+    num_blocks = kv.pool.num_blocks
+    fits = max_len if kv.peak_blocks(max_len, step_tokens(config)) <= num_blocks else num_blocks * config.block_size
+    return cap_to_cache(max_len, fits, config.max_model_len is not None)
+
+
 def check_fits_in_ram(kv_bytes: int) -> None:
     """Refuse a KV cache larger than this machine's physical memory (it would be OOM-killed
     as it fills). Raises ValueError with both sizes in GiB (2^30 bytes)."""
@@ -144,9 +152,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
     groups = kv_groups(config, cfg, draft is not None)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
-    # the tokens one request can use: the whole cache, or any length when a window bounds its pages
-    fits = max_len if kv.peak_blocks(max_len, step_tokens(config)) <= num_blocks else num_blocks * config.block_size
-    max_len = cap_to_cache(max_len, fits, config.max_model_len is not None)
+    max_len = cache_max_model_len(config, kv, max_len)
     model = load_model(config, files, tokenizer)
     storage = KVCacheStorage(spec, kv.pool.num_pages, draft_spec=draft.spec if draft else None)  # page 0: null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":

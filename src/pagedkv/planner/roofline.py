@@ -224,6 +224,29 @@ def bound(steps: list[StepWork], cost: ModelCost, device: Ceilings, compute_dtyp
             "limited_by": max(by_term, key=by_term.get) if steps else None}
 
 
+def config_cost(m: ModelConfig, spec: KVCacheSpec, weight_dtype: str, tp: int = 1) -> ModelCost:
+    """The :class:`ModelCost` of one of ``tp`` devices, counted from a config (no tensors):
+    the simulator's cost for models it does not load. Weight bytes are what
+    :meth:`Roofline.decode` reads at batch 1 (an untied embedding table is not read; an
+    MoE model's idle experts are, conservatively, as large batches touch them all);
+    ``spec`` is the device's share of the cache (:meth:`ModelConfig.kv_spec` at ``tp``)."""
+    per = WEIGHT_DTYPE_BYTES[weight_dtype]
+    head = m.vocab_size * m.hidden_size
+    read = count_params(m).total - (0 if m.tie_word_embeddings else head)
+    dqk, dv = ((m.mla.latent_dim, m.mla.kv_lora_rank) if m.mla else (m.head_dim, m.head_dim))
+    return ModelCost(weight_bytes=round(read * per / tp), lm_head_bytes=round(head * per / tp),
+                     layer_matmul_params=(matmul_params(m) - head) // tp, lm_head_params=head // tp,
+                     kv_bytes_per_token=spec.bytes_per_token,
+                     attn_flops_per_pair=2 * m.num_hidden_layers * m.num_attention_heads * (dqk + dv) // tp)
+
+
+def chunk_work(chunks: list[tuple[int, int]], sampled: int) -> StepWork:
+    """The :class:`StepWork` of a step that computed ``(start, num_tokens)`` chunks (each
+    reads its whole context once) and sampled ``sampled`` rows."""
+    return StepWork(sum(n for _, n in chunks), sampled, sum(s + n for s, n in chunks),
+                    sum(causal_pairs(s, n) for s, n in chunks))
+
+
 def ideal_offline_steps(prompt_lens: list[int], output_lens: list[int]) -> list[StepWork]:
     """The cheapest schedule of an offline batch: every prompt in one prefill step (which
     samples each first token), then one decode step per further token over every request

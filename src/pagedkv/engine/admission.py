@@ -1,0 +1,43 @@
+"""What a request may produce, decided when it arrives: shared by the engine and the simulator.
+
+A request that could never run is rejected at once, naming the numbers: a prompt that
+leaves no room under ``max_model_len``, prompt + ``max_tokens`` over it, or more KV
+pages at its peak than the whole cache has (:meth:`KVCacheManager.peak_blocks`).
+"""
+
+from __future__ import annotations
+
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.reprs import brief
+
+
+def resolve_max_tokens(kv: KVCacheManager, max_model_len: int, step_tokens: int, num_prompt: int,
+                       params: SamplingParams, streaming: bool = False) -> int:
+    """Output tokens this request may make (``params.max_tokens``, or up to ``max_model_len``).
+
+    Args:
+        step_tokens: the most tokens one request computes or holds slots for in a step
+            (:func:`pagedkv.engine.setup.step_tokens`).
+        streaming: the engine runs streaming eviction (the message then says how to go longer).
+
+    Raises:
+        ValueError: if the request can never fit, with the limits it hits.
+    """
+    cache_tokens = kv.pool.num_blocks * kv.block_size
+    limit = f"max_model_len ({max_model_len}" + (
+        f", the whole KV cache: {kv.pool.num_blocks} blocks of {kv.block_size})"
+        if max_model_len == cache_tokens else ")")
+    if num_prompt >= max_model_len:
+        hint = " (streaming eviction runs past the model's positions: raise --max-model-len)" if streaming else ""
+        raise ValueError(f"prompt of {num_prompt} tokens leaves no room for output: limit is {limit}{hint}")
+    max_tokens = params.max_tokens or max_model_len - num_prompt
+    total = num_prompt + max_tokens
+    if total > max_model_len:
+        raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({brief(max_tokens)}) = {brief(total)} "
+                         f"exceeds {limit}")
+    blocks, pool = kv.peak_blocks(total, step_tokens), kv.pool.num_blocks
+    if blocks > pool:
+        raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {blocks} "
+                         f"KV blocks of {kv.block_size} tokens, but the whole cache has {pool}")
+    return max_tokens

@@ -1,0 +1,136 @@
+"""SimEngine: the engine's own scheduler and KV cache manager, with the runner and clock
+swapped for a cost model and a virtual clock.
+
+Everything above the runner is the engine's code, unchanged: the :class:`Scheduler`
+(admission, chunked prefill, preemption, prefix caching), the :class:`KVCacheManager`
+and its groups (paged, contiguous or sliding-window), the admission checks
+(:func:`~pagedkv.engine.admission.resolve_max_tokens`) and ``max_model_len``'s cap by
+the cache (:func:`~pagedkv.engine.setup.cache_max_model_len`). It offers the part of
+:class:`~pagedkv.engine.engine.LLMEngine`'s interface the benchmark driver uses
+(``add_request``, ``step``, ``abort_request``, ``scheduler``, ``kv``), on token ids only:
+no tokenizer, no weights, no tensors.
+
+Not simulated (refused with a message): speculative decoding, KV offload tiers and swap
+preemption, SnapKV/H2O eviction (their choices need attention scores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.config import SCORED_EVICTIONS, EngineConfig
+from pagedkv.engine.admission import resolve_max_tokens
+from pagedkv.engine.core import EngineCore
+from pagedkv.engine.preemption import PreemptionCost
+from pagedkv.engine.request import Request
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.setup import cache_max_model_len, check_streaming, kv_groups, resolve_max_model_len, step_tokens
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.model.config import ModelConfig
+from pagedkv.planner.roofline import ModelCost
+from pagedkv.sim.clock import VirtualClock
+from pagedkv.sim.runner import SimRunner
+
+
+@dataclass
+class SimOutput:
+    """A request's state after a step: its output token ids so far (the live list: read, do
+    not keep), whether it ended."""
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+
+
+def check_simulated(config: EngineConfig) -> None:
+    """Raise ValueError naming the first engine setting the simulator does not model."""
+    if config.speculative_config is not None:
+        raise ValueError("speculative decoding is not simulated yet (drop --speculative-config)")
+    if config.kv_offload_memory is not None or config.kv_offload_disk_size is not None:
+        raise ValueError("KV offload tiers are not simulated yet (drop --kv-offload-memory/--kv-offload-disk-size)")
+    if config.kv_eviction in SCORED_EVICTIONS:
+        raise ValueError(f"kv_eviction {config.kv_eviction} is not simulated: which tokens it keeps "
+                         "depends on attention scores a cost model does not have")
+
+
+class SimEngine:
+    """One simulated engine.
+
+    Args:
+        config: the engine flags (its ``model`` field is not read: ``model`` is).
+        model: the model's shape (:func:`pagedkv.planner.models.load_model`).
+        num_blocks: KV pages in the pool (the planner's ``num_blocks`` for the budget).
+        cost: the model's cost (its matmul sizes price ``--preemption-mode`` decisions).
+        runner: a :class:`~pagedkv.sim.runner.SimRunner` on ``clock``.
+        clock: the virtual clock, shared with the runner.
+
+    Raises:
+        ValueError: a setting the simulator does not model, or one the engine refuses.
+    """
+
+    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int, cost: ModelCost,
+                 runner: SimRunner, clock: VirtualClock) -> None:
+        check_simulated(config)
+        check_streaming(config, model)
+        self.config, self.model_config, self.clock = config, model, clock
+        streaming = config.kv_eviction == "streaming"
+        max_len = resolve_max_model_len(model, config.max_model_len, streaming)
+        keys = (("model", model.name), ("kv_dtype", config.kv_cache_dtype), ("block_size", str(config.block_size)))
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
+                                 kv_groups(config, model, False))
+        self.max_model_len = cache_max_model_len(config, self.kv, max_len)
+        preemption = PreemptionCost(config.preemption_mode, cost.layer_matmul_params, cost.attn_flops_per_pair)
+        scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                              frozenset(), None, config.scheduling_policy, preemption)
+        self.core = EngineCore(scheduler, runner, clock=clock, debug_invariants=config.debug_invariants)
+        self._live: dict[str, Request] = {}
+        self._next_id = 0
+        self.num_rejected = 0
+
+    scheduler = property(lambda self: self.core.scheduler)
+    runner = property(lambda self: self.core.runner)
+    peak_blocks_used = property(lambda self: self.core.peak_blocks_used)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> Request:
+        """Queue a request of token ids (``{"prompt_token_ids": [...]}`` or a list).
+
+        Raises:
+            ValueError: no token ids, or a request that can never fit (as the engine says).
+        """
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+        params = params or SamplingParams()
+        try:
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError("a simulated prompt is a non-empty list of token ids")
+            max_tokens = resolve_max_tokens(self.kv, self.max_model_len, step_tokens(self.config), len(ids),
+                                            params, self.config.kv_eviction == "streaming")
+        except ValueError:
+            self.num_rejected += 1
+            raise
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1  # (the engine's ids)
+        req = Request(request_id, list(ids), params, max_tokens=max_tokens, arrival_time=arrival_time,
+                      priority=priority)
+        self.core.add_request(req)
+        self._live[request_id] = req
+        return req
+
+    def step(self) -> list[SimOutput]:
+        return [self._output(o.request_id, o.finished) for o in self.core.step()]
+
+    def abort_request(self, request_id: str) -> SimOutput | None:
+        outs = self.core.abort_requests([request_id])
+        return self._output(request_id, True) if outs else None
+
+    def _output(self, request_id: str, finished: bool) -> SimOutput:
+        req = self._live[request_id]
+        if finished:
+            del self._live[request_id]
+        return SimOutput(request_id, req.output_token_ids, finished)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()

@@ -1,0 +1,192 @@
+"""``simulate()``: a workload through the engine's scheduler on a cost-model clock.
+
+    from pagedkv import simulate
+    r = simulate(model="llama-3-70b", gpu="a100-80gb-sxm4", tp=4, workload="sharegpt-like",
+                 num_prompts=1000, request_rate=2.0)
+    r.metrics["ttft_s"]["p50"], r.metrics["output_tokens_per_s"]
+
+The pool is the planner's ``num_blocks`` for the device (memory x utilization - weights / tp,
+or ``kv_cache_memory``), so the simulated cache is the one ``pagedkv plan`` prints; the
+steps are priced by :class:`~pagedkv.sim.cost.StepCost` (on ``cpu`` with this machine's
+calibration when one is cached, :mod:`pagedkv.sim.calibrate`); the workload is driven by
+the benchmark's own driver (:func:`pagedkv.bench.driver.drive`), so the metrics are
+``pagedkv bench``'s.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from pagedkv.bench.driver import EngineRun, drive
+from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals, workload_summary
+from pagedkv.config import EngineConfig
+from pagedkv.model.config import for_engine
+from pagedkv.planner.hardware import get_device
+from pagedkv.planner.models import load_model
+from pagedkv.planner.plan import plan
+from pagedkv.planner.roofline import config_cost
+from pagedkv.sim.clock import VirtualClock
+from pagedkv.sim.cost import Efficiency, StepCost
+from pagedkv.sim.engine import SimEngine
+from pagedkv.sim.runner import SimRunner, cost_model_times
+from pagedkv.sim.workloads import SYNTHETIC, dataset_workload, load_trace, synthetic_workload
+
+
+@dataclass
+class SimResult:
+    """One simulated run: the settings, the benchmark metrics and the timelines.
+
+    ``metrics`` is :meth:`pagedkv.bench.driver.EngineRun.metrics` (seconds are simulated);
+    ``timeline`` holds, per step, its start (simulated seconds), KV blocks in use after it,
+    requests running and waiting; ``wall_s`` and ``events_per_s`` say how fast the
+    simulator itself ran (events: steps, arrivals and completions).
+    """
+    settings: dict
+    metrics: dict
+    timeline: dict
+    wall_s: float
+    events_per_s: float
+    run: EngineRun = field(repr=False)
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings, "metrics": self.metrics, "timeline": self.timeline,
+                "wall_s": self.wall_s, "events_per_s": self.events_per_s}
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """What a simulation runs on: the model, its pool size and its step cost."""
+    config: EngineConfig
+    model_name: str
+    num_blocks: int
+    step_cost: StepCost
+    settings: dict
+
+    def engine(self) -> SimEngine:
+        clock = VirtualClock()
+        runner = SimRunner(clock, cost_model_times(self.step_cost))
+        m = for_engine(load_model(self.model_name))
+        return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock)
+
+
+def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = None, weight_dtype: str = "auto",
+              gpu_memory_utilization: float = 0.9, kv_cache_memory: int | str | None = None,
+              efficiency: Efficiency | None = None) -> SimSetup:
+    """Resolve a simulation's model, device and pool (see :func:`simulate` for the arguments).
+
+    Raises:
+        ValueError: unknown model or GPU, a bad number, or weights that leave no room for
+            even one KV page on a device.
+    """
+    config = config or EngineConfig()
+    dev = get_device(gpu)
+    if dev.is_cpu and kv_cache_memory is None:
+        kv_cache_memory = config.kv_cache_memory  # the engine's own default budget
+    p = plan(model, gpu, kv_cache_dtype=config.kv_cache_dtype, weight_dtype=weight_dtype,
+             seq_len=config.max_model_len or 4096, tp=tp, gpu_memory_utilization=gpu_memory_utilization,
+             block_size=config.block_size, kv_cache_memory=kv_cache_memory,
+             kv_scale_granularity=config.kv_cache_scale)
+    num_blocks = config.num_blocks or p.num_blocks
+    if num_blocks < 1:
+        raise ValueError(f"{model} at tp {tp} on {dev.name}: the weights ({p.weight_bytes_per_device / 1e9:.1f} GB "
+                         f"per device) leave no room for a KV cache; raise --tp")
+    m = load_model(model)
+    spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
+    eff = efficiency or default_efficiency(dev, config, model)
+    cost = StepCost(config_cost(m, spec, p.weight_dtype, tp), dev, p.weight_dtype, eff)
+    settings = {"model": p.model, "gpu": dev.name, "gpu_label": dev.label, "tp": tp, "weight_dtype": p.weight_dtype,
+                "kv_cache_dtype": p.kv_cache_dtype, "num_blocks": num_blocks, "block_size": config.block_size,
+                "cache_budget_bytes": p.cache_budget_bytes, "efficiency": eff.to_dict(),
+                "bandwidth_bytes_per_s": dev.bandwidth, "matmul_flops": dev.matmul_rate(p.weight_dtype),
+                "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+                "enable_prefix_caching": config.enable_prefix_caching, "kv_allocator": config.kv_allocator}
+    return SimSetup(config, model, num_blocks, cost, settings)
+
+
+def default_efficiency(dev, config: EngineConfig, model: str) -> Efficiency:
+    """This machine's cached calibration on ``cpu`` (if any), else the plain roofline."""
+    if dev.is_cpu:
+        from pagedkv.sim.calibrate import cached_efficiency
+
+        found = cached_efficiency(config, model)
+        if found is not None:
+            return found
+        return Efficiency(source="roofline: no calibration cached for this CPU (run pagedkv simulate --calibrate)")
+    return Efficiency()
+
+
+def build_requests(workload: str | list[BenchRequest], num_prompts: int, request_rate: float, *,
+                   max_prompt_tokens: int = 512, max_tokens: int = 128, input_len: int = 256,
+                   output_len: int = 128, range_ratio: float = 0.0, max_model_len: int = 2048,
+                   trace: str | None = None, seed: int = 0) -> list[BenchRequest]:
+    """The requests of a workload name (or a list given as is), with Poisson arrivals at
+    ``request_rate`` (``inf``: all at once) unless a trace sets them.
+
+    Raises:
+        ValueError: an unknown workload, a bad rate or length, an unreadable or empty trace.
+    """
+    if not request_rate > 0:
+        raise ValueError(f"request rate must be positive (or inf), got {request_rate}")
+    if trace is not None:
+        return load_trace(trace, seed)
+    if isinstance(workload, list):
+        reqs = workload
+    elif workload in SYNTHETIC:
+        reqs = synthetic_workload(workload, num_prompts, input_len, output_len, range_ratio, max_model_len, seed)
+    else:
+        reqs = dataset_workload(workload, num_prompts, max_prompt_tokens, max_tokens, seed)
+    if not reqs:
+        raise ValueError("the workload has no requests")
+    return with_poisson_arrivals(reqs, request_rate, seed)
+
+
+def run_setup(setup: SimSetup, requests: list[BenchRequest]) -> SimResult:
+    """Drive ``requests`` through a fresh simulated engine of ``setup``."""
+    engine = setup.engine()
+    t0 = time.perf_counter()
+    run = drive(engine, requests, clock=engine.clock, sleep=engine.runner.sleep)
+    wall = time.perf_counter() - t0
+    events = len(run.steps) + 2 * len(requests)
+    timeline = {"t_s": run.step_starts, "kv_blocks_used": run.blocks_used, "running": run.running_after,
+                "waiting": run.waiting}
+    settings = setup.settings | {"max_model_len": engine.max_model_len, "workload": workload_summary(requests)}
+    return SimResult(settings, run.metrics(), timeline, wall, events / wall if wall > 0 else math.inf, run)
+
+
+def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1,
+             workload: str | list[BenchRequest] = "arena-hard", num_prompts: int = 100,
+             request_rate: float = math.inf, *, weight_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
+             kv_cache_memory: int | str | None = None, efficiency: Efficiency | None = None,
+             max_prompt_tokens: int = 512, max_tokens: int = 128, input_len: int = 256, output_len: int = 128,
+             range_ratio: float = 0.0, trace: str | None = None, seed: int = 0, **engine_flags) -> SimResult:
+    """Simulate serving ``workload`` with ``model`` on ``tp`` x ``gpu``.
+
+    Args:
+        model: a planner model (``pagedkv plan --list-models``) or a config.json path.
+        gpu: a catalog GPU (``--list-gpus``) or ``cpu`` (this machine, measured).
+        tp: tensor-parallel degree (each device holds 1/tp of weights, KV heads and FLOPs;
+            all-reduce time is not modelled).
+        workload: ``arena-hard``, ``hh-rlhf``, ``shared-prefix``, ``random``, ``sharegpt-like``,
+            ``alpaca-like`` (:mod:`pagedkv.sim.workloads`), or a list of
+            :class:`~pagedkv.bench.workloads.BenchRequest`.
+        num_prompts, request_rate: how many requests, arriving as Poisson at this rate
+            (requests/s; ``inf``: all at once).
+        weight_dtype, gpu_memory_utilization, kv_cache_memory: as ``pagedkv plan``.
+        efficiency: factors and overheads (default: cached calibration on cpu, else roofline).
+        max_prompt_tokens, max_tokens: the dataset workloads' prompt cap and output length.
+        input_len, output_len, range_ratio: the ``random`` workload's lengths.
+        trace: a JSONL trace (:func:`pagedkv.sim.workloads.load_trace`) instead of ``workload``.
+        engine_flags: :class:`~pagedkv.config.EngineConfig` fields (block_size, max_num_seqs, ...).
+
+    Raises:
+        ValueError: unknown model, GPU or workload; bad numbers; settings not simulated.
+    """
+    config = EngineConfig(**engine_flags)
+    setup = sim_setup(model, gpu, tp, config, weight_dtype, gpu_memory_utilization, kv_cache_memory, efficiency)
+    max_len = config.max_model_len or for_engine(load_model(model)).max_position_embeddings
+    requests = build_requests(workload, num_prompts, request_rate, max_prompt_tokens=max_prompt_tokens,
+                              max_tokens=max_tokens, input_len=input_len, output_len=output_len,
+                              range_ratio=range_ratio, max_model_len=max_len, trace=trace, seed=seed)
+    return run_setup(setup, requests)

@@ -1,0 +1,119 @@
+"""The simulator's runner: computes nothing, answers each step as the model runner would
+and advances the virtual clock by the step's seconds.
+
+It follows each request's length from the :class:`~pagedkv.engine.step_io.SchedulerOutput`
+deltas (the whole token list of a new or resumed request, the new tokens of a cached
+one), so it knows which chunks reach their request's last token: those sample one
+token (``token_id``; lengths, not values, matter to a schedule). A step's seconds come
+from a :class:`StepTimes` source: the cost model, a fixed time, or a recorded run.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedkv.planner.roofline import StepWork, chunk_work
+from pagedkv.sim.clock import VirtualClock
+from pagedkv.sim.cost import StepCost
+
+
+class StepTimes(Protocol):
+    def __call__(self, index: int, work: StepWork, num_requests: int) -> float: ...
+
+
+def cost_model_times(cost: StepCost) -> StepTimes:
+    """Each step's seconds from the cost model (:class:`~pagedkv.sim.cost.StepCost`)."""
+    return lambda index, work, num_requests: cost.seconds(work, num_requests)
+
+
+def fixed_times(seconds: float) -> StepTimes:
+    """Every step takes ``seconds``."""
+    return lambda index, work, num_requests: seconds
+
+
+class RecordedTimes:
+    """A recorded run's clock (:class:`~pagedkv.bench.driver.EngineRun` ``step_starts`` and
+    ``step_seconds``, seconds from its start), for :class:`SimRunner` ``replay``: the virtual
+    clock is *set* to each recorded step start, so arrivals land between the same steps as
+    in the recorded run."""
+
+    def __init__(self, step_starts: list[float], step_seconds: list[float]) -> None:
+        if len(step_starts) != len(step_seconds):
+            raise ValueError("a recording has one start and one duration per step")
+        self.starts, self.seconds = list(step_starts), list(step_seconds)
+
+    def start(self, index: int) -> float | None:
+        """When step ``index`` started (None past the last one)."""
+        return self.starts[index] if index < len(self.starts) else None
+
+    def end(self, index: int) -> float:
+        """When step ``index`` handed over to the next: the next start (the last: its own end).
+
+        Raises:
+            IndexError: past the recording (the simulation is not following its schedule).
+        """
+        if index >= len(self.seconds):
+            raise IndexError(f"the recorded run has {len(self.seconds)} steps; the simulation needs more "
+                             "(it is not following the same schedule)")
+        nxt = self.start(index + 1)
+        return nxt if nxt is not None else self.starts[index] + self.seconds[index]
+
+
+class SimRunner:
+    """A runner (:class:`~pagedkv.engine.core.Runner`) over a virtual clock.
+
+    Args:
+        clock: the engine core's clock, advanced by each step.
+        times: seconds of each step (:func:`cost_model_times`, :func:`fixed_times`).
+        replay: instead of ``times``, a :class:`RecordedTimes` whose instants the clock is
+            set to, relative to ``replay_t0``.
+        token_id: the token every sampled row produces.
+    """
+
+    def __init__(self, clock: VirtualClock, times: StepTimes | None = None,
+                 replay: RecordedTimes | None = None, replay_t0: float = 0.0,
+                 token_id: int = 0) -> None:
+        if (times is None) == (replay is None):
+            raise ValueError("give one of times and replay")
+        self.clock, self.times, self.replay, self.replay_t0 = clock, times, replay, replay_t0
+        self.token_id = token_id
+        self.lengths: dict[str, int] = {}   # tokens of each request the runner knows of
+        self.num_steps = 0
+        self.busy_s = 0.0                   # modelled seconds of every step
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids:
+            self.lengths.pop(rid, None)
+        for r in out.scheduled_new_reqs:
+            self.lengths[r.req_id] = len(r.token_ids)
+        cached = out.scheduled_cached_reqs
+        for rid, new in zip(cached.req_ids, cached.new_token_ids):
+            self.lengths[rid] += len(new)
+        chunks = out.chunks()
+        sampling = [rid for rid, start, n in chunks if start + n >= self.lengths[rid]]
+        result = ModelRunnerOutput(sampled={rid: SampledTokens([self.token_id]) for rid in sampling})
+        if chunks or self.replay is not None:  # (a replayed run's clock moved at every step)
+            result.execute_seconds = self._advance(chunk_work([(s, n) for _, s, n in chunks], len(sampling)),
+                                                   len(chunks))
+        return result
+
+    def _advance(self, work: StepWork, num_requests: int) -> float:
+        if self.replay is not None:
+            end = self.replay.end(self.num_steps)  # (raises past the recording)
+            seconds = self.replay.seconds[self.num_steps]
+            self.clock.set(max(self.clock(), self.replay_t0 + end))
+        else:
+            seconds = self.times(self.num_steps, work, num_requests)
+            self.clock.advance(seconds)
+        self.num_steps += 1
+        self.busy_s += seconds
+        return seconds
+
+    def sleep(self, seconds: float) -> None:
+        """The driver's idle wait: ``seconds`` on the clock, and under replay on to the
+        recorded start of the next step (a real sleep overshoots; the recording saw when)."""
+        self.clock.advance(seconds)
+        nxt = self.replay.start(self.num_steps) if self.replay is not None else None
+        if nxt is not None:
+            self.clock.set(max(self.clock(), self.replay_t0 + nxt))

@@ -1,0 +1,114 @@
+"""Simulator workloads: the benchmark's real ones, synthetic length distributions, traces.
+
+- ``arena-hard``, ``hh-rlhf``, ``shared-prefix``: :mod:`pagedkv.bench.workloads`, tokenized
+  with the default model's tokenizer (a simulated model's own tokenizer is not loaded:
+  its lengths differ by the tokenizers' ratio, a few percent between BPE vocabularies).
+- ``random``: prompt and output lengths drawn uniformly from ``[len * (1 - range_ratio),
+  len * (1 + range_ratio)]`` (vLLM's ``--random-input-len/--random-output-len/--random-range-ratio``).
+- ``sharegpt-like`` and ``alpaca-like``: lognormal lengths with the means the PagedAttention
+  paper reports for its traces (Kwon et al., SOSP 2023, section 6.1: ShareGPT 161.31
+  input / 337.99 output tokens, Alpaca 19.31 / 58.45). The paper gives histograms, not
+  parameters: the lognormal shape and its ``sigma`` (:data:`LENGTH_SIGMA`) are our
+  assumption; lengths are clipped to ``[1, max]``.
+- a trace: a JSONL file, one ``{"arrival": s, "prompt_len": n, "output_len": m}`` per line.
+
+Synthetic prompts are random token ids (no two share a prefix). Arrivals are Poisson at a
+rate (:func:`pagedkv.bench.workloads.with_poisson_arrivals`) or, for a trace, its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+from pagedkv.bench.workloads import DATASETS, BenchRequest
+
+SYNTHETIC = ("random", "sharegpt-like", "alpaca-like")
+#: (mean input, mean output) tokens, Kwon et al. 2023 section 6.1
+PAPER_MEANS = {"sharegpt-like": (161.31, 337.99), "alpaca-like": (19.31, 58.45)}
+LENGTH_SIGMA = 0.9  # lognormal shape of the paper-like lengths: our assumption (see above)
+VOCAB = 32000       # token ids of synthetic prompts are drawn below this
+
+
+def random_ids(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(1, VOCAB) for _ in range(n))
+
+
+def lognormal_len(rng: random.Random, mean: float, cap: int) -> int:
+    """A lognormal length of the given mean (sigma :data:`LENGTH_SIGMA`), in ``[1, cap]``."""
+    mu = math.log(mean) - LENGTH_SIGMA ** 2 / 2
+    return max(1, min(cap, round(rng.lognormvariate(mu, LENGTH_SIGMA))))
+
+
+def synthetic_workload(name: str, num_prompts: int, input_len: int = 256, output_len: int = 128,
+                       range_ratio: float = 0.0, max_model_len: int = 2048, seed: int = 0) -> list[BenchRequest]:
+    """``num_prompts`` requests of a synthetic length distribution (see the module docstring);
+    prompt + output never exceed ``max_model_len``.
+
+    Raises:
+        ValueError: an unknown name or a bad length.
+    """
+    if name not in SYNTHETIC:
+        raise ValueError(f"unknown synthetic workload {name!r}; choose from {', '.join(SYNTHETIC)}")
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"random range ratio must be in [0, 1), got {range_ratio}")
+    if input_len < 1 or output_len < 1 or input_len + output_len > max_model_len:
+        raise ValueError(f"input {input_len} + output {output_len} tokens must be positive and fit "
+                         f"max_model_len {max_model_len}")
+    rng, out = random.Random(seed), []
+    for i in range(num_prompts):
+        if name == "random":
+            p = rng.randint(max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio)))
+            o = rng.randint(max(1, int(output_len * (1 - range_ratio))), int(output_len * (1 + range_ratio)))
+        else:
+            mi, mo = PAPER_MEANS[name]
+            p = lognormal_len(rng, mi, max_model_len - 1)
+            o = lognormal_len(rng, mo, max_model_len - p)
+        p = min(p, max_model_len - 1)
+        o = min(o, max_model_len - p)
+        out.append(BenchRequest(random_ids(rng, p), o, o, label=f"{name}/{i}"))
+    return out
+
+
+def load_trace(path: str | Path, seed: int = 0) -> list[BenchRequest]:
+    """Requests of a JSONL trace (``arrival`` seconds, ``prompt_len``, ``output_len`` per line).
+
+    Raises:
+        ValueError: an unreadable or empty file, or a line without those fields (named by number).
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read trace {path}: {e}") from None
+    rng, out = random.Random(seed), []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            t, p, o = float(row["arrival"]), int(row["prompt_len"]), int(row["output_len"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"trace {path} line {no}: expected {{\"arrival\", \"prompt_len\", \"output_len\"}} "
+                             f"({type(e).__name__}: {e})") from None
+        if p < 1 or o < 1 or not t >= 0 or t == float("inf"):
+            raise ValueError(f"trace {path} line {no}: lengths must be >= 1 and arrival a finite time >= 0")
+        out.append(BenchRequest(random_ids(rng, p), o, o, t, label=f"trace/{no}"))
+    if not out:
+        raise ValueError(f"trace {path} has no requests")
+    return out
+
+
+def dataset_workload(name: str, num_prompts: int, max_prompt_tokens: int, max_tokens: int,
+                     seed: int = 0) -> list[BenchRequest]:
+    """A benchmark dataset (:data:`pagedkv.bench.workloads.DATASETS`), tokenized with the
+    default model's tokenizer."""
+    from pagedkv.bench.workloads import build_workload
+    from pagedkv.config import DEFAULT_MODEL
+    from pagedkv.model.loader import load_tokenizer, resolve_model
+
+    if name not in DATASETS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(DATASETS + SYNTHETIC)} or --trace")
+    tok = load_tokenizer(resolve_model(DEFAULT_MODEL).folder)
+    return build_workload(name, tok, num_prompts, max_prompt_tokens, max_tokens, seed)
