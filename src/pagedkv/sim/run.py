@@ -94,9 +94,15 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
                          f"per device) leave no room for a KV cache; raise --tp")
     m = load_model(model)
     spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
-    eff = efficiency or default_efficiency(dev, config, model)
-    cost = StepCost(config_cost(m, spec, p.weight_dtype, tp), dev, p.weight_dtype, eff)
-    settings = {"model": p.model, "gpu": dev.name, "gpu_label": dev.label, "tp": tp, "weight_dtype": p.weight_dtype,
+    model_cost, eff, w_dtype = config_cost(m, spec, p.weight_dtype, tp), efficiency or Efficiency(), p.weight_dtype
+    calibration = cpu_calibration(config, model, tp) if dev.is_cpu else None
+    if calibration is not None:  # this machine's fit, with the cost it was fitted on (weights as stored)
+        eff, model_cost, w_dtype = efficiency or calibration[0], calibration[1], config.weight_dtype
+    elif dev.is_cpu and efficiency is None:
+        eff = Efficiency(source="roofline: no calibration cached for this CPU and these settings "
+                                "(run pagedkv simulate --calibrate)")
+    cost = StepCost(model_cost, dev, p.weight_dtype, eff)
+    settings = {"model": p.model, "gpu": dev.name, "gpu_label": dev.label, "tp": tp, "weight_dtype": w_dtype,
                 "kv_cache_dtype": p.kv_cache_dtype, "num_blocks": num_blocks, "block_size": config.block_size,
                 "cache_budget_bytes": p.cache_budget_bytes, "efficiency": eff.to_dict(),
                 "bandwidth_bytes_per_s": dev.bandwidth, "matmul_flops": dev.matmul_rate(p.weight_dtype),
@@ -105,16 +111,12 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     return SimSetup(config, model, num_blocks, cost, settings)
 
 
-def default_efficiency(dev, config: EngineConfig, model: str) -> Efficiency:
-    """This machine's cached calibration on ``cpu`` (if any), else the plain roofline."""
-    if dev.is_cpu:
-        from pagedkv.sim.calibrate import cached_efficiency
+def cpu_calibration(config: EngineConfig, model: str, tp: int):
+    """This machine's cached calibration of ``model`` under ``config``'s dtypes, as
+    ``(Efficiency, ModelCost)``; None if there is none (or at ``tp`` > 1: it was one process)."""
+    from pagedkv.sim.calibrate import cached
 
-        found = cached_efficiency(config, model)
-        if found is not None:
-            return found
-        return Efficiency(source="roofline: no calibration cached for this CPU (run pagedkv simulate --calibrate)")
-    return Efficiency()
+    return cached(config, model) if tp == 1 else None
 
 
 def build_requests(workload: str | list[BenchRequest], num_prompts: int, request_rate: float, *,
@@ -152,7 +154,17 @@ def run_setup(setup: SimSetup, requests: list[BenchRequest]) -> SimResult:
     timeline = {"t_s": run.step_starts, "kv_blocks_used": run.blocks_used, "running": run.running_after,
                 "waiting": run.waiting}
     settings = setup.settings | {"max_model_len": engine.max_model_len, "workload": workload_summary(requests)}
-    return SimResult(settings, run.metrics(), timeline, wall, events / wall if wall > 0 else math.inf, run)
+    return SimResult(settings, run.metrics() | extra_metrics(run), timeline, wall,
+                     events / wall if wall > 0 else math.inf, run)
+
+
+def extra_metrics(run: EngineRun) -> dict:
+    """Metrics the simulator adds to the benchmark's: mean KV blocks in use, and the
+    normalized latency of the PagedAttention paper (mean over requests of end-to-end
+    latency / output tokens, seconds per token)."""
+    done = [r for r in run.records if r.token_times]
+    return {"mean_kv_blocks": sum(run.blocks_used) / len(run.blocks_used) if run.blocks_used else 0.0,
+            "normalized_latency_s": sum(r.e2e / r.num_output_tokens for r in done) / len(done) if done else None}
 
 
 def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1,

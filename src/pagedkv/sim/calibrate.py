@@ -1,0 +1,126 @@
+"""``pagedkv simulate --calibrate``: fit the cost model to this CPU from the real engine.
+
+A short profile of the real engine (:class:`~pagedkv.engine.engine.LLMEngine`, driven by
+the benchmark driver after a warm-up) covers the shapes a serving run mixes:
+
+- prefill: one prompt each of :data:`PREFILL_LENS` tokens (chunks up to
+  ``max_num_batched_tokens``);
+- decode: :data:`DECODE_BATCHES` requests at once, 64-token prompts, :data:`DECODE_STEPS`
+  tokens each (the first step of each batch is a batched prefill).
+
+Every step's roofline terms are counted with the loaded model's own cost (weight bytes
+as stored, :func:`pagedkv.bench.roofline.model_cost`) on this machine's measured
+ceilings (:func:`pagedkv.planner.hardware.cpu_device`), and :func:`pagedkv.sim.fit.fit`
+fits the factors. The result, with that cost, is cached as JSON in
+``$XDG_CACHE_HOME/pagedkv/sim_calibration.json`` (else ``~/.cache/...``) under a key of the
+machine (host, CPUs, torch threads), the model, its weight/activation/KV dtypes and the
+numerics mode; a simulation on ``cpu`` with the same settings uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+from pagedkv.config import EngineConfig
+from pagedkv.planner.roofline import ModelCost
+from pagedkv.sim.cost import Efficiency
+
+PREFILL_LENS = (16, 64, 256, 1024, 2048)
+DECODE_BATCHES = (1, 4, 16, 48)
+DECODE_STEPS = 12
+QUICK = {"prefill": (16, 128), "batches": (1, 8), "steps": 4}  # tests
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedkv" / "sim_calibration.json"
+
+
+def calibration_key(config: EngineConfig, model: str) -> str:
+    """What a calibration depends on: the machine, the model and the engine's numerics."""
+    from pagedkv.numerics import env_requests_invariance
+
+    invariant = config.batch_invariant or env_requests_invariance()
+    return (f"{platform.node()}|cpus={os.cpu_count()}|threads={_threads()}|model={model}"
+            f"|weights={config.weight_dtype}|activations={config.activation_dtype}"
+            f"|kv={config.kv_cache_dtype}|invariant={invariant}")
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def _load() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cached(config: EngineConfig, model: str) -> tuple[Efficiency, ModelCost] | None:
+    """The cached calibration for these settings on this machine, or None."""
+    entry = _load().get(calibration_key(config, model))
+    if entry is None:
+        return None
+    return Efficiency(**entry["efficiency"]), ModelCost(**entry["cost"])
+
+
+def profile_workload(quick: bool = False, seed: int = 0) -> list:
+    """The profile's requests (all arriving at once, in order; random token ids)."""
+    from pagedkv.bench.workloads import BenchRequest
+
+    rng = random.Random(seed)
+    ids = lambda n: tuple(rng.randrange(100, 30000) for _ in range(n))  # noqa: E731
+    prefill = QUICK["prefill"] if quick else PREFILL_LENS
+    batches = QUICK["batches"] if quick else DECODE_BATCHES
+    steps = QUICK["steps"] if quick else DECODE_STEPS
+    return [[BenchRequest(ids(n), 1, 1)] for n in prefill] + [
+        [BenchRequest(ids(64), steps, steps) for _ in range(b)] for b in batches]
+
+
+def calibrate(config: EngineConfig | None = None, quick: bool = False, save: bool = True) -> dict:
+    """Profile the real engine, fit the factors and (``save``) cache them.
+
+    Returns ``{"key", "efficiency", "cost", "fit", "steps"}`` (the fit's relative errors,
+    the number of steps profiled).
+    """
+    from pagedkv.bench.driver import drive, warm_up
+    from pagedkv.bench.roofline import model_cost
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.planner.hardware import cpu_device
+    from pagedkv.sim.cost import StepCost
+    from pagedkv.sim.fit import fit
+
+    config = config or EngineConfig()
+    engine = LLMEngine(config)
+    warm_up(engine)
+    cost, dev = model_cost(engine), cpu_device()
+    probe = StepCost(cost, dev, "int8" if config.activation_dtype == "int8" else "float32")
+    mem, comp, reqs, secs = [], [], [], []
+    for group in profile_workload(quick):
+        engine.reset_prefix_cache()
+        run = drive(engine, group, sample_waste=False)
+        for work, n, s in zip(run.steps, run.running, run.step_seconds):
+            m, c = probe.terms(work)
+            mem.append(m), comp.append(c), reqs.append(n), secs.append(s)
+    f = fit(mem, comp, reqs, secs)
+    eff = Efficiency(f.memory, f.compute, f.step_overhead_s, f.request_overhead_s,
+                     source=f"calibrated on this CPU ({len(secs)} steps of the real engine; median |error| "
+                            f"{100 * f.median_abs_rel_error:.1f}%, max {100 * f.max_abs_rel_error:.1f}%)")
+    key = calibration_key(config, engine.config.model)
+    entry = {"efficiency": eff.to_dict(), "cost": cost.to_dict(), "fit": asdict(f),
+             "ceilings": {"bandwidth": dev.bandwidth, "fp32_flops": dev.flops_16}}
+    if save:
+        data = _load() | {key: entry}
+        try:
+            cache_path().parent.mkdir(parents=True, exist_ok=True)
+            cache_path().write_text(json.dumps(data, indent=2))
+        except OSError:
+            pass  # a read-only home: the fit is still returned
+    return {"key": key} | entry | {"steps": len(secs)}

@@ -1,0 +1,170 @@
+"""``pagedkv simulate``: the engine's scheduler on a cost-model clock, from the command line.
+
+Every engine flag is accepted (the same generated group as ``pagedkv serve``);
+``--kv-cache-memory`` defaults to what the device has left after the weights (on
+``cpu``: the engine's own default), ``--weight-dtype`` takes the planner's names too
+(bf16, fp8, ...). Exit code 0, or 2 with one ``error: ...`` line for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from pagedkv.cli_common import add_engine_args, engine_kwargs
+
+EXAMPLES = """examples:
+  # the PagedAttention-scale question: a 70B model on 4 A100s at 2 requests/s
+  pagedkv simulate --model llama-3-70b --gpu a100-80gb-sxm4 --tp 4 --workload sharegpt-like \\
+      --num-prompts 1000 --request-rate 2 --plot kv.png
+  # offline: everything at once
+  pagedkv simulate --model llama-3-8b --gpu h100-sxm --workload arena-hard --num-prompts 500
+  # the highest rate whose mean normalized latency stays under 0.2 s/token
+  pagedkv simulate --model opt-13b --gpu a100-40gb --workload sharegpt-like --num-prompts 1000 \\
+      --sweep --target normalized_latency=0.2
+  # this CPU: fit the cost model to the real engine once, then simulate it
+  pagedkv simulate --calibrate
+  pagedkv simulate --gpu cpu --workload arena-hard --num-prompts 32 --request-rate 1
+  # a trace: one {"arrival": s, "prompt_len": n, "output_len": m} per line
+  pagedkv simulate --model llama-3-8b --gpu l40s --trace requests.jsonl --json
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from pagedkv.sim.sweep import TARGETS
+    from pagedkv.sim.workloads import SYNTHETIC
+    from pagedkv.bench.workloads import DATASETS
+
+    p = subparsers.add_parser(
+        "simulate", help="simulate serving a workload on GPUs we do not have (the engine's scheduler, cost clock)",
+        description="Run the engine's own scheduler and KV cache manager on a roofline cost clock: throughput, "
+                    "TTFT/TPOT/ITL, preemptions and KV use for any model and accelerator in the planner's catalog.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("simulation")
+    s.add_argument("--gpu", default="cpu", help="catalog GPU (pagedkv plan --list-gpus) or cpu (default: cpu)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default: 1)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory for weights + KV cache (default: 0.9)")
+    s.add_argument("--workload", default="arena-hard", choices=DATASETS + SYNTHETIC,
+                   help="requests: a bundled dataset or a synthetic length distribution (default: arena-hard)")
+    s.add_argument("--trace", help="a JSONL trace instead of --workload (arrival, prompt_len, output_len)")
+    s.add_argument("--num-prompts", type=int, default=100, help="requests (default: 100)")
+    s.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second, or inf: all at once (default: inf)")
+    s.add_argument("--max-prompt-tokens", type=int, default=512, help="dataset prompts cut to this (default: 512)")
+    s.add_argument("--max-tokens", type=int, default=128, help="dataset output tokens (default: 128)")
+    s.add_argument("--random-input-len", type=int, default=256, help="random workload prompt length (default: 256)")
+    s.add_argument("--random-output-len", type=int, default=128, help="random workload output length (default: 128)")
+    s.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random lengths drawn from len x [1 - r, 1 + r] (default: 0)")
+    s.add_argument("--workload-seed", type=int, default=0, help="seed of lengths and arrivals (default: 0)")
+    s.add_argument("--sweep", action="store_true", help="find the highest request rate meeting --target")
+    s.add_argument("--target", default="normalized_latency=0.2",
+                   help=f"METRIC=SECONDS for --sweep; metrics: {', '.join(TARGETS)} (default: normalized_latency=0.2)")
+    s.add_argument("--calibrate", action="store_true",
+                   help="profile the real engine on this CPU (the engine flags apply), fit the cost model, cache it")
+    s.add_argument("--json", action="store_true", help="print the result as JSON (without the timelines)")
+    s.add_argument("--output", metavar="FILE.json", help="write the whole result, timelines included")
+    s.add_argument("--plot", metavar="FILE.png", help="plot KV blocks and queue length over time")
+    add_engine_args(p)
+    for a in p._actions:  # the planner's weight names are accepted too; no engine default budget
+        if a.dest == "weight_dtype":
+            a.choices = None
+            a.help = "auto, an engine weight dtype, or a planner name (bf16, fp8, int4, ...) (default: auto)"
+    p.set_defaults(func=run_simulate, kv_cache_memory=None)
+    return p
+
+
+def _engine_flags(a) -> tuple[dict, str]:
+    from pagedkv.config import WEIGHT_DTYPES
+
+    kw = engine_kwargs(a)
+    kw.pop("kv_cache_memory")
+    weight = kw.pop("weight_dtype")
+    if weight in WEIGHT_DTYPES:
+        kw["weight_dtype"] = weight  # (the engine's own name: part of a calibration's key)
+    return kw, weight
+
+
+def run_simulate(a) -> int:
+    try:
+        return _run(a)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(a) -> int:
+    from pagedkv.config import EngineConfig
+
+    flags, weight = _engine_flags(a)
+    if a.calibrate:
+        from pagedkv.sim.calibrate import calibrate
+
+        kw = flags | ({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory else {})
+        r = calibrate(EngineConfig(**kw))
+        print(json.dumps(r, indent=2) if a.json else f"{r['efficiency']['source']}\n"
+              f"memory x{r['efficiency']['memory']:.3f}, compute x{r['efficiency']['compute']:.3f}, "
+              f"+{1e3 * r['efficiency']['step_overhead_s']:.2f} ms/step, "
+              f"+{1e3 * r['efficiency']['request_overhead_s']:.3f} ms/request; cached for {r['key']}")
+        return 0
+    return _run_sweep(a, flags, weight) if a.sweep else _run_one(a, flags, weight)
+
+
+def _setup_and_requests(a, flags: dict, weight: str, rate: float):
+    from pagedkv.config import EngineConfig
+    from pagedkv.model.config import for_engine
+    from pagedkv.planner.models import load_model
+    from pagedkv.sim.run import build_requests, sim_setup
+
+    if a.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    config = EngineConfig(**flags)
+    setup = sim_setup(a.model, a.gpu, a.tp, config, weight, a.gpu_memory_utilization, a.kv_cache_memory)
+    max_len = config.max_model_len or for_engine(load_model(a.model)).max_position_embeddings
+    reqs = build_requests(a.workload, a.num_prompts, rate, max_prompt_tokens=a.max_prompt_tokens,
+                          max_tokens=a.max_tokens, input_len=a.random_input_len, output_len=a.random_output_len,
+                          range_ratio=a.random_range_ratio, max_model_len=max_len, trace=a.trace,
+                          seed=a.workload_seed)
+    return setup, reqs
+
+
+def _run_one(a, flags: dict, weight: str) -> int:
+    from pagedkv.sim.report import plot_timeline, render
+    from pagedkv.sim.run import run_setup
+
+    setup, reqs = _setup_and_requests(a, flags, weight, a.request_rate)
+    r = run_setup(setup, reqs)
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(r.to_dict(), f)
+    if a.plot:
+        plot_timeline(r, a.plot)
+    d = r.to_dict()
+    d.pop("timeline")
+    print(json.dumps(d, indent=2) if a.json else render(r))
+    return 0
+
+
+def _run_sweep(a, flags: dict, weight: str) -> int:
+    from pagedkv.sim.run import run_setup
+    from pagedkv.sim.sweep import sweep
+
+    metric, _, limit = a.target.partition("=")
+    try:
+        limit_s = float(limit)
+    except ValueError:
+        raise ValueError(f"--target is METRIC=SECONDS, got {a.target!r}") from None
+    setup, reqs = _setup_and_requests(a, flags, weight, math.inf)
+    best, points = sweep(lambda rq: run_setup(setup, rq).metrics, reqs, metric, limit_s, seed=a.workload_seed)
+    if a.json:
+        print(json.dumps({"target": metric, "limit_s": limit_s, "best_rate": best, "settings": setup.settings,
+                          "points": [{"rate": p.rate, "value": p.value, "meets": p.meets} for p in points]}, indent=2))
+        return 0
+    print(f"{metric} <= {limit_s} s: highest rate {'none (not even ' + str(points[0].rate) + ' req/s)' if best is None else f'{best:.3f} req/s'}")
+    for p in sorted(points, key=lambda p: p.rate):
+        v = "-" if p.value is None else f"{p.value:.4f}"
+        print(f"  {p.rate:10.3f} req/s  {metric} {v} s  {'meets' if p.meets else 'misses'}")
+    return 0

@@ -1,0 +1,79 @@
+"""Text and plot of a simulated run (``pagedkv simulate``).
+
+The text gives the settings, the cost model's source, throughput, the latency
+percentiles (milliseconds), preemptions, KV use and waste, and how fast the simulator
+ran. The plot (matplotlib, Agg) shows KV blocks in use and requests running and waiting
+against simulated time.
+"""
+
+from __future__ import annotations
+
+from pagedkv.sim.run import SimResult
+
+
+def _ms(d: dict) -> str:
+    if d.get("p50") is None:
+        return "-"
+    return " / ".join(f"{1e3 * d[k]:.1f}" for k in ("p50", "p90", "p99"))
+
+
+def render(r: SimResult) -> str:
+    s, m, w = r.settings, r.metrics, r.settings["workload"]
+    eff = s["efficiency"]
+    rate = "inf" if w["last_arrival_s"] == 0 else f"{w['num_requests'] / w['last_arrival_s']:.2f} (observed)"
+    lines = [
+        f"simulated {s['model']} on {s['tp']} x {s['gpu_label']} ({s['weight_dtype']} weights, "
+        f"{s['kv_cache_dtype']} KV, {s['num_blocks']} blocks of {s['block_size']} tokens, "
+        f"max_model_len {s['max_model_len']}, {s['kv_allocator']} allocator)",
+        f"cost model: {eff['source']}; memory x{eff['memory']:.3f}, compute x{eff['compute']:.3f}, "
+        f"+{1e3 * eff['step_overhead_s']:.2f} ms/step, +{1e3 * eff['request_overhead_s']:.3f} ms/request",
+        f"workload: {w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
+        f"rate {rate} req/s",
+        "",
+        f"  duration              {m['duration_s']:.2f} s (simulated)",
+        f"  throughput            {m['output_tokens_per_s']:.1f} output tok/s, {m['requests_per_s']:.3f} req/s",
+        f"  TTFT p50/p90/p99      {_ms(m['ttft_s'])} ms",
+        f"  TPOT p50/p90/p99      {_ms(m['tpot_s'])} ms",
+        f"  ITL  p50/p90/p99      {_ms(m['itl_s'])} ms",
+        f"  e2e  p50/p90/p99      {_ms(m['e2e_s'])} ms",
+        f"  normalized latency    {_fmt_ms(m['normalized_latency_s'])} ms/token (mean e2e / output tokens)",
+        f"  preemptions           {m['preemptions']}",
+        f"  KV blocks             peak {m['peak_kv_blocks']}, mean {m['mean_kv_blocks']:.1f} of {m['num_blocks']}; "
+        f"waste {_pct(m['waste'])}",
+        f"  running at once       max {m['max_running']}, mean {m['mean_running']:.1f}; {m['steps']} steps",
+        f"  simulator             {r.wall_s:.2f} s wall, {r.events_per_s:,.0f} events/s",
+    ]
+    return "\n".join(lines)
+
+
+def _fmt_ms(v) -> str:
+    return "-" if v is None else f"{1e3 * v:.1f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def plot_timeline(r: SimResult, path: str) -> None:
+    """KV blocks in use (left axis) and requests running and waiting (right) over time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = r.timeline
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot(t["t_s"], t["kv_blocks_used"], color="tab:blue", label="KV blocks in use")
+    ax.axhline(r.settings["num_blocks"], color="tab:blue", linestyle=":", label="KV blocks in the pool")
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("KV blocks")
+    ax2 = ax.twinx()
+    ax2.plot(t["t_s"], t["running"], color="tab:green", label="running")
+    ax2.plot(t["t_s"], t["waiting"], color="tab:red", label="waiting")
+    ax2.set_ylabel("requests")
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    s = r.settings
+    ax.set_title(f"{s['model']} on {s['tp']} x {s['gpu']}: KV usage and queue (simulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
