@@ -7,6 +7,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.bench import report
 from pagedkv.bench.metrics import RequestRecord, WasteSamples, distribution, percentile, summarize_requests
@@ -202,3 +204,33 @@ def test_engine_cost_agrees_with_the_planner_parameter_count(tiny_llm_factory):
     assert cost.weight_bytes == 4 * count_params(cfg).total              # fp32 on CPU
     assert cost.layer_matmul_params + cost.lm_head_params == matmul_params(cfg) - norms
     assert cost.kv_bytes_per_token == cfg.kv_spec("float32").bytes_per_token
+
+
+def _slot_usage_by_slot(tables: list[dict[str, list[int]]], written: dict[str, int], bs: int, null: int):
+    """The definition, page by page: a page's filled slots are the most any table holding it wrote."""
+    filled: dict[int, int] = {}
+    for t in tables:
+        for rid, table in t.items():
+            for i, b in enumerate(table):
+                if b != null:
+                    filled[b] = max(filled.get(b, 0), min(bs, max(0, written.get(rid, 0) - i * bs)))
+    return len(filled) * bs, sum(filled.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.lists(st.tuples(st.lists(st.integers(0, 12), max_size=6), st.integers(-2, 60)),
+                                   max_size=6), st.booleans())
+def test_slot_usage_matches_its_definition(bs, reqs, two_groups):
+    """Shared pages (counted once, at their fullest), null pages (never), pages past the
+    written tokens (allocated, empty), written counts past the table or negative."""
+    from types import SimpleNamespace
+
+    from pagedkv.kv.manager import KVCacheManager
+
+    tables = [{f"r{i}": t for i, (t, _) in enumerate(reqs)}]
+    if two_groups:
+        tables.append({f"r{i}": t[::-1] for i, (t, _) in enumerate(reqs)})
+    written = {f"r{i}": n for i, (_, n) in enumerate(reqs)}
+    fake = SimpleNamespace(block_size=bs, pool=SimpleNamespace(null_block=0),
+                           groups=[SimpleNamespace(block_tables=t) for t in tables])
+    assert KVCacheManager.slot_usage(fake, written) == _slot_usage_by_slot(tables, written, bs, 0)

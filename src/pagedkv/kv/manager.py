@@ -128,7 +128,12 @@ class KVCacheManager:
         for g in self.groups:
             g.remove_skipped(req, req.num_computed_tokens)
         total = cached_tokens(req) + hit.num_tokens + num_new_tokens
-        needs = [g.num_blocks_needed(req, total, len(_group_hit(hit, i))) for i, g in enumerate(self.groups)]
+        if not hit.num_tokens:
+            needs = [g.num_blocks_needed(req, total, 0) for g in self.groups]
+            if not any(needs) and req.request_id in self.groups[0].block_tables:
+                return True  # (most decode steps: the last page has room)
+        else:
+            needs = [g.num_blocks_needed(req, total, len(_group_hit(hit, i))) for i, g in enumerate(self.groups)]
         null = self.pool.null_block
         hit_evictable = len({b for blocks in hit.blocks for b in blocks if b != null and self.pool.ref_cnt[b] == 0})
         if sum(needs) > self.pool.num_available - hit_evictable:
@@ -147,6 +152,12 @@ class KVCacheManager:
         have their KV written. Call only after the step that writes them."""
         if not self.enable_prefix_caching or num_written_tokens < self.block_size:
             return
+        full, rid = num_written_tokens // self.block_size, req.request_id
+        for g in self.groups:
+            if g.num_published.get(rid, 0) < full:
+                break
+        else:
+            return  # no page filled since the last call (most decode steps)
         hashes = self.block_hashes(req)
         for g in self.groups:
             g.cache_full_blocks(req.request_id, hashes, req.all_token_ids, num_written_tokens)
@@ -216,14 +227,20 @@ class KVCacheManager:
         """``(allocated, filled)`` token slots over pages held by requests in any group,
         shared pages counted once; ``num_written`` maps request id -> tokens whose KV is
         written. KV memory waste is ``1 - filled / allocated``."""
-        filled: dict[int, int] = {}
-        for g in self.groups:
+        bs, held, full, partial = self.block_size, set(), set(), {}
+        for g in self.groups:  # per table: pages [0, n // bs) are full, page n // bs holds n % bs
             for rid, table in g.block_tables.items():
-                n = num_written.get(rid, 0)
-                for i, b in enumerate(table):
-                    if b != self.pool.null_block:
-                        filled[b] = max(filled.get(b, 0), min(self.block_size, max(0, n - i * self.block_size)))
-        return len(filled) * self.block_size, sum(filled.values())
+                n = max(0, num_written.get(rid, 0))
+                k = min(len(table), n // bs)
+                held.update(table)
+                full.update(table[:k])
+                if k < len(table) and n > k * bs:
+                    partial[table[k]] = max(partial.get(table[k], 0), n - k * bs)
+        null = self.pool.null_block
+        held.discard(null)
+        full.discard(null)
+        filled = bs * len(full) + sum(v for b, v in partial.items() if b not in full and b != null)
+        return len(held) * bs, filled
 
     def usage(self) -> KVUsage:
         p = self.pool
