@@ -119,17 +119,18 @@ def cpu_calibration(config: EngineConfig, model: str, tp: int):
     return cached(config, model) if tp == 1 else None
 
 
-def build_requests(workload: str | list[BenchRequest], num_prompts: int, request_rate: float, *,
+def build_requests(workload: str | list[BenchRequest], num_prompts: int, request_rate: float | None, *,
                    max_prompt_tokens: int = 512, max_tokens: int = 128, input_len: int = 256,
                    output_len: int = 128, range_ratio: float = 0.0, max_model_len: int = 2048,
                    trace: str | None = None, seed: int = 0) -> list[BenchRequest]:
     """The requests of a workload name (or a list given as is), with Poisson arrivals at
-    ``request_rate`` (``inf``: all at once) unless a trace sets them.
+    ``request_rate`` (``inf``: all at once). A trace keeps its own arrivals, and so does a
+    list when ``request_rate`` is None (for a name, None is ``inf``).
 
     Raises:
         ValueError: an unknown workload, a bad rate or length, an unreadable or empty trace.
     """
-    if not request_rate > 0:
+    if request_rate is not None and not request_rate > 0:
         raise ValueError(f"request rate must be positive (or inf), got {request_rate}")
     if trace is not None:
         return load_trace(trace, seed)
@@ -141,6 +142,8 @@ def build_requests(workload: str | list[BenchRequest], num_prompts: int, request
         reqs = dataset_workload(workload, num_prompts, max_prompt_tokens, max_tokens, seed)
     if not reqs:
         raise ValueError("the workload has no requests")
+    if request_rate is None:
+        return list(reqs) if isinstance(workload, list) else with_poisson_arrivals(reqs, math.inf, seed)
     return with_poisson_arrivals(reqs, request_rate, seed)
 
 
@@ -169,7 +172,7 @@ def extra_metrics(run: EngineRun) -> dict:
 
 def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1,
              workload: str | list[BenchRequest] = "arena-hard", num_prompts: int = 100,
-             request_rate: float = math.inf, *, weight_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
+             request_rate: float | None = None, *, weight_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
              kv_cache_memory: int | str | None = None, efficiency: Efficiency | None = None,
              max_prompt_tokens: int = 512, max_tokens: int = 128, input_len: int = 256, output_len: int = 128,
              range_ratio: float = 0.0, trace: str | None = None, seed: int = 0, **engine_flags) -> SimResult:
@@ -184,7 +187,7 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
             ``alpaca-like`` (:mod:`pagedkv.sim.workloads`), or a list of
             :class:`~pagedkv.bench.workloads.BenchRequest`.
         num_prompts, request_rate: how many requests, arriving as Poisson at this rate
-            (requests/s; ``inf``: all at once).
+            (requests/s; ``inf``: all at once; None: a list's own ``arrival_s``, else ``inf``).
         weight_dtype, gpu_memory_utilization, kv_cache_memory: as ``pagedkv plan``.
         efficiency: factors and overheads (default: cached calibration on cpu, else roofline).
         max_prompt_tokens, max_tokens: the dataset workloads' prompt cap and output length.

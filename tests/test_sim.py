@@ -1,0 +1,200 @@
+"""The simulator's cost model, workloads, sweep, calibration fit, API and CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pagedkv.bench.workloads import BenchRequest
+from pagedkv.cli import main
+from pagedkv.planner.hardware import get_device
+from pagedkv.planner.models import load_model
+from pagedkv.planner.roofline import Roofline, StepWork, config_cost
+from pagedkv.sim.cost import Efficiency, StepCost
+from pagedkv.sim.fit import fit
+from pagedkv.sim.run import simulate
+from pagedkv.sim.sweep import sweep
+from pagedkv.sim.workloads import PAPER_MEANS, load_trace, synthetic_workload
+
+
+# ---- the cost model is the planner's roofline ------------------------------------------
+@pytest.mark.parametrize("model,gpu,tp,dtype", [("llama-3-70b", "a100-80gb-sxm4", 4, "bfloat16"),
+                                                ("llama-3-8b", "h100-sxm", 1, "fp8_e4m3"),
+                                                ("qwen2.5-7b", "l40s", 1, "bfloat16"),
+                                                ("deepseek-v3", "h200", 8, "bfloat16")])
+@pytest.mark.parametrize("batch,context", [(1, 512), (32, 4096), (256, 1024)])
+def test_cost_model_equals_the_planner_roofline_on_decode(model, gpu, tp, dtype, batch, context):
+    m, dev = load_model(model), get_device(gpu)
+    spec = m.kv_spec("bfloat16", 16, tp)
+    bound = Roofline(m, spec, dev, dtype, tp).decode(batch, context)
+    cost = StepCost(config_cost(m, spec, dtype, tp), dev, dtype)
+    work = StepWork(batch, batch, batch * context, batch * context)  # a decode step: one query per sequence
+    if m.moe:  # the roofline reads only the experts a batch touches; the cost model all of them
+        assert cost.seconds(work, batch) >= bound.seconds
+        return
+    mem, comp = cost.terms(work)
+    assert mem == pytest.approx(bound.memory_seconds, rel=1e-6)
+    assert comp == pytest.approx(bound.compute_seconds, rel=1e-6)
+    assert cost.seconds(work, batch) == pytest.approx(bound.seconds, rel=1e-6)
+
+
+def test_efficiency_factors_and_overheads():
+    m, dev = load_model("llama-3-8b"), get_device("a100-80gb-sxm4")
+    cost = config_cost(m, m.kv_spec("bfloat16"), "bfloat16")
+    decode, prefill = StepWork(8, 8, 8 * 1000, 8 * 1000), StepWork(2048, 1, 2048, 2048 * 2049 // 2)
+    plain = StepCost(cost, dev, "bfloat16")
+    eff = StepCost(cost, dev, "bfloat16", Efficiency(0.5, 0.25, 0.001, 0.0001))
+    assert eff.seconds(decode, 8) == pytest.approx(2 * plain.seconds(decode, 8) + 0.001 + 0.0008)  # memory-bound
+    assert eff.seconds(prefill, 1) == pytest.approx(4 * plain.seconds(prefill, 1) + 0.0011)       # compute-bound
+    for bad in (dict(memory=0), dict(compute=2.0), dict(step_overhead_s=-1)):
+        with pytest.raises(ValueError):
+            Efficiency(**bad)
+
+
+def test_fit_recovers_known_factors():
+    rng = np.random.default_rng(3)
+    mem, comp, n = rng.uniform(1e-3, 4e-3, 40), np.geomspace(1e-5, 0.1, 40), rng.integers(1, 64, 40)
+    t = np.maximum(mem / 0.6, comp / 0.3) + 0.003 + 2e-4 * n
+    f = fit(mem, comp, n, t)
+    assert (f.memory, f.compute) == (pytest.approx(0.6, rel=0.03), pytest.approx(0.3, rel=0.03))
+    assert (f.step_overhead_s, f.request_overhead_s) == (pytest.approx(0.003, rel=0.05), pytest.approx(2e-4, rel=0.05))
+    assert f.median_abs_rel_error < 0.01
+    with pytest.raises(ValueError):
+        fit([1e-3] * 3, [1e-3] * 3, [1] * 3, [1e-3] * 3)
+
+
+# ---- workloads ------------------------------------------------------------------------
+def test_paper_like_lengths_have_the_papers_means():
+    for name, (mi, mo) in PAPER_MEANS.items():
+        w = synthetic_workload(name, 4000, max_model_len=2048, seed=1)
+        assert np.mean([r.num_prompt_tokens for r in w]) == pytest.approx(mi, rel=0.08)
+        assert np.mean([r.output_len for r in w]) == pytest.approx(mo, rel=0.08)
+        assert all(r.num_prompt_tokens + r.output_len <= 2048 for r in w)
+    w = synthetic_workload("random", 50, input_len=100, output_len=20, range_ratio=0.5)
+    assert {50 <= r.num_prompt_tokens <= 150 and 10 <= r.output_len <= 30 for r in w} == {True}
+
+
+def test_trace_loading_and_its_errors(tmp_path):
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"arrival": 0.5, "prompt_len": 10, "output_len": 3}\n\n{"arrival": 1, "prompt_len": 4, '
+                    '"output_len": 1}\n')
+    reqs = load_trace(good)
+    assert [(r.arrival_s, r.num_prompt_tokens, r.output_len) for r in reqs] == [(0.5, 10, 3), (1.0, 4, 1)]
+    cases = {"": "no requests", '{"arrival": 0}\n': "line 1", '{"arrival": -1, "prompt_len": 1, "output_len": 1}':
+             "line 1", 'not json': "line 1"}
+    for text, msg in cases.items():
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            load_trace(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+# ---- simulate() -----------------------------------------------------------------------
+def test_simulate_a_70b_model_on_a100s():
+    r = simulate("llama-3-70b", "a100-80gb-sxm4", tp=4, workload="random", num_prompts=64, request_rate=math.inf,
+                 input_len=512, output_len=64)
+    m, s = r.metrics, r.settings
+    assert m["num_requests"] == 64 and m["output_tokens"] == 64 * 64 and m["preemptions"] == 0
+    # every decode step streams at least one device's weights: the roofline bounds TPOT from below
+    weights = s["workload"] and 70.55e9 * 2 / 4
+    assert m["tpot_s"]["p50"] >= weights / s["bandwidth_bytes_per_s"] * 0.99
+    assert len(r.timeline["t_s"]) == m["steps"] == len(r.timeline["waiting"])
+    assert r.timeline["waiting"][0] > 0 and r.timeline["waiting"][-1] == 0  # a burst queues, then drains
+
+
+def test_a_small_cache_preempts_and_rejects_what_never_fits():
+    reqs = [BenchRequest(tuple(range(1, 200)), 300, 300) for _ in range(16)]
+    r = simulate("llama-3-8b", "l4", workload=reqs, request_rate=math.inf, kv_cache_memory="256MiB",
+                 enable_prefix_caching=False)
+    assert r.metrics["preemptions"] > 0 and r.metrics["peak_kv_blocks"] <= r.settings["num_blocks"]
+    with pytest.raises(ValueError, match="the whole KV cache"):
+        simulate("llama-3-8b", "l4", workload=[BenchRequest(tuple(range(1, 3000)), 2000, 2000)],
+                 kv_cache_memory="64MiB")
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(model="no-such-model"), "unknown model"),
+                                    (dict(gpu="no-such-gpu"), "unknown GPU"),
+                                    (dict(request_rate=-1.0), "rate must be positive"),
+                                    (dict(workload="no-such-workload"), "unknown workload"),
+                                    (dict(model="llama-3-70b", gpu="a100-40gb"), "no room for a KV cache"),
+                                    (dict(tp=3), "tp"),
+                                    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                                     "not simulated"),
+                                    (dict(kv_eviction="snapkv", kv_budget_tokens=64), "not simulated")])
+def test_bad_input_is_a_clear_error(kw, msg):
+    args = dict(model="llama-3-8b", gpu="a100-80gb-sxm4", workload="random", num_prompts=2) | kw
+    with pytest.raises(ValueError, match=msg):
+        simulate(**args)
+
+
+def test_sweep_finds_the_edge_of_the_target():
+    reqs = synthetic_workload("random", 200, input_len=256, output_len=128, range_ratio=0.5)
+
+    def run(rq):
+        return simulate("llama-3-8b", "l4", workload=rq).metrics  # (the list's own arrivals)
+
+    best, points = sweep(run, reqs, "ttft_p90", 0.5)
+    assert best is not None
+    met = [p.rate for p in points if p.meets]
+    missed = [p.rate for p in points if not p.meets]
+    assert max(met) == best and min(missed) > best and min(missed) / best < 1.1  # bisected close
+    with pytest.raises(ValueError, match="unknown latency target"):
+        sweep(run, reqs, "ttft_p42", 0.5)
+
+
+# ---- the command line -----------------------------------------------------------------
+def test_cli_json_output_and_plot(tmp_path, capsys):
+    plot, out = tmp_path / "kv.png", tmp_path / "r.json"
+    assert main(["simulate", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--workload", "random",
+                 "--num-prompts", "20", "--request-rate", "5", "--max-num-seqs", "8", "--block-size", "32",
+                 "--json", "--plot", str(plot), "--output", str(out)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["settings"]["block_size"] == 32 and d["settings"]["max_num_seqs"] == 8
+    assert d["metrics"]["max_running"] <= 8 and d["metrics"]["num_requests"] == 20
+    assert "timeline" not in d and "timeline" in json.loads(out.read_text())
+    assert plot.stat().st_size > 10_000
+
+
+def test_cli_text_and_sweep(capsys):
+    assert main(["simulate", "--model", "llama-3-8b", "--gpu", "a100-80gb-sxm4", "--weight-dtype", "fp8",
+                 "--workload", "random", "--num-prompts", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "fp8_e4m3 weights" in text and "TTFT p50/p90/p99" in text
+    assert main(["simulate", "--model", "llama-3-8b", "--gpu", "a100-80gb-sxm4", "--workload", "random",
+                 "--num-prompts", "50", "--sweep", "--target", "tpot_p50=0.02"]) == 0
+    assert "highest rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,msg", [(["--gpu", "nope"], "unknown GPU"), (["--request-rate", "0"], "rate"),
+                                      (["--num-prompts", "0"], "--num-prompts"),
+                                      (["--sweep", "--target", "ttft_p50"], "METRIC=SECONDS"),
+                                      (["--trace", "/nonexistent.jsonl"], "cannot read trace")])
+def test_cli_bad_input_is_one_line(argv, msg, capsys):
+    assert main(["simulate", "--model", "llama-3-8b", "--gpu", "a100-80gb-sxm4", "--workload", "random",
+                 *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and msg in err and "\n" not in err
+
+
+# ---- calibration on this CPU ----------------------------------------------------------
+def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeypatch):
+    from pagedkv.config import EngineConfig
+    from pagedkv.sim import calibrate as cal
+
+    monkeypatch.setattr(cal, "cache_path", lambda: tmp_path / "sim_calibration.json")
+    config = EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=16)
+    r = cal.calibrate(config, quick=True)
+    assert r["steps"] >= 10 and 0 < r["efficiency"]["memory"] <= 1.5 and r["fit"]["samples"] == r["steps"]
+    eff, cost = cal.cached(config, str(tiny_model_dir))
+    assert eff.source.startswith("calibrated on this CPU") and cost.kv_bytes_per_token == r["cost"]["kv_bytes_per_token"]
+    assert cal.cached(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="int8"), str(tiny_model_dir)) is None
+    s = simulate(str(tiny_model_dir), "cpu", workload="random", num_prompts=4, input_len=32, output_len=4,
+                 num_blocks=64, max_model_len=256)
+    assert s.settings["efficiency"] == eff.to_dict() and s.metrics["output_tokens"] == 16
+    # every decode step pays the fitted overheads on top of the roofline
+    assert s.metrics["tpot_s"]["p50"] >= eff.step_overhead_s + eff.request_overhead_s
