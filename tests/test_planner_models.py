@@ -8,7 +8,8 @@ from pagedkv.planner.models import bundled_entry, bundled_names, load_model
 from pagedkv.planner.params import count_params, expected_experts_touched
 
 REQUIRED = {"llama-3-8b", "llama-3-70b", "llama-3.1-405b", "mistral-7b-v0.1", "mixtral-8x7b", "qwen2.5-7b",
-            "qwen2.5-72b", "gemma-2-9b", "deepseek-v3", "phi-3-mini-4k", "falcon-7b", "smollm2-135m-instruct"}
+            "qwen2.5-72b", "gemma-2-9b", "deepseek-v3", "phi-3-mini-4k", "falcon-7b", "smollm2-135m-instruct",
+            "opt-13b", "opt-66b", "opt-175b", "llama-13b"}  # the last four: the PagedAttention paper's models
 
 
 def test_required_models_are_bundled():
@@ -18,7 +19,8 @@ def test_required_models_are_bundled():
 @pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_bundled_config_loads_with_source(name):
     entry = bundled_entry(name)
-    assert entry["source"].startswith("https://huggingface.co/") and entry["source"].endswith("config.json")
+    hub = entry["source"].startswith("https://huggingface.co/") and entry["source"].endswith("config.json")
+    assert hub or (name == "opt-175b" and entry["source"] == "https://arxiv.org/abs/2205.01068")  # not on the Hub
     m = load_model(name)
     assert m.num_hidden_layers > 0 and m.head_dim > 0 and m.num_attention_heads % m.num_key_value_heads == 0
 
@@ -44,7 +46,8 @@ def test_param_count_matches_transformers_modules(name):
 
 @pytest.mark.parametrize("name, billions", [
     ("llama-3-8b", 8.03), ("llama-3-70b", 70.55), ("llama-3.1-405b", 405.85), ("mixtral-8x7b", 46.70),
-    ("deepseek-v3", 671.0), ("gemma-2-9b", 9.24), ("falcon-7b", 6.92), ("phi-3-mini-4k", 3.82)])
+    ("deepseek-v3", 671.0), ("gemma-2-9b", 9.24), ("falcon-7b", 6.92), ("phi-3-mini-4k", 3.82),
+    ("llama-13b", 13.02), ("opt-13b", 12.85), ("opt-66b", 65.72)])
 def test_param_count_matches_published_totals(name, billions):
     assert count_params(load_model(name)).total / 1e9 == pytest.approx(billions, rel=2e-3)
 

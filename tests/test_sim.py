@@ -46,24 +46,34 @@ def test_efficiency_factors_and_overheads():
     cost = config_cost(m, m.kv_spec("bfloat16"), "bfloat16")
     decode, prefill = StepWork(8, 8, 8 * 1000, 8 * 1000), StepWork(2048, 1, 2048, 2048 * 2049 // 2)
     plain = StepCost(cost, dev, "bfloat16")
-    eff = StepCost(cost, dev, "bfloat16", Efficiency(0.5, 0.25, 0.001, 0.0001))
+    eff = StepCost(cost, dev, "bfloat16", Efficiency(memory=0.5, compute=0.25, step_overhead_s=0.001,
+                                                     request_overhead_s=0.0001))
     assert eff.seconds(decode, 8) == pytest.approx(2 * plain.seconds(decode, 8) + 0.001 + 0.0008)  # memory-bound
     assert eff.seconds(prefill, 1) == pytest.approx(4 * plain.seconds(prefill, 1) + 0.0011)       # compute-bound
-    for bad in (dict(memory=0), dict(compute=2.0), dict(step_overhead_s=-1)):
+    # a separate attention phase: projections' roofline, then KV reads and attention FLOPs at their own rates
+    w, mm, kv, attn = plain.phases(decode)
+    phased = StepCost(cost, dev, "bfloat16", Efficiency(memory=0.5, compute=0.5, kv_read=0.25, attention=0.1))
+    assert phased.seconds(decode, 8) == pytest.approx(max(w, mm) / 0.5 + kv / 0.25 + attn / 0.1)
+    assert (w + kv, mm + attn) == pytest.approx(plain.terms(decode))
+    for bad in (dict(memory=0), dict(compute=2.0), dict(step_overhead_s=-1), dict(kv_read=0.5),
+                dict(kv_read=0.5, attention=0.0)):
         with pytest.raises(ValueError):
             Efficiency(**bad)
 
 
 def test_fit_recovers_known_factors():
     rng = np.random.default_rng(3)
-    mem, comp, n = rng.uniform(1e-3, 4e-3, 40), np.geomspace(1e-5, 0.1, 40), rng.integers(1, 64, 40)
-    t = np.maximum(mem / 0.6, comp / 0.3) + 0.003 + 2e-4 * n
-    f = fit(mem, comp, n, t)
+    n = rng.integers(1, 64, 60)
+    w, mm = rng.permutation(np.geomspace(1e-4, 1e-2, 60)), np.geomspace(1e-5, 0.1, 60)
+    kv, at = rng.uniform(0, 5e-3, 60), rng.permutation(np.geomspace(1e-6, 0.05, 60))
+    t = np.maximum(w / 0.6, mm / 0.3) + kv / 0.4 + at / 0.2 + 0.003 + 2e-4 * n
+    f = fit(w, mm, kv, at, n, t)
     assert (f.memory, f.compute) == (pytest.approx(0.6, rel=0.03), pytest.approx(0.3, rel=0.03))
+    assert (f.kv_read, f.attention) == (pytest.approx(0.4, rel=0.03), pytest.approx(0.2, rel=0.03))
     assert (f.step_overhead_s, f.request_overhead_s) == (pytest.approx(0.003, rel=0.05), pytest.approx(2e-4, rel=0.05))
     assert f.median_abs_rel_error < 0.01
     with pytest.raises(ValueError):
-        fit([1e-3] * 3, [1e-3] * 3, [1] * 3, [1e-3] * 3)
+        fit(*([[1e-3] * 4] * 6))
 
 
 # ---- workloads ------------------------------------------------------------------------

@@ -59,7 +59,9 @@ class ModelConfig:
     came from), ``architecture`` (first of ``architectures``, or ``""``), ``layer_windows``
     (per layer, the sliding window in tokens or ``None``; ``()`` if no layer slides),
     ``qkv_bias`` (q/k/v projections have biases: Qwen2), ``attention_bias`` (the output
-    projection too), ``gated_mlp``, ``norms_per_layer``, ``norm_bias`` (LayerNorm), ``mla``,
+    projection too), ``mlp_bias`` (the MLP's projections too: OPT), ``position_embeddings``
+    (rows of a learned position table: OPT's ``max_position_embeddings + 2``; 0 for RoPE
+    models), ``gated_mlp``, ``norms_per_layer``, ``norm_bias`` (LayerNorm), ``mla``,
     ``moe``, ``torch_dtype`` and ``quant_method`` (the checkpoint's), ``eos_token_ids``.
     """
     num_hidden_layers: int
@@ -80,6 +82,8 @@ class ModelConfig:
     quant_method: str | None = None
     qkv_bias: bool = False
     attention_bias: bool = False
+    mlp_bias: bool = False
+    position_embeddings: int = 0
     gated_mlp: bool = True
     norms_per_layer: int = 2
     norm_bias: bool = False

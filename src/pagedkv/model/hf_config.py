@@ -27,7 +27,9 @@ from pathlib import Path
 
 from pagedkv.model.config import MLAConfig, ModelConfig, MoEConfig
 
-_TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True, "falcon": True}
+_TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True, "falcon": True, "opt": True}
+#: OPT's learned position table has 2 rows past max_position_embeddings (OPTLearnedPositionalEmbedding's offset)
+_POSITION_OFFSET = {"opt": 2}
 _MAX_POS_DEFAULT = {"falcon": 2048}
 _NON_GATED_MLP = {"falcon", "gpt2", "gpt_neox", "gpt_bigcode", "opt", "bloom", "phi"}
 _QKV_BIAS = {"qwen2", "qwen2_moe"}
@@ -128,7 +130,7 @@ def _sizes(cfg: dict, name: str) -> dict:
     return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
                 head_dim=_positive_int(cfg.get("head_dim") or mla_qk or hidden // heads, "head_dim", name),
                 vocab_size=pos("vocab_size", ("vocab_size",)),
-                intermediate_size=_get(cfg, ("intermediate_size", "ffn_hidden_size", "n_inner"), 4 * hidden))
+                intermediate_size=_get(cfg, ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"), 4 * hidden))
 
 
 def parse(cfg: dict, name: str = "", source: str = "") -> ModelConfig:
@@ -153,12 +155,24 @@ def parse(cfg: dict, name: str = "", source: str = "") -> ModelConfig:
         max_position_embeddings=_get(cfg, ("max_position_embeddings", "n_positions"), _MAX_POS_DEFAULT.get(mt)),
         layer_windows=windows, torch_dtype=_get(cfg, ("torch_dtype", "dtype")),
         quant_method=quant.get("quant_method") if isinstance(quant, dict) else None,
-        qkv_bias=mt in _QKV_BIAS or bool(cfg.get("bias")) or bool(cfg.get("attention_bias")),
-        attention_bias=bool(cfg.get("attention_bias")) or bool(cfg.get("bias")),
+        qkv_bias=mt in _QKV_BIAS or bool(cfg.get("bias")) or bool(cfg.get("attention_bias")) or _opt_bias(cfg, mt),
+        attention_bias=bool(cfg.get("attention_bias")) or bool(cfg.get("bias")) or _opt_bias(cfg, mt),
+        mlp_bias=_opt_bias(cfg, mt), position_embeddings=_learned_positions(cfg, mt),
         gated_mlp=mt not in _NON_GATED_MLP,
         norms_per_layer=2 if cfg.get("new_decoder_architecture") else _NORMS_PER_LAYER.get(mt, 2),
         norm_bias=mt in _NORM_BIAS, mla=_mla(cfg), moe=_moe(cfg, sizes["intermediate_size"]),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), **_rope(cfg), **_tokens(cfg))
+
+
+def _opt_bias(cfg: dict, model_type: str) -> bool:
+    """OPT's ``enable_bias`` (default true): biases on every attention and MLP projection."""
+    return model_type == "opt" and bool(cfg.get("enable_bias", True))
+
+
+def _learned_positions(cfg: dict, model_type: str) -> int:
+    if model_type not in _POSITION_OFFSET:
+        return 0
+    return int(cfg.get("max_position_embeddings") or 0) + _POSITION_OFFSET[model_type]
 
 
 def read_json(path: str | Path) -> dict:

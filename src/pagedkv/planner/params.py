@@ -2,10 +2,10 @@
 
 Counted per decoder layer: attention projections (with biases where the
 architecture has them; MLA's low-rank q/kv projections and their norms), the MLP
-(gated: gate, up, down; plain: up, down) or, in an MoE layer, every routed
-expert, the shared experts and the router; the layer norms. Plus the embedding,
-the LM head unless tied, and the final norm. Tests check these sums against
-transformers' own modules built on the meta device.
+(gated: gate, up, down; plain: up, down; biases where present) or, in an MoE layer,
+every routed expert, the shared experts and the router; the layer norms. Plus the
+embedding, a learned position table (OPT), the LM head unless tied, and the final
+norm. Tests check these sums against transformers' own modules built on the meta device.
 
 Units: parameters (elements). Multiply by a dtype's bytes for weight bytes.
 """
@@ -53,8 +53,9 @@ def attention_params(m: ModelConfig) -> int:
 
 
 def mlp_params(m: ModelConfig, intermediate: int) -> int:
-    """Parameters of one dense MLP of width ``intermediate``."""
-    return (3 if m.gated_mlp else 2) * m.hidden_size * intermediate
+    """Parameters of one dense MLP of width ``intermediate`` (and its biases, if any)."""
+    bias = ((2 if m.gated_mlp else 1) * intermediate + m.hidden_size) if m.mlp_bias else 0
+    return (3 if m.gated_mlp else 2) * m.hidden_size * intermediate + bias
 
 
 def norm_params(m: ModelConfig) -> int:
@@ -65,7 +66,7 @@ def norm_params(m: ModelConfig) -> int:
 def count_params(m: ModelConfig) -> ParamCount:
     """Count the parameters of ``m``; see the module docstring for what is included."""
     embedding = m.vocab_size * m.hidden_size
-    total = embedding + (0 if m.tie_word_embeddings else embedding) + norm_params(m)
+    total = embedding + (0 if m.tie_word_embeddings else embedding) + norm_params(m) + m.position_embeddings * m.hidden_size
     expert = mlp_params(m, m.moe.expert_intermediate_size) if m.moe else 0
     moe_layers = sum(m.moe.is_moe_layer(i) for i in range(m.num_hidden_layers)) if m.moe else 0
     per_layer = attention_params(m) + m.norms_per_layer * norm_params(m)

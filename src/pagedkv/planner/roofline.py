@@ -240,11 +240,29 @@ def config_cost(m: ModelConfig, spec: KVCacheSpec, weight_dtype: str, tp: int = 
                      attn_flops_per_pair=2 * m.num_hidden_layers * m.num_attention_heads * (dqk + dv) // tp)
 
 
-def chunk_work(chunks: list[tuple[int, int]], sampled: int) -> StepWork:
+def chunk_work(chunks: list[tuple[int, int]], sampled: int,
+               windows: tuple[tuple[int | None, float], ...] = ()) -> StepWork:
     """The :class:`StepWork` of a step that computed ``(start, num_tokens)`` chunks (each
-    reads its whole context once) and sampled ``sampled`` rows."""
-    return StepWork(sum(n for _, n in chunks), sampled, sum(s + n for s, n in chunks),
-                    sum(causal_pairs(s, n) for s, n in chunks))
+    reads its context once) and sampled ``sampled`` rows.
+
+    ``windows``: ``(window, fraction of layers)`` pairs (:func:`layer_window_mix`) when
+    layers attend to a window; KV tokens and query-key pairs are then averaged over the
+    layers, each capped by its window (empty: every layer reads the whole context)."""
+    if not windows:
+        return StepWork(sum(n for _, n in chunks), sampled, sum(s + n for s, n in chunks),
+                        sum(causal_pairs(s, n) for s, n in chunks))
+    kv = sum(f * (s + n if w is None else min(s + n, w)) for s, n in chunks for w, f in windows)
+    pairs = sum(f * causal_pairs(s, n, w) for s, n in chunks for w, f in windows)
+    return StepWork(sum(n for _, n in chunks), sampled, round(kv), round(pairs))
+
+
+def layer_window_mix(layer_windows: tuple[int | None, ...]) -> tuple[tuple[int | None, float], ...]:
+    """Each distinct window (None: full attention) and the fraction of layers with it;
+    ``()`` when no layer has a window."""
+    if not any(w is not None for w in layer_windows):
+        return ()
+    n = len(layer_windows)
+    return tuple((w, layer_windows.count(w) / n) for w in dict.fromkeys(layer_windows))
 
 
 def ideal_offline_steps(prompt_lens: list[int], output_lens: list[int]) -> list[StepWork]:

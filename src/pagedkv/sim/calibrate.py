@@ -5,8 +5,12 @@ the benchmark driver after a warm-up) covers the shapes a serving run mixes:
 
 - prefill: one prompt each of :data:`PREFILL_LENS` tokens (chunks up to
   ``max_num_batched_tokens``);
-- decode: :data:`DECODE_BATCHES` requests at once, 64-token prompts, :data:`DECODE_STEPS`
+- decode: :data:`DECODE_SHAPES` (requests at once, prompt tokens), :data:`DECODE_STEPS`
   tokens each (the first step of each batch is a batched prefill).
+
+The profile runs :data:`REPEATS` times and each step's time is the median over the repeats
+(the schedule is the same every time; a shared machine's noise only slows a step down, but
+a median resists one slow repeat without trusting one lucky one).
 
 Every step's roofline terms are counted with the loaded model's own cost (weight bytes
 as stored, :func:`pagedkv.bench.roofline.model_cost`) on this machine's measured
@@ -23,6 +27,7 @@ import json
 import os
 import platform
 import random
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,9 +36,10 @@ from pagedkv.planner.roofline import ModelCost
 from pagedkv.sim.cost import Efficiency
 
 PREFILL_LENS = (16, 64, 256, 1024, 2048)
-DECODE_BATCHES = (1, 4, 16, 48)
+DECODE_SHAPES = ((1, 64), (2, 64), (3, 64), (4, 64), (5, 64), (16, 64), (48, 64), (8, 512), (32, 256))
 DECODE_STEPS = 12
-QUICK = {"prefill": (16, 128), "batches": (1, 8), "steps": 4}  # tests
+REPEATS = 3
+QUICK = {"prefill": (16, 128), "shapes": ((1, 16), (8, 16)), "steps": 4}  # tests
 
 
 def cache_path() -> Path:
@@ -78,13 +84,14 @@ def profile_workload(quick: bool = False, seed: int = 0) -> list:
     rng = random.Random(seed)
     ids = lambda n: tuple(rng.randrange(100, 30000) for _ in range(n))  # noqa: E731
     prefill = QUICK["prefill"] if quick else PREFILL_LENS
-    batches = QUICK["batches"] if quick else DECODE_BATCHES
+    shapes = QUICK["shapes"] if quick else DECODE_SHAPES
     steps = QUICK["steps"] if quick else DECODE_STEPS
     return [[BenchRequest(ids(n), 1, 1)] for n in prefill] + [
-        [BenchRequest(ids(64), steps, steps) for _ in range(b)] for b in batches]
+        [BenchRequest(ids(p), steps, steps) for _ in range(b)] for b, p in shapes]
 
 
-def calibrate(config: EngineConfig | None = None, quick: bool = False, save: bool = True) -> dict:
+def calibrate(config: EngineConfig | None = None, quick: bool = False, save: bool = True,
+              repeats: int = REPEATS) -> dict:
     """Profile the real engine, fit the factors and (``save``) cache them.
 
     Returns ``{"key", "efficiency", "cost", "fit", "steps"}`` (the fit's relative errors,
@@ -102,17 +109,22 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
     warm_up(engine)
     cost, dev = model_cost(engine), cpu_device()
     probe = StepCost(cost, dev, "int8" if config.activation_dtype == "int8" else "float32")
-    mem, comp, reqs, secs = [], [], [], []
+    phases, reqs, secs = [], [], []
     for group in profile_workload(quick):
-        engine.reset_prefix_cache()
-        run = drive(engine, group, sample_waste=False)
-        for work, n, s in zip(run.steps, run.running, run.step_seconds):
-            m, c = probe.terms(work)
-            mem.append(m), comp.append(c), reqs.append(n), secs.append(s)
-    f = fit(mem, comp, reqs, secs)
-    eff = Efficiency(f.memory, f.compute, f.step_overhead_s, f.request_overhead_s,
-                     source=f"calibrated on this CPU ({len(secs)} steps of the real engine; median |error| "
+        runs = []
+        for _ in range(repeats):
+            engine.reset_prefix_cache()
+            runs.append(drive(engine, group, sample_waste=False))
+        for i, (work, n) in enumerate(zip(runs[0].steps, runs[0].running)):
+            phases.append(probe.phases(work))
+            reqs.append(n)
+            secs.append(statistics.median(r.step_seconds[i] for r in runs))
+    f = fit(*zip(*phases), reqs, secs)
+    eff = Efficiency(f.memory, f.compute, f.kv_read, f.attention, f.step_overhead_s, f.request_overhead_s,
+                     source=f"calibrated on this CPU ({len(secs)} step shapes of the real engine, median of "
+                            f"{repeats} runs each; median |error| "
                             f"{100 * f.median_abs_rel_error:.1f}%, max {100 * f.max_abs_rel_error:.1f}%)")
+    probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
     key = calibration_key(config, engine.config.model)
     entry = {"efficiency": eff.to_dict(), "cost": cost.to_dict(), "fit": asdict(f),
              "ceilings": {"bandwidth": dev.bandwidth, "fp32_flops": dev.flops_16}}
@@ -123,4 +135,6 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
             cache_path().write_text(json.dumps(data, indent=2))
         except OSError:
             pass  # a read-only home: the fit is still returned
-    return {"key": key} | entry | {"steps": len(secs)}
+    samples = [{"phases_s": list(ph), "requests": n, "seconds": t, "predicted_s": probe_eff.seconds_of(ph, n)}
+               for ph, n, t in zip(phases, reqs, secs)]
+    return {"key": key} | entry | {"steps": len(secs), "samples": samples}

@@ -115,15 +115,13 @@ def _run(a) -> int:
 
 def _setup_and_requests(a, flags: dict, weight: str, rate: float):
     from pagedkv.config import EngineConfig
-    from pagedkv.model.config import for_engine
-    from pagedkv.planner.models import load_model
-    from pagedkv.sim.run import build_requests, sim_setup
+    from pagedkv.sim.run import build_requests, sim_model, sim_setup
 
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     config = EngineConfig(**flags)
     setup = sim_setup(a.model, a.gpu, a.tp, config, weight, a.gpu_memory_utilization, a.kv_cache_memory)
-    max_len = config.max_model_len or for_engine(load_model(a.model)).max_position_embeddings
+    max_len = config.max_model_len or sim_model(a.model).max_position_embeddings
     reqs = build_requests(a.workload, a.num_prompts, rate, max_prompt_tokens=a.max_prompt_tokens,
                           max_tokens=a.max_tokens, input_len=a.random_input_len, output_len=a.random_output_len,
                           range_ratio=a.random_range_ratio, max_model_len=max_len, trace=a.trace,

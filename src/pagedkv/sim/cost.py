@@ -2,24 +2,28 @@
 
 One cost model, shared with the planner (:mod:`pagedkv.planner.roofline`). A step's
 :class:`~pagedkv.planner.roofline.StepWork` (tokens, sampled rows, KV tokens read,
-query-key pairs) is priced on a device (memory bandwidth, matrix rate) as::
+query-key pairs) is priced on a device (memory bandwidth, matrix rate) in four roofline
+terms: weight bytes / bandwidth, matmul FLOPs / rate (the layers' projections and the LM
+head), KV bytes / bandwidth and attention FLOPs / rate. With the plain roofline
+(``Efficiency()``, the default for catalog GPUs) a step costs::
 
-    memory_s  = (weight bytes + KV bytes read) / bandwidth
-    compute_s = FLOPs / matmul rate
-    seconds   = max(memory_s / memory_efficiency, compute_s / compute_efficiency)
-                + step_overhead_s + request_overhead_s * requests in the step
+    seconds = max(weights_s + kv_s, matmul_s + attention_s)
 
-With every efficiency 1 and no overheads this is the roofline lower bound itself.
-:mod:`pagedkv.sim.calibrate` fits the four factors for this CPU from a profile of the
-real engine; catalog GPUs use the plain roofline unless given factors (the efficiency
-a datasheet's peak reaches in practice is workload-dependent: say which you assume).
+which is the planner's bound exactly. A calibrated CPU (:mod:`pagedkv.sim.calibrate`)
+runs the projections and the attention as separate phases (the attention over pages is
+its own kernel, after a layer's projections, and reads KV at a rate of its own), each
+term at its own fraction of the roofline, plus fixed costs::
+
+    seconds = max(weights_s / memory, matmul_s / compute)
+              + kv_s / kv_read + attention_s / attention
+              + step_overhead_s + request_overhead_s * requests in the step
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pagedkv.planner.roofline import Ceilings, ModelCost, StepWork, step_terms
+from pagedkv.planner.roofline import Ceilings, ModelCost, StepWork
 
 
 @dataclass(frozen=True)
@@ -27,26 +31,37 @@ class Efficiency:
     """How far a real step falls short of the roofline.
 
     Attributes:
-        memory: fraction of the peak bandwidth a memory-bound step reaches (0, 1].
-        compute: fraction of the peak matrix rate a compute-bound step reaches (0, 1].
+        memory: fraction of the peak bandwidth a memory-bound step reaches (0, 1.5].
+        compute: fraction of the peak matrix rate a compute-bound step reaches (0, 1.5].
+        kv_read: fraction of the bandwidth the attention's KV reads reach when attention
+            runs as a phase of its own, (0, 1.5]; ``None`` (the plain roofline): it overlaps
+            with the projections, as the planner assumes (then ``attention`` is None too).
+        attention: fraction of the matrix rate the attention FLOPs reach in that phase.
         step_overhead_s: seconds every step adds (scheduling, launches, sampling), >= 0.
         request_overhead_s: seconds each request in the step adds (per-sequence
             metadata, Python), >= 0.
         source: where the numbers come from (``roofline``, or the calibration run).
 
     Raises:
-        ValueError: an efficiency outside (0, 1.5] or a negative overhead.
+        ValueError: an efficiency outside (0, 1.5] (a measured ceiling can be beaten a
+            little) or a negative overhead.
     """
     memory: float = 1.0
     compute: float = 1.0
+    kv_read: float | None = None
+    attention: float | None = None
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     source: str = "roofline (no efficiency factors, no overheads)"
 
     def __post_init__(self) -> None:
-        for name in ("memory", "compute"):  # (a measured ceiling can be beaten a little)
-            if not 0.0 < getattr(self, name) <= 1.5:
-                raise ValueError(f"{name} efficiency must be in (0, 1.5], got {getattr(self, name)!r}")
+        if (self.kv_read is None) != (self.attention is None):
+            raise ValueError("kv_read and attention efficiencies are both set (a separate attention phase) or both None")
+        for name in ("memory", "compute", "kv_read", "attention"):
+            v = getattr(self, name)
+            if not (v is None and name in ("kv_read", "attention")) and not (
+                    isinstance(v, (int, float)) and 0.0 < v <= 1.5):
+                raise ValueError(f"{name} efficiency must be in (0, 1.5], got {v!r}")
         for name in ("step_overhead_s", "request_overhead_s"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -71,13 +86,29 @@ class StepCost:
     compute_dtype: str = "float32"
     efficiency: Efficiency = Efficiency()
 
+    def phases(self, work: StepWork) -> tuple[float, float, float, float]:
+        """``(weights_s, matmul_s, kv_s, attention_s)``: the roofline terms of ``work``."""
+        c, bw, rate = self.cost, self.device.bandwidth, self.device.matmul_rate(self.compute_dtype)
+        weights = c.weight_bytes - (0 if work.sampled else c.lm_head_bytes)
+        matmul = 2 * c.layer_matmul_params * work.tokens + 2 * c.lm_head_params * work.sampled
+        return (weights / bw, matmul / rate, work.kv_tokens * c.kv_bytes_per_token / bw,
+                c.attn_flops_per_pair * work.attn_pairs / rate)
+
     def terms(self, work: StepWork) -> tuple[float, float]:
-        """``(memory_s, compute_s)`` of the roofline, before efficiency factors."""
-        t = step_terms(work, self.cost, self.device, self.compute_dtype)
-        return t["weight-read"] + t["kv-read"], t["compute"]
+        """``(memory_s, compute_s)`` of the plain roofline."""
+        w, mm, kv, attn = self.phases(work)
+        return w + kv, mm + attn
 
     def seconds(self, work: StepWork, num_requests: int) -> float:
         """Modelled seconds of one step computing ``work`` for ``num_requests`` requests."""
+        return self.seconds_of(self.phases(work), num_requests)
+
+    def seconds_of(self, phases: tuple[float, float, float, float], num_requests: int) -> float:
+        """Modelled seconds of a step with these :meth:`phases` (see the module docstring)."""
         e = self.efficiency
-        mem, comp = self.terms(work)
-        return max(mem / e.memory, comp / e.compute) + e.step_overhead_s + e.request_overhead_s * num_requests
+        w, mm, kv, attn = phases
+        if e.attention is None:
+            core = max((w + kv) / e.memory, (mm + attn) / e.compute)
+        else:
+            core = max(w / e.memory, mm / e.compute) + kv / e.kv_read + attn / e.attention
+        return core + e.step_overhead_s + e.request_overhead_s * num_requests

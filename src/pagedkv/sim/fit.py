@@ -1,24 +1,29 @@
 """Fit the cost model's efficiency factors and overheads to measured steps.
 
-Each sample is one real engine step: its roofline terms ``memory_s`` and ``compute_s``
-(:meth:`pagedkv.sim.cost.StepCost.terms`), the requests in it and the seconds it took.
-The model (:class:`~pagedkv.sim.cost.Efficiency`)::
+Each sample is one real engine step: its four roofline terms (:meth:`pagedkv.sim.cost.StepCost.phases`:
+weights, matmul, KV and attention seconds), the requests in it and the seconds it took.
+The model (:class:`~pagedkv.sim.cost.Efficiency` with an attention phase)::
 
-    seconds = max(memory_s / memory, compute_s / compute) + step_overhead_s + request_overhead_s * requests
+    seconds = max(weights_s / memory, matmul_s / compute) + kv_s / kv_read + attention_s / attention
+              + step_overhead_s + request_overhead_s * requests
 
 is fitted by minimizing the squared *relative* error (step times span three orders of
-magnitude, from a 1-token decode to a 2,048-token prefill): a grid over the two
-efficiencies (log-spaced, then refined around the best), and for each point the two
-overheads by non-negative least squares, which is exact for two unknowns.
+magnitude, from a 1-token decode to a 2,048-token prefill): a grid over ``memory`` and
+``compute`` (log-spaced, then refined around the best), and at each point the four
+linear coefficients (``1 / kv_read``, ``1 / attention`` and the two overheads) by
+non-negative least squares, exact for so few unknowns (every subset of columns is tried).
+A coefficient under ``1 / 1.5`` is read as efficiency 1.5 (the cap).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
-GRID = np.geomspace(0.02, 1.5, 48)
+GRID = np.geomspace(0.02, 1.5, 40)
+MAX_EFFICIENCY = 1.5
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,8 @@ class Fit:
     """Fitted factors and how well they explain the samples (relative errors)."""
     memory: float
     compute: float
+    kv_read: float
+    attention: float
     step_overhead_s: float
     request_overhead_s: float
     median_abs_rel_error: float
@@ -33,49 +40,49 @@ class Fit:
     samples: int
 
 
-def _overheads(x: np.ndarray, n: np.ndarray, t: np.ndarray) -> tuple[float, float, float]:
-    """Non-negative (o, r) minimizing sum(((x + o + r n - t) / t)^2); returns (o, r, loss)."""
-    w = 1.0 / t
-    y = (t - x) * w
-    a = np.stack([w, n * w], axis=1)
-    best = None
-    candidates = [np.linalg.lstsq(a, y, rcond=None)[0]]
-    for j in (0, 1):  # one overhead at zero: the other from a one-column fit
-        col = a[:, 1 - j]
-        v = max(0.0, float(col @ y / (col @ col))) if col @ col > 0 else 0.0
-        candidates.append(np.array([0.0, v] if j == 0 else [v, 0.0]))
-    candidates.append(np.zeros(2))
-    for c in candidates:
-        if (c >= 0).all():
-            loss = float(((a @ c - y) ** 2).sum())
-            if best is None or loss < best[2]:
-                best = (float(c[0]), float(c[1]), loss)
-    return best
+def _nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Non-negative least squares by trying every subset of columns (few columns)."""
+    best_x, best_loss = np.zeros(a.shape[1]), float((y ** 2).sum())
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            sol = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+            if (sol < 0).any():
+                continue
+            x = np.zeros(a.shape[1])
+            x[list(cols)] = sol
+            loss = float(((a @ x - y) ** 2).sum())
+            if loss < best_loss:
+                best_x, best_loss = x, loss
+    return best_x, best_loss
 
 
-def fit(memory_s, compute_s, requests, seconds) -> Fit:
+def fit(weights_s, matmul_s, kv_s, attention_s, requests, seconds) -> Fit:
     """Fit the factors to samples (equal-length sequences; seconds > 0).
 
     Raises:
-        ValueError: fewer than 4 samples, or a non-positive time.
+        ValueError: fewer than 5 samples, or a non-positive time.
     """
-    m, c, n, t = (np.asarray(v, dtype=np.float64) for v in (memory_s, compute_s, requests, seconds))
-    if len(t) < 4 or not (t > 0).all():
-        raise ValueError(f"a fit needs at least 4 steps with positive times, got {len(t)}")
-    best = _search(m, c, n, t, GRID, GRID)
+    w, mm, kv, at, n, t = (np.asarray(v, dtype=np.float64) for v in
+                           (weights_s, matmul_s, kv_s, attention_s, requests, seconds))
+    if len(t) < 5 or not (t > 0).all():
+        raise ValueError(f"a fit needs at least 5 steps with positive times, got {len(t)}")
+    inv = 1.0 / t
+    linear = np.stack([kv * inv, at * inv, inv, n * inv], axis=1)
+
+    def search(mems, comps):
+        best = None
+        for em in mems:
+            for ec in comps:
+                x, loss = _nnls(linear, (t - np.maximum(w / em, mm / ec)) * inv)
+                if best is None or loss < best[0]:
+                    best = (loss, float(em), float(ec), x)
+        return best
+
+    _, em, ec, _ = search(GRID, GRID)
     step = GRID[1] / GRID[0]
-    fine_m = np.geomspace(best[0] / step, min(1.5, best[0] * step), 15)
-    fine_c = np.geomspace(best[1] / step, min(1.5, best[1] * step), 15)
-    em, ec, o, r, _ = _search(m, c, n, t, fine_m, fine_c)
-    err = np.abs((np.maximum(m / em, c / ec) + o + r * n - t) / t)
-    return Fit(em, ec, o, r, float(np.median(err)), float(err.max()), len(t))
-
-
-def _search(m, c, n, t, mems, comps) -> tuple[float, float, float, float, float]:
-    best = None
-    for em in mems:
-        for ec in comps:
-            o, r, loss = _overheads(np.maximum(m / em, c / ec), n, t)
-            if best is None or loss < best[4]:
-                best = (float(em), float(ec), o, r, loss)
-    return best
+    _, em, ec, x = search(np.geomspace(em / step, min(MAX_EFFICIENCY, em * step), 13),
+                          np.geomspace(ec / step, min(MAX_EFFICIENCY, ec * step), 13))
+    kv_read, attention = (MAX_EFFICIENCY if c * MAX_EFFICIENCY < 1 else float(1.0 / c) for c in x[:2])
+    pred = np.maximum(w / em, mm / ec) + kv / kv_read + at / attention + x[2] + x[3] * n
+    err = np.abs(pred - t) / t
+    return Fit(em, ec, kv_read, attention, float(x[2]), float(x[3]), float(np.median(err)), float(err.max()), len(t))

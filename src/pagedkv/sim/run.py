@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedkv.bench.driver import EngineRun, drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals, workload_summary
 from pagedkv.config import EngineConfig
-from pagedkv.model.config import for_engine
+from pagedkv.model.config import ENGINE_MAX_POSITIONS, ModelConfig
 from pagedkv.planner.hardware import get_device
 from pagedkv.planner.models import load_model
 from pagedkv.planner.plan import plan
-from pagedkv.planner.roofline import config_cost
+from pagedkv.planner.roofline import config_cost, layer_window_mix
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import Efficiency, StepCost
 from pagedkv.sim.engine import SimEngine
@@ -66,9 +66,26 @@ class SimSetup:
 
     def engine(self) -> SimEngine:
         clock = VirtualClock()
-        runner = SimRunner(clock, cost_model_times(self.step_cost))
-        m = for_engine(load_model(self.model_name))
+        m = sim_model(self.model_name)
+        runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config))
         return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock)
+
+
+def sim_model(name: str) -> ModelConfig:
+    """A planner model as the simulator runs it: any architecture (only shapes matter), with
+    the engine's default positions where the config names none."""
+    m = load_model(name)
+    return replace(m, max_position_embeddings=m.max_position_embeddings or ENGINE_MAX_POSITIONS)
+
+
+def read_windows(m: ModelConfig, config: EngineConfig) -> tuple[tuple[int | None, float], ...]:
+    """What each layer's attention reads: its sliding window, or under streaming eviction
+    the sinks plus the window (:func:`~pagedkv.planner.roofline.layer_window_mix`)."""
+    windows = m.layer_windows or (None,) * m.num_hidden_layers
+    if config.kv_eviction == "streaming":
+        cap = config.kv_window_tokens
+        windows = tuple(config.num_sink_tokens + (cap if w is None else min(w, cap)) for w in windows)
+    return layer_window_mix(windows)
 
 
 def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = None, weight_dtype: str = "auto",
@@ -200,7 +217,7 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
     """
     config = EngineConfig(**engine_flags)
     setup = sim_setup(model, gpu, tp, config, weight_dtype, gpu_memory_utilization, kv_cache_memory, efficiency)
-    max_len = config.max_model_len or for_engine(load_model(model)).max_position_embeddings
+    max_len = config.max_model_len or sim_model(model).max_position_embeddings
     requests = build_requests(workload, num_prompts, request_rate, max_prompt_tokens=max_prompt_tokens,
                               max_tokens=max_tokens, input_len=input_len, output_len=output_len,
                               range_ratio=range_ratio, max_model_len=max_len, trace=trace, seed=seed)

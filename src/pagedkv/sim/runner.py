@@ -69,15 +69,17 @@ class SimRunner:
         replay: instead of ``times``, a :class:`RecordedTimes` whose instants the clock is
             set to, relative to ``replay_t0``.
         token_id: the token every sampled row produces.
+        windows: the layers' attention windows (:func:`~pagedkv.planner.roofline.layer_window_mix`),
+            capping the KV each chunk reads; ``()`` for full attention.
     """
 
     def __init__(self, clock: VirtualClock, times: StepTimes | None = None,
                  replay: RecordedTimes | None = None, replay_t0: float = 0.0,
-                 token_id: int = 0) -> None:
+                 token_id: int = 0, windows: tuple[tuple[int | None, float], ...] = ()) -> None:
         if (times is None) == (replay is None):
             raise ValueError("give one of times and replay")
         self.clock, self.times, self.replay, self.replay_t0 = clock, times, replay, replay_t0
-        self.token_id = token_id
+        self.token_id, self.windows = token_id, windows
         self.lengths: dict[str, int] = {}   # tokens of each request the runner knows of
         self.num_steps = 0
         self.busy_s = 0.0                   # modelled seconds of every step
@@ -94,8 +96,8 @@ class SimRunner:
         sampling = [rid for rid, start, n in chunks if start + n >= self.lengths[rid]]
         result = ModelRunnerOutput(sampled={rid: SampledTokens([self.token_id]) for rid in sampling})
         if chunks or self.replay is not None:  # (a replayed run's clock moved at every step)
-            result.execute_seconds = self._advance(chunk_work([(s, n) for _, s, n in chunks], len(sampling)),
-                                                   len(chunks))
+            work = chunk_work([(s, n) for _, s, n in chunks], len(sampling), self.windows)
+            result.execute_seconds = self._advance(work, len(chunks))
         return result
 
     def _advance(self, work: StepWork, num_requests: int) -> float:

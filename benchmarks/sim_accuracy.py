@@ -1,0 +1,112 @@
+"""The simulator against the real engine on this CPU (issue 15's accuracy check).
+
+For each scenario the real engine runs the workload ``--repeats`` times (``pagedkv
+bench``'s driver, wall clock; each metric is the median over the repeats), then the
+simulator runs the same requests: with the cost model calibrated on this CPU (``pagedkv
+simulate --calibrate``, run first, so calibration and runs share the machine's weather),
+and once per real run with the cost model replaced by that run's recorded step times
+(the schedule must then match it exactly: preemptions, peak KV blocks, steps).
+Scenarios (the ``pagedkv bench`` defaults): throughput (arena-hard, 64 prompts, all at
+once), capacity (hh-rlhf at a 128 MiB KV budget, paged and contiguous) and online
+(arena-hard, 32 prompts, Poisson at 0.5 (well below saturation), 2 and 4 requests/s).
+
+    python benchmarks/sim_accuracy.py --output benchmarks/results/sim_accuracy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+
+from pagedkv.bench.driver import drive, warm_up
+from pagedkv.bench.workloads import build_workload, with_poisson_arrivals
+from pagedkv.config import DEFAULT_MODEL, EngineConfig
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.model.loader import load_tokenizer, resolve_model
+from pagedkv.sim.calibrate import cached, calibrate
+from pagedkv.sim.clock import VirtualClock
+from pagedkv.sim.run import extra_metrics, sim_setup
+from pagedkv.sim.runner import RecordedTimes, SimRunner
+
+SCENARIOS = [  # name, dataset, prompts, max prompt tokens, max tokens, rate, engine flags
+    ("throughput", "arena-hard", 64, 512, 128, float("inf"), {}),
+    ("capacity", "hh-rlhf", 64, 512, 256, float("inf"), {"kv_cache_memory": "128MiB"}),
+    ("capacity-contiguous", "hh-rlhf", 64, 512, 256, float("inf"),
+     {"kv_cache_memory": "128MiB", "kv_allocator": "contiguous"}),
+    ("online-0.5", "arena-hard", 32, 512, 64, 0.5, {}),
+    ("online-2", "arena-hard", 32, 512, 64, 2.0, {}),
+    ("online-4", "arena-hard", 32, 512, 64, 4.0, {}),
+]
+KEYS = ("output_tokens_per_s", "ttft_p50", "tpot_p50", "preemptions", "peak_kv_blocks", "steps", "duration_s")
+
+
+def summary(m: dict) -> dict:
+    return {"output_tokens_per_s": m["output_tokens_per_s"], "ttft_p50": m["ttft_s"]["p50"],
+            "tpot_p50": m["tpot_s"]["p50"], "preemptions": m["preemptions"], "peak_kv_blocks": m["peak_kv_blocks"],
+            "steps": m["steps"], "duration_s": m["duration_s"], "num_blocks": m["num_blocks"]}
+
+
+def simulated(setup, requests, recording=None) -> dict:
+    engine = setup.engine()
+    clock = engine.clock
+    if recording is not None:  # the cost model replaced by the real run's step times
+        runner = SimRunner(clock, replay=RecordedTimes(recording.step_starts, recording.step_seconds))
+        engine.core.runner = runner
+    run = drive(engine, requests, clock=clock, sleep=engine.runner.sleep)
+    return summary(run.metrics() | extra_metrics(run))
+
+
+def scenario(tok, repeats, name, dataset, n, cap, max_tokens, rate, flags) -> dict:
+    reqs = with_poisson_arrivals(build_workload(dataset, tok, n, cap, max_tokens), rate, seed=0)
+    config = EngineConfig(**flags)
+    setup = sim_setup(DEFAULT_MODEL, "cpu", 1, config)
+    reals, replays = [], []
+    for _ in range(repeats):
+        engine = LLMEngine(config)  # fresh: pages and prefix cache start empty
+        if setup.num_blocks != engine.kv.pool.num_blocks:
+            raise AssertionError(f"{name}: simulated pool {setup.num_blocks} != engine's {engine.kv.pool.num_blocks}")
+        warm_up(engine)
+        run = drive(engine, reqs)
+        del engine
+        reals.append(summary(run.metrics()))
+        replays.append(simulated(setup, reqs, run))
+    real = {k: statistics.median(r[k] for r in reals) for k in reals[0]}
+    out = {"real": real, "real_runs": reals, "cost_model": simulated(setup, reqs), "replays": replays}
+    c = out["cost_model"]
+    out["cost_model_error"] = {k: (c[k] - real[k]) / real[k] for k in ("output_tokens_per_s", "ttft_p50", "tpot_p50")
+                               if real[k]}
+    out["replay_matches"] = {k: all(p[k] == r[k] for p, r in zip(replays, reals))
+                             for k in ("preemptions", "peak_kv_blocks", "steps")}
+    print(name, json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--output", required=True)
+    p.add_argument("--only", help="comma list of scenario names")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-calibrate", action="store_true", help="use the cached calibration")
+    a = p.parse_args()
+    t0 = time.time()
+    if not a.no_calibrate or cached(EngineConfig(), DEFAULT_MODEL) is None:
+        calibrate(EngineConfig())
+    eff = cached(EngineConfig(), DEFAULT_MODEL)[0]
+    tok = load_tokenizer(resolve_model(DEFAULT_MODEL).folder)
+    only = set(a.only.split(",")) if a.only else None
+    results = {s[0]: scenario(tok, a.repeats, *s) for s in SCENARIOS if only is None or s[0] in only}
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
+    doc = {"cpu": model_name, "host": platform.node(), "efficiency": eff.to_dict(), "scenarios": results,
+           "repeats": a.repeats, "wall_s": time.time() - t0,
+           "command": f"python benchmarks/sim_accuracy.py --output {a.output} --repeats {a.repeats}"}
+    with open(a.output, "w") as f:
+        json.dump(doc, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
