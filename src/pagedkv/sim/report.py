@@ -25,8 +25,10 @@ def render(r: SimResult) -> str:
         f"simulated {s['model']} on {s['tp']} x {s['gpu_label']} ({s['weight_dtype']} weights, "
         f"{s['kv_cache_dtype']} KV, {s['num_blocks']} blocks of {s['block_size']} tokens, "
         f"max_model_len {s['max_model_len']}, {s['kv_allocator']} allocator)",
-        f"cost model: {eff['source']}; memory x{eff['memory']:.3f}, compute x{eff['compute']:.3f}, "
-        f"+{1e3 * eff['step_overhead_s']:.2f} ms/step, +{1e3 * eff['request_overhead_s']:.3f} ms/request",
+        f"cost model: {eff['source']}; memory x{eff['memory']:.3f}, compute x{eff['compute']:.3f}"
+        + ("" if eff["kv_read"] is None else
+           f", attention phase: KV reads x{eff['kv_read']:.3f}, FLOPs x{eff['attention']:.3f}")
+        + f", +{1e3 * eff['step_overhead_s']:.2f} ms/step, +{1e3 * eff['request_overhead_s']:.3f} ms/request",
         f"workload: {w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
         f"rate {rate} req/s",
         "",
