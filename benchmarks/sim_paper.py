@@ -65,9 +65,10 @@ def main() -> None:
     p.add_argument("--output", required=True)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--target", type=float, default=0.5, help="normalized latency target, s/token (default: 0.5)")
+    p.add_argument("--workloads", default="sharegpt-like,alpaca-like")
     a = p.parse_args()
     t0, doc = time.time(), {"target_s_per_token": a.target, "num_prompts": a.num_prompts, "results": {}}
-    for workload in ("sharegpt-like", "alpaca-like"):
+    for workload in a.workloads.split(","):
         base = synthetic_workload(workload, a.num_prompts, max_model_len=MAX_MODEL_LEN, seed=0)
         rows = {}
         for name in SYSTEMS:
@@ -91,7 +92,8 @@ def main() -> None:
             rows[name]["paged_over_this"] = paged / other if paged and other else None
         doc["results"][workload] = rows
     doc["wall_s"] = time.time() - t0
-    doc["command"] = f"python benchmarks/sim_paper.py --output {a.output} --num-prompts {a.num_prompts} --target {a.target}"
+    doc["command"] = (f"python benchmarks/sim_paper.py --output {a.output} --num-prompts {a.num_prompts} "
+                      f"--target {a.target} --workloads {a.workloads}")
     with open(a.output, "w") as f:
         json.dump(doc, f, indent=2)
 

@@ -185,21 +185,37 @@ class StepWork:
 
 @dataclass(frozen=True)
 class ModelCost:
-    """Bytes and FLOPs of a model per unit of :class:`StepWork`."""
+    """Bytes and FLOPs of a model per unit of :class:`StepWork`.
+
+    An MoE model's routed experts are not in ``weight_bytes``: a step of ``tokens`` rows
+    reads ``expert_bytes`` for each of the experts they touch in expectation,
+    ``num_experts * (1 - (1 - experts_per_tok / num_experts) ** tokens)`` (uniform routing,
+    :func:`pagedkv.planner.params.expected_experts_touched`); 0 experts for dense models."""
     weight_bytes: int          # every weight tensor, each counted once (tied LM head = embedding)
     lm_head_bytes: int
-    layer_matmul_params: int   # q, k, v, o, gate, up, down over all layers
+    layer_matmul_params: int   # q, k, v, o, gate, up, down over all layers (active ones, MoE)
     lm_head_params: int        # vocab * hidden
     kv_bytes_per_token: int
     attn_flops_per_pair: int   # 2 * layers * heads * (d_qk + d_v)
+    expert_bytes: int = 0      # one routed expert of every MoE layer
+    num_experts: int = 0
+    experts_per_tok: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def weights_read(self, tokens: int, sampled: int) -> float:
+        """Weight bytes a step of ``tokens`` rows reads (the LM head only if a row samples)."""
+        w = self.weight_bytes - (0 if sampled else self.lm_head_bytes)
+        if self.num_experts:
+            e, k = self.num_experts, self.experts_per_tok
+            w += self.expert_bytes * e * (1.0 - (1.0 - k / e) ** max(tokens, 1))
+        return w
+
 
 def step_terms(w: StepWork, cost: ModelCost, device: Ceilings, compute_dtype: str = "float32") -> dict[str, float]:
     """Seconds of each bound term of one step: weight-read, kv-read, compute."""
-    weights = cost.weight_bytes - (0 if w.sampled else cost.lm_head_bytes)
+    weights = cost.weights_read(w.tokens, w.sampled)
     flops = (2 * cost.layer_matmul_params * w.tokens + 2 * cost.lm_head_params * w.sampled
              + cost.attn_flops_per_pair * w.attn_pairs)
     return {"weight-read": weights / device.bandwidth,
@@ -227,17 +243,21 @@ def bound(steps: list[StepWork], cost: ModelCost, device: Ceilings, compute_dtyp
 def config_cost(m: ModelConfig, spec: KVCacheSpec, weight_dtype: str, tp: int = 1) -> ModelCost:
     """The :class:`ModelCost` of one of ``tp`` devices, counted from a config (no tensors):
     the simulator's cost for models it does not load. Weight bytes are what
-    :meth:`Roofline.decode` reads at batch 1 (an untied embedding table is not read; an
-    MoE model's idle experts are, conservatively, as large batches touch them all);
-    ``spec`` is the device's share of the cache (:meth:`ModelConfig.kv_spec` at ``tp``)."""
+    :meth:`Roofline.decode` reads (an untied embedding table is not read; an MoE model's
+    routed experts as many as a step's tokens touch); ``spec`` is the device's share of
+    the cache (:meth:`ModelConfig.kv_spec` at ``tp``)."""
     per = WEIGHT_DTYPE_BYTES[weight_dtype]
     head = m.vocab_size * m.hidden_size
-    read = count_params(m).total - (0 if m.tie_word_embeddings else head)
+    c = count_params(m)
+    experts = c.moe_layers * m.moe.num_experts * c.expert if m.moe else 0
+    read = c.total - (0 if m.tie_word_embeddings else head) - experts
     dqk, dv = ((m.mla.latent_dim, m.mla.kv_lora_rank) if m.mla else (m.head_dim, m.head_dim))
     return ModelCost(weight_bytes=round(read * per / tp), lm_head_bytes=round(head * per / tp),
                      layer_matmul_params=(matmul_params(m) - head) // tp, lm_head_params=head // tp,
                      kv_bytes_per_token=spec.bytes_per_token,
-                     attn_flops_per_pair=2 * m.num_hidden_layers * m.num_attention_heads * (dqk + dv) // tp)
+                     attn_flops_per_pair=2 * m.num_hidden_layers * m.num_attention_heads * (dqk + dv) // tp,
+                     expert_bytes=round(c.moe_layers * c.expert * per / tp),
+                     num_experts=m.moe.num_experts if m.moe else 0, experts_per_tok=m.moe.experts_per_tok if m.moe else 0)
 
 
 def chunk_work(chunks: list[tuple[int, int]], sampled: int,

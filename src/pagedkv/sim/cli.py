@@ -51,16 +51,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests: a bundled dataset or a synthetic length distribution (default: arena-hard)")
     s.add_argument("--trace", help="a JSONL trace instead of --workload (arrival, prompt_len, output_len)")
     s.add_argument("--num-prompts", type=int, default=100, help="requests (default: 100)")
-    s.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals per second, or inf: all at once (default: inf)")
-    s.add_argument("--max-prompt-tokens", type=int, default=512, help="dataset prompts cut to this (default: 512)")
-    s.add_argument("--max-tokens", type=int, default=128, help="dataset output tokens (default: 128)")
+    s.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals per second, or inf: all at once (default: inf; not with --trace or --sweep)")
+    s.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="arena-hard and hh-rlhf prompts cut to this (default: 512)")
+    s.add_argument("--max-tokens", type=int, default=128,
+                   help="dataset output tokens (hh-rlhf: at most this, the reply's length) (default: 128)")
     s.add_argument("--random-input-len", type=int, default=256, help="random workload prompt length (default: 256)")
     s.add_argument("--random-output-len", type=int, default=128, help="random workload output length (default: 128)")
     s.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random lengths drawn from len x [1 - r, 1 + r] (default: 0)")
     s.add_argument("--workload-seed", type=int, default=0, help="seed of lengths and arrivals (default: 0)")
-    s.add_argument("--sweep", action="store_true", help="find the highest request rate meeting --target")
+    s.add_argument("--sweep", action="store_true",
+                   help="find the highest Poisson request rate meeting --target for these --num-prompts requests")
     s.add_argument("--target", default="normalized_latency=0.2",
                    help=f"METRIC=SECONDS for --sweep; metrics: {', '.join(TARGETS)} (default: normalized_latency=0.2)")
     s.add_argument("--calibrate", action="store_true",
@@ -73,6 +76,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         if a.dest == "weight_dtype":
             a.choices = None
             a.help = "auto, an engine weight dtype, or a planner name (bf16, fp8, int4, ...) (default: auto)"
+        if a.dest == "kv_cache_memory":
+            a.help = ("KV cache budget per device, e.g. 20GB or 512MiB (default: device memory x "
+                      "--gpu-memory-utilization - weights / tp; on cpu the engine's 4GiB)")
     p.set_defaults(func=run_simulate, kv_cache_memory=None)
     return p
 
@@ -110,16 +116,21 @@ def _run(a) -> int:
               f"+{1e3 * r['efficiency']['step_overhead_s']:.2f} ms/step, "
               f"+{1e3 * r['efficiency']['request_overhead_s']:.3f} ms/request; cached for {r['key']}")
         return 0
-    return _run_sweep(a, flags, weight) if a.sweep else _run_one(a, flags, weight)
+    if a.sweep:
+        given = [f for f, v in (("--output", a.output), ("--plot", a.plot), ("--trace", a.trace),
+                                ("--request-rate", a.request_rate)) if v is not None]
+        if given:
+            raise ValueError(f"not with --sweep: {', '.join(given)} (the sweep sets Poisson rates itself and writes no files)")
+        return _run_sweep(a, flags, weight)
+    return _run_one(a, flags, weight)
 
 
 def _setup_and_requests(a, flags: dict, weight: str, rate: float):
-    from pagedkv.config import EngineConfig
-    from pagedkv.sim.run import build_requests, sim_model, sim_setup
+    from pagedkv.sim.run import build_requests, engine_config, sim_model, sim_setup
 
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
-    config = EngineConfig(**flags)
+    config = engine_config(flags)
     setup = sim_setup(a.model, a.gpu, a.tp, config, weight, a.gpu_memory_utilization, a.kv_cache_memory)
     max_len = config.max_model_len or sim_model(a.model).max_position_embeddings
     reqs = build_requests(a.workload, a.num_prompts, rate, max_prompt_tokens=a.max_prompt_tokens,
@@ -135,6 +146,7 @@ def _run_one(a, flags: dict, weight: str) -> int:
 
     setup, reqs = _setup_and_requests(a, flags, weight, a.request_rate)
     r = run_setup(setup, reqs)
+    r.settings["request_rate"] = a.request_rate
     if a.output:
         with open(a.output, "w") as f:
             json.dump(r.to_dict(), f)
@@ -143,6 +155,9 @@ def _run_one(a, flags: dict, weight: str) -> int:
     d = r.to_dict()
     d.pop("timeline")
     print(json.dumps(d, indent=2) if a.json else render(r))
+    for what, path in (("result", a.output), ("plot", a.plot)):
+        if path and not a.json:
+            print(f"{what} written to {path}")
     return 0
 
 
@@ -161,8 +176,15 @@ def _run_sweep(a, flags: dict, weight: str) -> int:
         print(json.dumps({"target": metric, "limit_s": limit_s, "best_rate": best, "settings": setup.settings,
                           "points": [{"rate": p.rate, "value": p.value, "meets": p.meets} for p in points]}, indent=2))
         return 0
-    print(f"{metric} <= {limit_s} s: highest rate {'none (not even ' + str(points[0].rate) + ' req/s)' if best is None else f'{best:.3f} req/s'}")
+    if best is None:
+        verdict = f"none: even {points[0].rate:g} req/s misses it"
+    elif all(p.meets for p in points):
+        verdict = (f"met at every rate tried, up to {best:g} req/s: {len(reqs)} requests then arrive almost at once "
+                   "(raise --num-prompts, or tighten the target)")
+    else:
+        verdict = f"{best:.4g} req/s"
+    print(f"{metric} <= {limit_s:g} s over {len(reqs)} requests: highest rate {verdict}")
     for p in sorted(points, key=lambda p: p.rate):
-        v = "-" if p.value is None else f"{p.value:.4f}"
-        print(f"  {p.rate:10.3f} req/s  {metric} {v} s  {'meets' if p.meets else 'misses'}")
+        v = "-" if p.value is None else f"{p.value:.6g}"
+        print(f"  {p.rate:12.4g} req/s  {metric} {v} s  {'meets' if p.meets else 'misses'}")
     return 0

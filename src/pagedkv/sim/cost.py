@@ -89,7 +89,7 @@ class StepCost:
     def phases(self, work: StepWork) -> tuple[float, float, float, float]:
         """``(weights_s, matmul_s, kv_s, attention_s)``: the roofline terms of ``work``."""
         c, bw, rate = self.cost, self.device.bandwidth, self.device.matmul_rate(self.compute_dtype)
-        weights = c.weight_bytes - (0 if work.sampled else c.lm_head_bytes)
+        weights = c.weights_read(work.tokens, work.sampled)
         matmul = 2 * c.layer_matmul_params * work.tokens + 2 * c.lm_head_params * work.sampled
         return (weights / bw, matmul / rate, work.kv_tokens * c.kv_bytes_per_token / bw,
                 c.attn_flops_per_pair * work.attn_pairs / rate)

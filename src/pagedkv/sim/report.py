@@ -20,7 +20,10 @@ def _ms(d: dict) -> str:
 def render(r: SimResult) -> str:
     s, m, w = r.settings, r.metrics, r.settings["workload"]
     eff = s["efficiency"]
-    rate = "inf" if w["last_arrival_s"] == 0 else f"{w['num_requests'] / w['last_arrival_s']:.2f} (observed)"
+    asked = s.get("request_rate")
+    rate = "all at once" if w["last_arrival_s"] == 0 else (
+        f"{w['num_requests'] / w['last_arrival_s']:.2f} req/s observed"
+        + (f" (Poisson at {asked:g} asked)" if asked is not None else " (the trace's)"))
     lines = [
         f"simulated {s['model']} on {s['tp']} x {s['gpu_label']} ({s['weight_dtype']} weights, "
         f"{s['kv_cache_dtype']} KV, {s['num_blocks']} blocks of {s['block_size']} tokens, "
@@ -30,7 +33,7 @@ def render(r: SimResult) -> str:
            f", attention phase: KV reads x{eff['kv_read']:.3f}, FLOPs x{eff['attention']:.3f}")
         + f", +{1e3 * eff['step_overhead_s']:.2f} ms/step, +{1e3 * eff['request_overhead_s']:.3f} ms/request",
         f"workload: {w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
-        f"rate {rate} req/s",
+        f"arrivals {rate}",
         "",
         f"  duration              {m['duration_s']:.2f} s (simulated)",
         f"  throughput            {m['output_tokens_per_s']:.1f} output tok/s, {m['requests_per_s']:.3f} req/s",
@@ -38,10 +41,11 @@ def render(r: SimResult) -> str:
         f"  TPOT p50/p90/p99      {_ms(m['tpot_s'])} ms",
         f"  ITL  p50/p90/p99      {_ms(m['itl_s'])} ms",
         f"  e2e  p50/p90/p99      {_ms(m['e2e_s'])} ms",
-        f"  normalized latency    {_fmt_ms(m['normalized_latency_s'])} ms/token (mean e2e / output tokens)",
+        f"  normalized latency    {_fmt_ms(m['normalized_latency_s'])} ms/token (mean over requests of e2e / output tokens)",
         f"  preemptions           {m['preemptions']}",
+        f"  prefix cache hits     {m['prefix_hit_tokens']} of {w['prompt_tokens']} prompt tokens",
         f"  KV blocks             peak {m['peak_kv_blocks']}, mean {m['mean_kv_blocks']:.1f} of {m['num_blocks']}; "
-        f"waste {_pct(m['waste'])}",
+        f"waste {_pct(m['waste'])} (allocated slots holding no token)",
         f"  running at once       max {m['max_running']}, mean {m['mean_running']:.1f}; {m['steps']} steps",
         f"  simulator             {r.wall_s:.2f} s wall, {r.events_per_s:,.0f} events/s",
     ]

@@ -45,7 +45,7 @@ class SimResult:
     """
     settings: dict
     metrics: dict
-    timeline: dict
+    timeline: dict = field(repr=False)
     wall_s: float
     events_per_s: float
     run: EngineRun = field(repr=False)
@@ -105,11 +105,17 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
              seq_len=config.max_model_len or 4096, tp=tp, gpu_memory_utilization=gpu_memory_utilization,
              block_size=config.block_size, kv_cache_memory=kv_cache_memory,
              kv_scale_granularity=config.kv_cache_scale)
+    m = load_model(model)
+    if m.num_attention_heads % tp:
+        raise ValueError(f"tp {tp} does not split {model}'s {m.num_attention_heads} attention heads evenly")
     num_blocks = config.num_blocks or p.num_blocks
+    if num_blocks < 1 and kv_cache_memory is not None:
+        page = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale).page_size_bytes
+        raise ValueError(f"a KV cache budget of {p.cache_budget_bytes:,} bytes per device holds no block of "
+                         f"{config.block_size} tokens ({page:,} bytes)")
     if num_blocks < 1:
         raise ValueError(f"{model} at tp {tp} on {dev.name}: the weights ({p.weight_bytes_per_device / 1e9:.1f} GB "
                          f"per device) leave no room for a KV cache; raise --tp")
-    m = load_model(model)
     spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
     model_cost, eff, w_dtype = config_cost(m, spec, p.weight_dtype, tp), efficiency or Efficiency(), p.weight_dtype
     calibration = cpu_calibration(config, model, tp) if dev.is_cpu else None
@@ -150,6 +156,8 @@ def build_requests(workload: str | list[BenchRequest], num_prompts: int, request
     if request_rate is not None and not request_rate > 0:
         raise ValueError(f"request rate must be positive (or inf), got {request_rate}")
     if trace is not None:
+        if request_rate is not None:
+            raise ValueError("a trace has its own arrival times: give a trace or a request rate, not both")
         return load_trace(trace, seed)
     if isinstance(workload, list):
         reqs = workload
@@ -192,7 +200,8 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
              request_rate: float | None = None, *, weight_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
              kv_cache_memory: int | str | None = None, efficiency: Efficiency | None = None,
              max_prompt_tokens: int = 512, max_tokens: int = 128, input_len: int = 256, output_len: int = 128,
-             range_ratio: float = 0.0, trace: str | None = None, seed: int = 0, **engine_flags) -> SimResult:
+             range_ratio: float = 0.0, trace: str | None = None, workload_seed: int = 0,
+             **engine_flags) -> SimResult:
     """Simulate serving ``workload`` with ``model`` on ``tp`` x ``gpu``.
 
     Args:
@@ -209,16 +218,34 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
         efficiency: factors and overheads (default: cached calibration on cpu, else roofline).
         max_prompt_tokens, max_tokens: the dataset workloads' prompt cap and output length.
         input_len, output_len, range_ratio: the ``random`` workload's lengths.
-        trace: a JSONL trace (:func:`pagedkv.sim.workloads.load_trace`) instead of ``workload``.
+        trace: a JSONL trace (:func:`pagedkv.sim.workloads.load_trace`) instead of ``workload``
+            (with its own arrivals: ``request_rate`` must then be None).
+        workload_seed: seed of synthetic lengths, dataset draws and arrivals.
         engine_flags: :class:`~pagedkv.config.EngineConfig` fields (block_size, max_num_seqs, ...).
 
     Raises:
         ValueError: unknown model, GPU or workload; bad numbers; settings not simulated.
     """
-    config = EngineConfig(**engine_flags)
+    config = engine_config(engine_flags)
     setup = sim_setup(model, gpu, tp, config, weight_dtype, gpu_memory_utilization, kv_cache_memory, efficiency)
     max_len = config.max_model_len or sim_model(model).max_position_embeddings
     requests = build_requests(workload, num_prompts, request_rate, max_prompt_tokens=max_prompt_tokens,
                               max_tokens=max_tokens, input_len=input_len, output_len=output_len,
-                              range_ratio=range_ratio, max_model_len=max_len, trace=trace, seed=seed)
-    return run_setup(setup, requests)
+                              range_ratio=range_ratio, max_model_len=max_len, trace=trace, seed=workload_seed)
+    result = run_setup(setup, requests)
+    result.settings["request_rate"] = request_rate
+    return result
+
+
+def engine_config(flags: dict) -> EngineConfig:
+    """:class:`EngineConfig` from engine flags, refusing first what the simulator does not
+    model (whose own checks would otherwise ask for a CPU tier the simulator refuses).
+
+    Raises:
+        ValueError: a preemption mode other than recompute, or a bad engine flag.
+    """
+    mode = flags.get("preemption_mode", "recompute")
+    if mode != "recompute":
+        raise ValueError(f"preemption_mode {mode!r} is not simulated yet: swap needs the CPU KV tier, "
+                         "which the simulator does not model (use recompute)")
+    return EngineConfig(**flags)

@@ -111,4 +111,7 @@ def dataset_workload(name: str, num_prompts: int, max_prompt_tokens: int, max_to
     if name not in DATASETS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(DATASETS + SYNTHETIC)} or --trace")
     tok = load_tokenizer(resolve_model(DEFAULT_MODEL).folder)
-    return build_workload(name, tok, num_prompts, max_prompt_tokens, max_tokens, seed)
+    reqs = build_workload(name, tok, num_prompts, max_prompt_tokens, max_tokens, seed)
+    if len(reqs) < num_prompts:
+        raise ValueError(f"the {name} workload has {len(reqs)} prompts; {num_prompts} asked for")
+    return reqs
