@@ -90,7 +90,15 @@ def test_trace_loading_and_its_errors(tmp_path):
     good.write_text('{"arrival": 0.5, "prompt_len": 10, "output_len": 3}\n\n{"arrival": 1, "prompt_len": 4, '
                     '"output_len": 1}\n')
     reqs = load_trace(good)
-    assert [(r.arrival_s, r.num_prompt_tokens, r.output_len) for r in reqs] == [(0.5, 10, 3), (1.0, 4, 1)]
+    assert [(r.arrival_s, r.num_prompt_tokens, r.output_len) for r in reqs] == [(0.0, 10, 3), (0.5, 4, 1)]
+    epoch = tmp_path / "epoch.jsonl"  # absolute timestamps count from the first arrival
+    epoch.write_text('{"arrival": 1718000000, "prompt_len": 2, "output_len": 1}\n'
+                     '{"arrival": 1718000002.5, "prompt_len": 2, "output_len": 1}\n')
+    assert [r.arrival_s for r in load_trace(epoch)] == [0.0, 2.5]
+    huge = tmp_path / "huge.jsonl"  # refused before a trillion token ids are made
+    huge.write_text('{"arrival": 0, "prompt_len": 1000000000000, "output_len": 3}\n')
+    with pytest.raises(ValueError, match="line 1: .* exceed max_model_len 2048"):
+        load_trace(huge, max_model_len=2048)
     cases = {"": "no requests", '{"arrival": 0}\n': "line 1", '{"arrival": -1, "prompt_len": 1, "output_len": 1}':
              "line 1", 'not json': "line 1"}
     for text, msg in cases.items():
@@ -135,6 +143,10 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                     (dict(kv_cache_memory="1MiB"), "holds no block"),
                                     (dict(preemption_mode="swap"), "not simulated"),
                                     (dict(workload="arena-hard", num_prompts=501), "has 500 prompts"),
+                                    (dict(workload="random", num_prompts=-1), "num_prompts"),
+                                    (dict(kv_cache_memory="500GiB"), "exceed"),
+                                    (dict(workload=[BenchRequest((1, 2), 2, 2, float("nan"))]), "arrival_s"),
+                                    (dict(workload=[BenchRequest((1, 2), 0, 2)]), "output_len"),
                                     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                                      "not simulated"),
                                     (dict(kv_eviction="snapkv", kv_budget_tokens=64), "not simulated")])

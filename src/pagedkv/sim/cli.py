@@ -126,13 +126,13 @@ def _run(a) -> int:
 
 
 def _setup_and_requests(a, flags: dict, weight: str, rate: float):
-    from pagedkv.sim.run import build_requests, engine_config, sim_model, sim_setup
+    from pagedkv.sim.run import build_requests, engine_config, sim_setup
 
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     config = engine_config(flags)
     setup = sim_setup(a.model, a.gpu, a.tp, config, weight, a.gpu_memory_utilization, a.kv_cache_memory)
-    max_len = config.max_model_len or sim_model(a.model).max_position_embeddings
+    max_len = setup.engine().max_model_len  # (the cache may cap the model's)
     reqs = build_requests(a.workload, a.num_prompts, rate, max_prompt_tokens=a.max_prompt_tokens,
                           max_tokens=a.max_tokens, input_len=a.random_input_len, output_len=a.random_output_len,
                           range_ratio=a.random_range_ratio, max_model_len=max_len, trace=a.trace,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from pagedkv.bench.driver import EngineRun, drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals, workload_summary
-from pagedkv.config import EngineConfig
+from pagedkv.config import WEIGHT_DTYPES, EngineConfig
 from pagedkv.model.config import ENGINE_MAX_POSITIONS, ModelConfig
 from pagedkv.planner.hardware import get_device
 from pagedkv.planner.models import load_model
@@ -31,7 +31,7 @@ from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import Efficiency, StepCost
 from pagedkv.sim.engine import SimEngine
 from pagedkv.sim.runner import SimRunner, cost_model_times
-from pagedkv.sim.workloads import SYNTHETIC, dataset_workload, load_trace, synthetic_workload
+from pagedkv.sim.workloads import SYNTHETIC, check_requests, dataset_workload, load_trace, synthetic_workload
 
 
 @dataclass
@@ -116,9 +116,15 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     if num_blocks < 1:
         raise ValueError(f"{model} at tp {tp} on {dev.name}: the weights ({p.weight_bytes_per_device / 1e9:.1f} GB "
                          f"per device) leave no room for a KV cache; raise --tp")
+    page = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale).page_size_bytes
+    if p.weight_bytes_per_device + (num_blocks + 1) * page > dev.memory_bytes:
+        raise ValueError(f"{num_blocks:,} KV blocks ({(num_blocks + 1) * page / 2**30:.1f} GiB) and the weights "
+                         f"({p.weight_bytes_per_device / 2**30:.1f} GiB) exceed {dev.name}'s "
+                         f"{dev.memory_bytes / 2**30:.1f} GiB per device")
     spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
     model_cost, eff, w_dtype = config_cost(m, spec, p.weight_dtype, tp), efficiency or Efficiency(), p.weight_dtype
-    calibration = cpu_calibration(config, model, tp) if dev.is_cpu else None
+    # this CPU's fit holds for the engine settings it profiled (weights as the engine stores them)
+    calibration = cpu_calibration(config, model, tp) if dev.is_cpu and weight_dtype == config.weight_dtype else None
     if calibration is not None:  # this machine's fit, with the cost it was fitted on (weights as stored)
         eff, model_cost, w_dtype = efficiency or calibration[0], calibration[1], config.weight_dtype
     elif dev.is_cpu and efficiency is None:
@@ -158,8 +164,12 @@ def build_requests(workload: str | list[BenchRequest], num_prompts: int, request
     if trace is not None:
         if request_rate is not None:
             raise ValueError("a trace has its own arrival times: give a trace or a request rate, not both")
-        return load_trace(trace, seed)
+        return load_trace(trace, seed, max_model_len)
+    if not isinstance(workload, list) and (isinstance(num_prompts, bool) or not isinstance(num_prompts, int)
+                                           or num_prompts < 1):
+        raise ValueError(f"num_prompts must be an integer >= 1, got {num_prompts!r}")
     if isinstance(workload, list):
+        check_requests(workload)
         reqs = workload
     elif workload in SYNTHETIC:
         reqs = synthetic_workload(workload, num_prompts, input_len, output_len, range_ratio, max_model_len, seed)
@@ -226,9 +236,11 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
     Raises:
         ValueError: unknown model, GPU or workload; bad numbers; settings not simulated.
     """
+    if weight_dtype in WEIGHT_DTYPES:  # an engine setting too (part of a calibration's key)
+        engine_flags = engine_flags | {"weight_dtype": weight_dtype}
     config = engine_config(engine_flags)
     setup = sim_setup(model, gpu, tp, config, weight_dtype, gpu_memory_utilization, kv_cache_memory, efficiency)
-    max_len = config.max_model_len or sim_model(model).max_position_embeddings
+    max_len = setup.engine().max_model_len  # (the cache may cap the model's)
     requests = build_requests(workload, num_prompts, request_rate, max_prompt_tokens=max_prompt_tokens,
                               max_tokens=max_tokens, input_len=input_len, output_len=output_len,
                               range_ratio=range_ratio, max_model_len=max_len, trace=trace, seed=workload_seed)

@@ -57,6 +57,8 @@ def sweep(run: Callable[[list[BenchRequest]], dict], requests: list[BenchRequest
     def at(rate: float) -> bool:
         m = run(with_poisson_arrivals(requests, rate, seed))
         v = target_value(m, target)
+        if v is None:
+            raise ValueError(f"{target} is undefined for these requests (TPOT needs 2 or more output tokens)")
         points.append(SweepPoint(rate, v, v is not None and v <= limit, m))
         return points[-1].meets
 

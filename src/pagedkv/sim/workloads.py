@@ -72,32 +72,54 @@ def synthetic_workload(name: str, num_prompts: int, input_len: int = 256, output
     return out
 
 
-def load_trace(path: str | Path, seed: int = 0) -> list[BenchRequest]:
+def load_trace(path: str | Path, seed: int = 0, max_model_len: int | None = None) -> list[BenchRequest]:
     """Requests of a JSONL trace (``arrival`` seconds, ``prompt_len``, ``output_len`` per line).
+    Arrivals count from the earliest one (absolute timestamps work); a request longer than
+    ``max_model_len`` tokens is refused, naming its line, before its ids are made.
 
     Raises:
-        ValueError: an unreadable or empty file, or a line without those fields (named by number).
+        ValueError: an unreadable or empty file, or a line without those fields, with a
+            bad value or too long (named by number).
     """
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read trace {path}: {e}") from None
-    rng, out = random.Random(seed), []
+    rows = []
     for no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
             t, p, o = float(row["arrival"]), int(row["prompt_len"]), int(row["output_len"])
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"trace {path} line {no}: expected {{\"arrival\", \"prompt_len\", \"output_len\"}} "
-                             f"({type(e).__name__}: {e})") from None
+                             f"({type(e).__name__})") from None
         if p < 1 or o < 1 or not t >= 0 or t == float("inf"):
             raise ValueError(f"trace {path} line {no}: lengths must be >= 1 and arrival a finite time >= 0")
-        out.append(BenchRequest(random_ids(rng, p), o, o, t, label=f"trace/{no}"))
-    if not out:
+        if max_model_len is not None and p + o > max_model_len:
+            raise ValueError(f"trace {path} line {no}: {p} + {o} tokens exceed max_model_len {max_model_len}")
+        rows.append((no, t, p, o))
+    if not rows:
         raise ValueError(f"trace {path} has no requests")
-    return out
+    rng, t0 = random.Random(seed), min(t for _, t, _, _ in rows)
+    return [BenchRequest(random_ids(rng, p), o, o, t - t0, label=f"trace/{no}") for no, t, p, o in rows]
+
+
+def check_requests(reqs: list[BenchRequest]) -> None:
+    """Refuse a request list the driver cannot run as meant.
+
+    Raises:
+        ValueError: an empty prompt, ``output_len`` under 1 or over ``max_tokens``, or an
+            arrival that is not a finite time >= 0 (naming the request's index).
+    """
+    for i, r in enumerate(reqs):
+        if not r.prompt_token_ids or r.output_len < 1 or r.max_tokens < r.output_len:
+            raise ValueError(f"request {i}: needs a prompt and 1 <= output_len <= max_tokens "
+                             f"(got {r.num_prompt_tokens} prompt tokens, output_len {r.output_len}, "
+                             f"max_tokens {r.max_tokens})")
+        if not 0 <= r.arrival_s < float("inf"):
+            raise ValueError(f"request {i}: arrival_s must be a finite time >= 0, got {r.arrival_s}")
 
 
 def dataset_workload(name: str, num_prompts: int, max_prompt_tokens: int, max_tokens: int,
