@@ -18,6 +18,8 @@ null block: table entries whose page was given back point at it. Plain ints; no 
 
 from __future__ import annotations
 
+from itertools import chain
+
 from collections import Counter
 from typing import NamedTuple, Protocol, Sequence
 
@@ -227,15 +229,16 @@ class KVCacheManager:
         """``(allocated, filled)`` token slots over pages held by requests in any group,
         shared pages counted once; ``num_written`` maps request id -> tokens whose KV is
         written. KV memory waste is ``1 - filled / allocated``."""
-        bs, held, full, partial = self.block_size, set(), set(), {}
+        bs, full, partial = self.block_size, [], {}
+        held = set(chain.from_iterable(t for g in self.groups for t in g.block_tables.values()))
         for g in self.groups:  # per table: pages [0, n // bs) are full, page n // bs holds n % bs
             for rid, table in g.block_tables.items():
                 n = max(0, num_written.get(rid, 0))
                 k = min(len(table), n // bs)
-                held.update(table)
-                full.update(table[:k])
+                full.append(table[:k])
                 if k < len(table) and n > k * bs:
                     partial[table[k]] = max(partial.get(table[k], 0), n - k * bs)
+        full = set(chain.from_iterable(full))
         null = self.pool.null_block
         held.discard(null)
         full.discard(null)
