@@ -106,31 +106,10 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
              block_size=config.block_size, kv_cache_memory=kv_cache_memory,
              kv_scale_granularity=config.kv_cache_scale)
     m = load_model(model)
-    if m.num_attention_heads % tp:
-        raise ValueError(f"tp {tp} does not split {model}'s {m.num_attention_heads} attention heads evenly")
     num_blocks = config.num_blocks or p.num_blocks
-    if num_blocks < 1 and kv_cache_memory is not None:
-        page = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale).page_size_bytes
-        raise ValueError(f"a KV cache budget of {p.cache_budget_bytes:,} bytes per device holds no block of "
-                         f"{config.block_size} tokens ({page:,} bytes)")
-    if num_blocks < 1:
-        raise ValueError(f"{model} at tp {tp} on {dev.name}: the weights ({p.weight_bytes_per_device / 1e9:.1f} GB "
-                         f"per device) leave no room for a KV cache; raise --tp")
-    page = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale).page_size_bytes
-    if p.weight_bytes_per_device + (num_blocks + 1) * page > dev.memory_bytes:
-        raise ValueError(f"{num_blocks:,} KV blocks ({(num_blocks + 1) * page / 2**30:.1f} GiB) and the weights "
-                         f"({p.weight_bytes_per_device / 2**30:.1f} GiB) exceed {dev.name}'s "
-                         f"{dev.memory_bytes / 2**30:.1f} GiB per device")
-    spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
-    model_cost, eff, w_dtype = config_cost(m, spec, p.weight_dtype, tp), efficiency or Efficiency(), p.weight_dtype
-    # this CPU's fit holds for the engine settings it profiled (weights as the engine stores them)
-    calibration = cpu_calibration(config, model, tp) if dev.is_cpu and weight_dtype == config.weight_dtype else None
-    if calibration is not None:  # this machine's fit, with the cost it was fitted on (weights as stored)
-        eff, model_cost, w_dtype = efficiency or calibration[0], calibration[1], config.weight_dtype
-    elif dev.is_cpu and efficiency is None:
-        eff = Efficiency(source="roofline: no calibration cached for this CPU and these settings "
-                                "(run pagedkv simulate --calibrate)")
-    cost = StepCost(model_cost, dev, p.weight_dtype, eff)
+    check_pool(m, p, dev, config, tp, num_blocks, kv_cache_memory is not None)
+    cost, w_dtype = step_cost(m, p, dev, config, model, tp, weight_dtype, efficiency)
+    eff = cost.efficiency
     settings = {"model": p.model, "gpu": dev.name, "gpu_label": dev.label, "tp": tp, "weight_dtype": w_dtype,
                 "kv_cache_dtype": p.kv_cache_dtype, "num_blocks": num_blocks, "block_size": config.block_size,
                 "cache_budget_bytes": p.cache_budget_bytes, "efficiency": eff.to_dict(),
@@ -138,6 +117,44 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
                 "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
                 "enable_prefix_caching": config.enable_prefix_caching, "kv_allocator": config.kv_allocator}
     return SimSetup(config, model, num_blocks, cost, settings)
+
+
+def check_pool(m: ModelConfig, p, dev, config: EngineConfig, tp: int, num_blocks: int, budget_given: bool) -> None:
+    """Refuse what no device of the plan ``p`` runs: a tp that does not split the heads,
+    no room for one block, or a pool that with the weights exceeds the device's memory.
+
+    Raises:
+        ValueError: naming the numbers.
+    """
+    if m.num_attention_heads % tp:
+        raise ValueError(f"tp {tp} does not split {p.model}'s {m.num_attention_heads} attention heads evenly")
+    page = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale).page_size_bytes
+    if num_blocks < 1 and budget_given:
+        raise ValueError(f"a KV cache budget of {p.cache_budget_bytes:,} bytes per device holds no block of "
+                         f"{config.block_size} tokens ({page:,} bytes)")
+    if num_blocks < 1:
+        raise ValueError(f"{p.model} at tp {tp} on {dev.name}: the weights ({p.weight_bytes_per_device / 1e9:.1f} GB "
+                         f"per device) leave no room for a KV cache; raise --tp")
+    if p.weight_bytes_per_device + (num_blocks + 1) * page > dev.memory_bytes:
+        raise ValueError(f"{num_blocks:,} KV blocks ({(num_blocks + 1) * page / 2**30:.1f} GiB) and the weights "
+                         f"({p.weight_bytes_per_device / 2**30:.1f} GiB) exceed {dev.name}'s "
+                         f"{dev.memory_bytes / 2**30:.1f} GiB per device")
+
+
+def step_cost(m: ModelConfig, p, dev, config: EngineConfig, model: str, tp: int, weight_dtype: str,
+              efficiency: Efficiency | None) -> tuple[StepCost, str]:
+    """The step cost and the weight dtype it prices: this CPU's cached calibration when it
+    was fitted for these engine settings (then with the cost it was fitted on: weights as
+    the engine stores them), else the config's cost on the plain roofline."""
+    spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
+    cost, eff, w_dtype = config_cost(m, spec, p.weight_dtype, tp), efficiency or Efficiency(), p.weight_dtype
+    calibration = cpu_calibration(config, model, tp) if dev.is_cpu and weight_dtype == config.weight_dtype else None
+    if calibration is not None:
+        eff, cost, w_dtype = efficiency or calibration[0], calibration[1], config.weight_dtype
+    elif dev.is_cpu and efficiency is None:
+        eff = Efficiency(source="roofline: no calibration cached for this CPU and these settings "
+                                "(run pagedkv simulate --calibrate)")
+    return StepCost(cost, dev, p.weight_dtype, eff), w_dtype
 
 
 def cpu_calibration(config: EngineConfig, model: str, tp: int):
