@@ -53,7 +53,12 @@ def test_efficiency_factors_and_overheads():
     phased = StepCost(cost, dev, "bfloat16", Efficiency(memory=0.5, compute=0.5, kv_read=0.25, attention=0.1))
     assert phased.seconds(decode, 8) == pytest.approx(max(w, mm) / 0.5 + kv / 0.25 + attn / 0.1)
     assert (w + kv, mm + attn) == pytest.approx(plain.terms(decode))
+    few = StepCost(cost, dev, "bfloat16", Efficiency(few_row_factors=(2.0, 1.5)))  # steps of 1 and 2 rows
+    one, two, three = (StepWork(k, k, k * 100, k * 100) for k in (1, 2, 3))
+    assert (few.seconds(one, 1), few.seconds(two, 2), few.seconds(three, 3)) == pytest.approx(
+        (2 * plain.seconds(one, 1), 1.5 * plain.seconds(two, 2), plain.seconds(three, 3)))
     for bad in (dict(memory=0), dict(compute=2.0), dict(step_overhead_s=-1), dict(kv_read=0.5),
+                dict(few_row_factors=(1.0, 0.0)),
                 dict(kv_read=0.5, attention=0.0)):
         with pytest.raises(ValueError):
             Efficiency(**bad)
@@ -219,6 +224,7 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     config = EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=16)
     r = cal.calibrate(config, quick=True)
     assert r["steps"] >= 10 and 0 < r["efficiency"]["memory"] <= 1.5 and r["fit"]["samples"] == r["steps"]
+    assert len(r["efficiency"]["few_row_factors"]) == 8  # the quick profile decodes 1 and 8 requests
     eff, cost = cal.cached(config, str(tiny_model_dir))
     assert eff.source.startswith("calibrated on this CPU") and cost.kv_bytes_per_token == r["cost"]["kv_bytes_per_token"]
     assert cal.cached(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="int8"), str(tiny_model_dir)) is None

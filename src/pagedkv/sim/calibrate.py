@@ -6,7 +6,8 @@ the benchmark driver after a warm-up) covers the shapes a serving run mixes:
 - prefill: one prompt each of :data:`PREFILL_LENS` tokens (chunks up to
   ``max_num_batched_tokens``);
 - decode: :data:`DECODE_SHAPES` (requests at once, prompt tokens), :data:`DECODE_STEPS`
-  tokens each (the first step of each batch is a batched prefill).
+  tokens each (the first step of each batch is a batched prefill); the 1-5 and 8-request
+  decodes also give the few-row corrections (:func:`few_row_factors`).
 
 The profile runs :data:`REPEATS` times and each step's time is the median over the repeats
 (the schedule is the same every time; a shared machine's noise only slows a step down, but
@@ -28,7 +29,7 @@ import os
 import platform
 import random
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pagedkv.config import EngineConfig
@@ -39,6 +40,7 @@ PREFILL_LENS = (16, 64, 256, 1024, 2048)
 DECODE_SHAPES = ((1, 64), (2, 64), (3, 64), (4, 64), (5, 64), (16, 64), (48, 64), (8, 512), (32, 256))
 DECODE_STEPS = 12
 REPEATS = 3
+FEW_ROWS = 8  # steps of up to this many token rows get a measured correction
 QUICK = {"prefill": (16, 128), "shapes": ((1, 16), (8, 16)), "steps": 4}  # tests
 
 
@@ -77,6 +79,26 @@ def cached(config: EngineConfig, model: str) -> tuple[Efficiency, ModelCost] | N
     return Efficiency(**entry["efficiency"]), ModelCost(**entry["cost"])
 
 
+def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS) -> tuple[float, ...]:
+    """Per ``M = 1 .. rows`` token rows, the median of measured / modelled seconds over the
+    profiled steps of exactly ``M`` rows; an ``M`` without such steps is interpolated
+    between its neighbours (past the last measured one: nothing, i.e. 1)."""
+    ratios = {}
+    for m in range(1, rows + 1):
+        r = [t / cost.seconds_of(ph, n) for ph, n, k, t in zip(phases, reqs, tokens, secs) if k == m]
+        if r:
+            ratios[m] = statistics.median(r)
+    if not ratios:
+        return ()
+    known = sorted(ratios)
+    out = []
+    for m in range(1, known[-1] + 1):
+        lo = max((k for k in known if k <= m), default=known[0])
+        hi = min((k for k in known if k >= m), default=known[-1])
+        out.append(ratios[lo] if lo == hi else ratios[lo] + (ratios[hi] - ratios[lo]) * (m - lo) / (hi - lo))
+    return tuple(out)
+
+
 def profile_workload(quick: bool = False, seed: int = 0) -> list:
     """The profile's requests (all arriving at once, in order; random token ids)."""
     from pagedkv.bench.workloads import BenchRequest
@@ -109,7 +131,7 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
     warm_up(engine)
     cost, dev = model_cost(engine), cpu_device()
     probe = StepCost(cost, dev, "int8" if config.activation_dtype == "int8" else "float32")
-    phases, reqs, secs = [], [], []
+    phases, reqs, tokens, secs = [], [], [], []
     for group in profile_workload(quick):
         runs = []
         for _ in range(repeats):
@@ -118,12 +140,16 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
         for i, (work, n) in enumerate(zip(runs[0].steps, runs[0].running)):
             phases.append(probe.phases(work))
             reqs.append(n)
+            tokens.append(work.tokens)
             secs.append(statistics.median(r.step_seconds[i] for r in runs))
     f = fit(*zip(*phases), reqs, secs)
-    eff = Efficiency(f.memory, f.compute, f.kv_read, f.attention, f.step_overhead_s, f.request_overhead_s,
+    eff = Efficiency(memory=f.memory, compute=f.compute, kv_read=f.kv_read, attention=f.attention,
+                     step_overhead_s=f.step_overhead_s, request_overhead_s=f.request_overhead_s,
                      source=f"calibrated on this CPU ({len(secs)} step shapes of the real engine, median of "
                             f"{repeats} runs each; median |error| "
                             f"{100 * f.median_abs_rel_error:.1f}%, max {100 * f.max_abs_rel_error:.1f}%)")
+    probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
+    eff = replace(eff, few_row_factors=few_row_factors(probe_eff, phases, reqs, tokens, secs))
     probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
     key = calibration_key(config, engine.config.model)
     entry = {"efficiency": eff.to_dict(), "cost": cost.to_dict(), "fit": asdict(f),
@@ -135,6 +161,6 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
             cache_path().write_text(json.dumps(data, indent=2))
         except OSError:
             pass  # a read-only home: the fit is still returned
-    samples = [{"phases_s": list(ph), "requests": n, "seconds": t, "predicted_s": probe_eff.seconds_of(ph, n)}
-               for ph, n, t in zip(phases, reqs, secs)]
+    samples = [{"phases_s": list(ph), "requests": n, "tokens": m, "seconds": t,
+                "predicted_s": probe_eff.seconds_of(ph, n, m)} for ph, n, m, t in zip(phases, reqs, tokens, secs)]
     return {"key": key} | entry | {"steps": len(secs), "samples": samples}

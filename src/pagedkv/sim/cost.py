@@ -14,9 +14,14 @@ runs the projections and the attention as separate phases (the attention over pa
 its own kernel, after a layer's projections, and reads KV at a rate of its own), each
 term at its own fraction of the roofline, plus fixed costs::
 
-    seconds = max(weights_s / memory, matmul_s / compute)
-              + kv_s / kv_read + attention_s / attention
-              + step_overhead_s + request_overhead_s * requests in the step
+    seconds = (max(weights_s / memory, matmul_s / compute)
+               + kv_s / kv_read + attention_s / attention
+               + step_overhead_s + request_overhead_s * requests in the step) * few_row[M]
+
+where ``few_row[M]`` corrects steps of only ``M`` token rows (decodes of a few requests),
+measured per ``M``: on this CPU the GGML-block linear kernel reuses a widened weight for 4
+activation rows at a time and goes over the weights once per row below that
+(``attention/csrc/ggml_linear.cpp``), which no roofline term expresses (1 for larger steps).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class Efficiency:
             runs as a phase of its own, (0, 1.5]; ``None`` (the plain roofline): it overlaps
             with the projections, as the planner assumes (then ``attention`` is None too).
         attention: fraction of the matrix rate the attention FLOPs reach in that phase.
+        few_row_factors: the ``few_row[M]`` factors above for ``M = 1, 2, ...`` token rows
+            (each > 0); ``()``: none (1 for every step).
         step_overhead_s: seconds every step adds (scheduling, launches, sampling), >= 0.
         request_overhead_s: seconds each request in the step adds (per-sequence
             metadata, Python), >= 0.
@@ -50,6 +57,7 @@ class Efficiency:
     compute: float = 1.0
     kv_read: float | None = None
     attention: float | None = None
+    few_row_factors: tuple[float, ...] = ()
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     source: str = "roofline (no efficiency factors, no overheads)"
@@ -62,6 +70,9 @@ class Efficiency:
             if not (v is None and name in ("kv_read", "attention")) and not (
                     isinstance(v, (int, float)) and 0.0 < v <= 1.5):
                 raise ValueError(f"{name} efficiency must be in (0, 1.5], got {v!r}")
+        object.__setattr__(self, "few_row_factors", tuple(float(f) for f in self.few_row_factors))
+        if not all(0 < f < float("inf") for f in self.few_row_factors):
+            raise ValueError(f"few_row_factors must be positive, got {self.few_row_factors!r}")
         for name in ("step_overhead_s", "request_overhead_s"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -101,10 +112,16 @@ class StepCost:
 
     def seconds(self, work: StepWork, num_requests: int) -> float:
         """Modelled seconds of one step computing ``work`` for ``num_requests`` requests."""
-        return self.seconds_of(self.phases(work), num_requests)
+        return self.seconds_of(self.phases(work), num_requests, work.tokens)
 
-    def seconds_of(self, phases: tuple[float, float, float, float], num_requests: int) -> float:
-        """Modelled seconds of a step with these :meth:`phases` (see the module docstring)."""
+    def seconds_of(self, phases: tuple[float, float, float, float], num_requests: int, tokens: int = 0) -> float:
+        """Modelled seconds of a step of ``tokens`` rows with these :meth:`phases` (see the
+        module docstring)."""
+        e = self.efficiency
+        few = e.few_row_factors[tokens - 1] if 0 < tokens <= len(e.few_row_factors) else 1.0
+        return few * self._seconds(phases, num_requests)
+
+    def _seconds(self, phases: tuple[float, float, float, float], num_requests: int) -> float:
         e = self.efficiency
         w, mm, kv, attn = phases
         if e.attention is None:
