@@ -106,6 +106,19 @@ def test_same_schedule_as_the_engine_with_fixed_step_times(tiny_model_dir, kw):
         assert a.arrival == pytest.approx(b.arrival)
 
 
+def test_same_schedule_at_block_boundaries(tiny_model_dir):
+    """Prompts of 1, 15, 16 and 17 tokens in 16-token blocks, outputs crossing a block edge,
+    a pool of 4 blocks (preemptions), requests ended early by the driver (aborts)."""
+    lens = [1, 15, 16, 17, 15, 16, 17, 1]
+    work = with_poisson_arrivals([BenchRequest(tuple(range(100 * i + 1, 100 * i + 1 + n)), 10 + i % 3, 18)
+                                  for i, n in enumerate(lens)], 1000.0, seed=2)
+    kw = dict(num_blocks=4, block_size=16, max_num_batched_tokens=32)
+    real, real_log = run_real(tiny_model_dir, work, virtual=True, **kw)
+    sim, sim_log = run_sim(tiny_model_dir, work, **kw)
+    assert real.preemptions > 0 and sim_log == real_log
+    assert [r.num_output_tokens for r in sorted(sim.records, key=lambda r: r.index)] == [10 + i % 3 for i in range(8)]
+
+
 def test_replaying_a_wall_clock_run_gives_its_schedule(tiny_model_dir):
     """The real engine on the wall clock; the simulator with the clock set to the recorded
     step starts makes the same steps, preemptions and peak blocks."""
