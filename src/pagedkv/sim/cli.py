@@ -84,14 +84,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _engine_flags(a) -> tuple[dict, str]:
-    from pagedkv.config import WEIGHT_DTYPES
-
+    """The engine flags (``--weight-dtype`` apart: it takes the planner's names too) and it."""
     kw = engine_kwargs(a)
     kw.pop("kv_cache_memory")
-    weight = kw.pop("weight_dtype")
-    if weight in WEIGHT_DTYPES:
-        kw["weight_dtype"] = weight  # (the engine's own name: part of a calibration's key)
-    return kw, weight
+    return kw, kw.pop("weight_dtype")
 
 
 def run_simulate(a) -> int:
@@ -109,7 +105,7 @@ def _run(a) -> int:
     if a.calibrate:
         from pagedkv.sim.calibrate import calibrate
 
-        kw = flags | ({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory else {})
+        kw = flags | {"weight_dtype": weight} | ({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory else {})
         r = calibrate(EngineConfig(**kw))
         print(json.dumps(r, indent=2) if a.json else f"{r['efficiency']['source']}\n"
               f"memory x{r['efficiency']['memory']:.3f}, compute x{r['efficiency']['compute']:.3f}, "
@@ -125,19 +121,16 @@ def _run(a) -> int:
     return _run_one(a, flags, weight)
 
 
-def _setup_and_requests(a, flags: dict, weight: str, rate: float):
-    from pagedkv.sim.run import build_requests, engine_config, sim_setup
+def _setup_and_requests(a, flags: dict, weight: str, rate: float | None):
+    from pagedkv.sim.run import prepare
 
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
-    config = engine_config(flags)
-    setup = sim_setup(a.model, a.gpu, a.tp, config, weight, a.gpu_memory_utilization, a.kv_cache_memory)
-    max_len = setup.engine().max_model_len  # (the cache may cap the model's)
-    reqs = build_requests(a.workload, a.num_prompts, rate, max_prompt_tokens=a.max_prompt_tokens,
-                          max_tokens=a.max_tokens, input_len=a.random_input_len, output_len=a.random_output_len,
-                          range_ratio=a.random_range_ratio, max_model_len=max_len, trace=a.trace,
-                          seed=a.workload_seed)
-    return setup, reqs
+    return prepare(a.model, a.gpu, a.tp, flags, weight, a.gpu_memory_utilization, a.kv_cache_memory, None,
+                   a.workload, a.num_prompts, rate,
+                   dict(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens, input_len=a.random_input_len,
+                        output_len=a.random_output_len, range_ratio=a.random_range_ratio, trace=a.trace,
+                        seed=a.workload_seed))
 
 
 def _run_one(a, flags: dict, weight: str) -> int:

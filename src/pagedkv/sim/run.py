@@ -253,17 +253,29 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
     Raises:
         ValueError: unknown model, GPU or workload; bad numbers; settings not simulated.
     """
-    if weight_dtype in WEIGHT_DTYPES:  # an engine setting too (part of a calibration's key)
-        engine_flags = engine_flags | {"weight_dtype": weight_dtype}
-    config = engine_config(engine_flags)
-    setup = sim_setup(model, gpu, tp, config, weight_dtype, gpu_memory_utilization, kv_cache_memory, efficiency)
-    max_len = setup.engine().max_model_len  # (the cache may cap the model's)
-    requests = build_requests(workload, num_prompts, request_rate, max_prompt_tokens=max_prompt_tokens,
-                              max_tokens=max_tokens, input_len=input_len, output_len=output_len,
-                              range_ratio=range_ratio, max_model_len=max_len, trace=trace, seed=workload_seed)
+    setup, requests = prepare(model, gpu, tp, engine_flags, weight_dtype, gpu_memory_utilization, kv_cache_memory,
+                              efficiency, workload, num_prompts, request_rate,
+                              dict(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, input_len=input_len,
+                                   output_len=output_len, range_ratio=range_ratio, trace=trace, seed=workload_seed))
     result = run_setup(setup, requests)
     result.settings["request_rate"] = request_rate
     return result
+
+
+def prepare(model: str, gpu: str, tp: int, engine_flags: dict, weight_dtype: str, gpu_memory_utilization: float,
+            kv_cache_memory, efficiency: Efficiency | None, workload, num_prompts: int, request_rate: float | None,
+            workload_kw: dict) -> tuple[SimSetup, list[BenchRequest]]:
+    """The setup and the requests of one simulation (the arguments as :func:`simulate`'s;
+    ``workload_kw``: :func:`build_requests`' keywords but ``max_model_len``, which is the
+    engine's, the cache's cap included). A weight dtype the engine knows is an engine flag too
+    (part of a calibration's key)."""
+    if weight_dtype in WEIGHT_DTYPES:
+        engine_flags = engine_flags | {"weight_dtype": weight_dtype}
+    setup = sim_setup(model, gpu, tp, engine_config(engine_flags), weight_dtype, gpu_memory_utilization,
+                      kv_cache_memory, efficiency)
+    requests = build_requests(workload, num_prompts, request_rate, max_model_len=setup.engine().max_model_len,
+                              **workload_kw)
+    return setup, requests
 
 
 def engine_config(flags: dict) -> EngineConfig:
