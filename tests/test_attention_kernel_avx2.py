@@ -36,7 +36,8 @@ def test_the_avx2_build_passes_the_kernel_tests():
     env = dict(os.environ, PAGEDKV_KERNEL_MARCH="x86-64-v3")
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
                         str(HERE / "test_attention_kernel.py"), str(HERE / "test_attention_kernel_quant.py"),
-                        str(HERE / "test_int8_weights.py"), str(HERE / "test_ggml_weights.py"), str(HERE / "test_layer_ops.py"), str(HERE / "test_w8a8.py"), "-k", "not cli and not planner and not hf"],
+                        str(HERE / "test_int8_weights.py"), str(HERE / "test_ggml_weights.py"), str(HERE / "test_layer_ops.py"), str(HERE / "test_w8a8.py"),
+                        str(HERE / "test_ggml_a8.py"), "-k", "not cli and not planner and not hf"],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2], r.stdout[-500:]

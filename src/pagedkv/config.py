@@ -69,10 +69,11 @@ class EngineConfig:
             a quarter of fp32's bytes per decode step); auto (what the checkpoint holds: a
             GGUF's Q4_1/Q8_0 blocks as stored, else fp32); int4 (Q4_1 layers, Q8_0 LM head).
         activation_dtype: what every linear layer's product (the LM head's too) takes as
-            input: float32, or int8 (W8A8: int8 weights times activations quantized per token
-            as they come, with SmoothQuant; much faster at batch 16+, perplexity +0.5-0.7% on
-            SmolLM2; single streams are faster with weight_dtype auto; needs weight_dtype
-            int8 (--weight-dtype int8); :mod:`pagedkv.model.w8a8`).
+            input: float32, or int8, quantized as it comes. With weight_dtype int8 that is
+            W8A8 (per token, SmoothQuant; much faster at batch 16+, perplexity +0.5-0.7% on
+            SmolLM2; :mod:`pagedkv.model.w8a8`); with auto or int4 the GGML blocks multiply
+            activations quantized per 32 values, as llama.cpp's CPU backend does (the fastest
+            single stream; :mod:`pagedkv.model.ggml_a8`). float32 weights refuse it.
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
             KB/MB/GB of 10); ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
@@ -212,9 +213,9 @@ class EngineConfig:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
         if self.activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {self.activation_dtype!r}")
-        if self.activation_dtype == "int8" and self.weight_dtype != "int8":
-            raise ValueError(f"activation_dtype int8 multiplies int8 weights: it needs weight_dtype int8 "
-                             f"(--weight-dtype int8), got {self.weight_dtype!r}")
+        if self.activation_dtype == "int8" and self.weight_dtype == "float32":
+            raise ValueError("activation_dtype int8 multiplies quantized weights: it needs weight_dtype int8 "
+                             "(W8A8), auto or int4 (GGML blocks, as llama.cpp), got 'float32'")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)

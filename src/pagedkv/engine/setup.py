@@ -23,6 +23,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_convert import read_blocks
 from pagedkv.model.weight_formats import EMBED
 from pagedkv.model.llama import LlamaModel
+from pagedkv.model.ggml_a8 import convert_model as convert_ggml_a8
 from pagedkv.model.w8a8 import quantize_model as quantize_w8a8
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
 from pagedkv.model.validate import check_weights
@@ -210,7 +211,7 @@ def load_model(config: EngineConfig, files: ModelFiles, tokenizer) -> LlamaModel
         warnings.warn("pagedkv: batch-invariant mode with PAGEDKV_ATTENTION=reference: the reference "
                       "attention's products change shape with the chunk, so log-probs can differ in "
                       "the last bits with batching; the fused kernel is batch-invariant", RuntimeWarning)
-    w8a8 = config.activation_dtype == "int8"
+    w8a8 = config.activation_dtype == "int8" and config.weight_dtype == "int8"
     model = LlamaModel(files.config, state, batch_invariant=invariant,
                        weight_dtype="float32" if w8a8 else config.weight_dtype, quantized=blocks)
     if config.kv_eviction == "streaming":  # every layer: sinks + recent window (StreamingLLM)
@@ -222,6 +223,8 @@ def load_model(config: EngineConfig, files: ModelFiles, tokenizer) -> LlamaModel
     if w8a8:  # calibrated on the fp32 model, then quantized (pagedkv.model.w8a8)
         quantize_w8a8(model, engine_calibration_ids(tokenizer, files.config))
         model.weight_dtype = config.weight_dtype
+    elif config.activation_dtype == "int8":  # GGML blocks times int8 activations (pagedkv.model.ggml_a8)
+        convert_ggml_a8(model)
     return model
 
 

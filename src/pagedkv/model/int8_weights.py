@@ -125,8 +125,9 @@ def _resolve(name: str):
 def _warn_fallback(why: str) -> None:
     if "warned" not in _state:
         _state["warned"] = True
-        warnings.warn(f"pagedkv: quantized weights without their kernel ({why}): the products run in fp32 over "
-                      "dequantized copies, as slow as float32 weights and larger", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"pagedkv: quantized weights without their kernel ({why}): the products run in torch "
+                      "(fp32 over dequantized copies, or the int8-activation recipe's torch reference: the same "
+                      "numbers), as slow as float32 weights or slower, and larger", RuntimeWarning, stacklevel=4)
 
 
 def weight_bytes(w) -> int:

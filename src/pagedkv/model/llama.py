@@ -19,7 +19,8 @@ from pagedkv.attention.kernel import kernel_supports
 from pagedkv.attention.paged import AttentionMetadata, attend
 from pagedkv.kv.storage import KVCacheStorage
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.int8_weights import Int8Weight, weight_bytes
+from pagedkv.model.int8_weights import Int8Weight, kernel_op, weight_bytes
+from pagedkv.model.ggml_a8 import GGMLA8Weight
 from pagedkv.model.ggml_weights import GGMLWeight
 from pagedkv.model.weight_formats import EMBED, WEIGHT_DTYPES, lm_head_for, prepare_state
 from pagedkv.model.rope import RotaryEmbedding
@@ -51,9 +52,15 @@ def fuse(parts: list):
     return torch.cat(parts).contiguous()
 
 
+A8 = 256  # decoder_layer's flag on a ggml type: the weight multiplies int8 activations
+
+
 def _op_weight(w) -> tuple:
-    """A quantized weight as ``decoder_layer`` takes it: (values, scale or None, ggml type)."""
-    return (w.q, w.scale, 0) if isinstance(w, Int8Weight) else (w.packed, None, w.qtype)
+    """A quantized weight as ``decoder_layer`` takes it: (values, scale or None, ggml type,
+    plus ``A8`` for :class:`GGMLA8Weight`)."""
+    if isinstance(w, Int8Weight):
+        return w.q, w.scale, 0
+    return w.packed, None, w.qtype | (A8 if isinstance(w, GGMLA8Weight) else 0)
 
 
 class LlamaLayer:
@@ -111,9 +118,13 @@ class LlamaLayer:
                   cfg.head_dim ** -0.5, self.window, self.sinks, sink_cos, sink_sin)
 
     def fusable(self) -> bool:
-        """Whether :meth:`forward_fused` covers this layer's weights."""
+        """Whether :meth:`forward_fused` covers this layer's weights (int8-activation ones
+        only where their kernel is built)."""
+        weights = (self.qkv, self.o, self.gate_up, self.down)
+        if any(isinstance(w, GGMLA8Weight) for w in weights) and kernel_op("ggml_a8_linear") is None:
+            return False
         return (self.qkv_bias is None and self.in_norm.dtype == torch.float32
-                and all(isinstance(w, (GGMLWeight, Int8Weight)) for w in (self.qkv, self.o, self.gate_up, self.down)))
+                and all(isinstance(w, (GGMLWeight, GGMLA8Weight, Int8Weight)) for w in weights))
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 tables=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ Fused weights (q/k/v, gate/up) are kept quantized only when all their parts are.
 from __future__ import annotations
 
 from pagedkv.config import WEIGHT_DTYPES  # noqa: F401 - the names, re-exported
+from pagedkv.model.ggml_a8 import GGMLA8Weight
 from pagedkv.model.ggml_weights import FORMATS, Q4_1, Q8_0, GGMLWeight
 from pagedkv.model.int8_weights import Int8Weight
 from pagedkv.model.w8a8 import W8A8Weight
@@ -72,7 +73,8 @@ def describe(model) -> str:
     counts: dict[str, int] = {}
     weights = [model.lm_head] + [getattr(layer, a) for layer in model.layers for a in FUSED]
     for w in weights:
-        name = (FORMATS[w.qtype][0] if isinstance(w, GGMLWeight) else "int8" if isinstance(w, Int8Weight)
+        name = (FORMATS[w.qtype][0] if isinstance(w, GGMLWeight) else f"{w.format}xint8" if isinstance(w, GGMLA8Weight)
+                else "int8" if isinstance(w, Int8Weight)
                 else "W8A8" if isinstance(w, W8A8Weight) else "float32")
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"{k} x {v}" for k, v in sorted(counts.items()))

@@ -15,7 +15,8 @@
 // h = rms_norm(x); qkv = h W_qkv^T; RoPE on q, k (in place); k, v -> pages at slot_mapping;
 // a = paged_attention(q); x += a W_o^T; h = rms_norm(x); x += silu_and_mul(h W_gu^T) W_down^T.
 // A weight is GGMLWeight.packed blocks with their ggml type and no scale (ggml_linear.cpp),
-// or Int8Weight's int8 values with their per-channel scales (int8_linear.cpp).
+// GGMLA8Weight.packed with its ggml type + 256 (int8 activations, ggml_a8_linear.cpp), or
+// Int8Weight's int8 values with their per-channel scales (int8_linear.cpp).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -25,8 +26,25 @@
 namespace pagedkv {
 namespace {
 
-at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t qtype) {
-  return scale.has_value() ? int8_linear_fn(x, w, *scale) : ggml_linear_fn(x, w, qtype);
+constexpr int64_t kA8 = 256;  // a weight type with this bit: GGMLA8Weight.packed, int8 activations
+
+// x . w^T for n output channels (the A8 layout pads its panels, so it is told n).
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t qtype,
+                   int64_t n) {
+  if (scale.has_value()) return int8_linear_fn(x, w, *scale);
+  if (qtype & kA8) {
+#if defined(__AVX2__)
+    return ggml_a8_linear_fn(x, w, qtype & ~kA8, n);
+#else
+    TORCH_CHECK(false, "decoder_layer: int8 activations need the AVX2 build of the kernels");
+#endif
+  }
+  return ggml_linear_fn(x, w, qtype);
+}
+
+// K of a weight in the A8 layout: 16 channels' blocks of 32 weights per panel row.
+int64_t a8_in_features(const at::Tensor& w, int64_t qtype) {
+  return w.size(1) / (16 * ((qtype & ~kA8) == 3 ? 20 : 34)) * 32;
 }
 
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
@@ -45,7 +63,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
               "decoder_layer: float32, float16 or bfloat16 KV pages only (quantized pages need their scales)");
   const int64_t T = x.size(0), H = num_heads, Hkv = num_kv_heads, D = head_dim;
   const int64_t q_size = H * D, kv_size = Hkv * D;
-  const at::Tensor projected = product(rms_norm_fn(x, in_norm, eps), qkv, qkv_scale, qkv_type);  // [T, (H + 2 Hkv) D]
+  const int64_t hidden = x.size(1);
+  const int64_t inter = (down_type & kA8) ? a8_in_features(down, down_type) : 0;  // only A8 needs it
+  const at::Tensor projected =
+      product(rms_norm_fn(x, in_norm, eps), qkv, qkv_scale, qkv_type, q_size + 2 * kv_size);  // [T, (H + 2 Hkv) D]
   TORCH_CHECK(projected.size(1) == q_size + 2 * kv_size, "decoder_layer: the QKV weight has ",
               projected.size(1), " rows, not (H + 2 Hkv) * D = ", q_size + 2 * kv_size);
   at::Tensor qk = projected.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D});
@@ -61,9 +82,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
     sink_q = qs;
   }
   const at::Tensor attn = paged_attention_fn(q, k_cache, v_cache, seq_info, block_tables, scale, window, sinks, sink_q);
-  const at::Tensor y = x + product(attn.reshape({T, q_size}), o, o_scale, o_type);
+  const at::Tensor y = x + product(attn.reshape({T, q_size}), o, o_scale, o_type, hidden);
   const at::Tensor h = rms_norm_fn(y, post_norm, eps);
-  return y + product(silu_and_mul_fn(product(h, gate_up, gate_up_scale, gate_up_type)), down, down_scale, down_type);
+  const at::Tensor act = silu_and_mul_fn(product(h, gate_up, gate_up_scale, gate_up_type, 2 * inter));
+  return y + product(act, down, down_scale, down_type, hidden);
 }
 
 }  // namespace

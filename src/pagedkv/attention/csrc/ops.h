@@ -10,6 +10,8 @@ at::Tensor rms_norm_fn(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_and_mul_fn(const at::Tensor& x);
 void rope_rotate_fn(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor ggml_linear_fn(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype);
+// AVX2/AVX-512 builds only (ggml_a8_linear.cpp): GGML blocks times int8 activations
+at::Tensor ggml_a8_linear_fn(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n);
 at::Tensor int8_linear_fn(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 // unquantized caches only (no scales), split = -1 (the kernel decides); window 0 = none
 at::Tensor paged_attention_fn(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

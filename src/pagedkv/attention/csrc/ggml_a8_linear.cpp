@@ -1,0 +1,279 @@
+// GGML block weights times int8 activations (llama.cpp's CPU scheme): y[M, N] = x[M, K] . W^T.
+//
+// Registers torch.ops.pagedkv.ggml_a8_linear(x, packed, qtype, n) -> y [M, n], x fp32 [M, K]
+// (pagedkv/model/ggml_a8.py documents the recipe and holds its torch reference):
+//   1. each row of x is quantized per block of 32 values: dx = amax / 127 (1 where that is
+//      0; NaN for a block holding a NaN or infinity: its row's output is then NaN),
+//      xq = round-half-even(x / dx) in [-127, 127], sq = sum of the block's xq;
+//   2. per weight block b, the exact integer dot isum = sum_j xq_j q_j (q: Q4_1's nibbles
+//      0..15, Q8_0's int8 values);
+//   3. y = sum over b in order of float(isum) * (d_b * dx_b)   [Q4_1: + sum over b in order
+//      of m_b * (dx_b * sq_b), added last], each multiplication and addition rounded once
+//      (this file is compiled without FMA contraction).
+// Every output is a fixed function of its own row: batch-invariant, and the same bits on
+// AVX2 and AVX-512 VNNI CPUs and in the torch reference.
+//
+// `packed` is uint8 [ceil(n / 16), K / 32 * 16 * block_bytes]: panels of 16 output channels
+// (padding channels have zero blocks); for each block b a panel holds its channels' 16 fp16
+// scales d, (Q4_1) their 16 fp16 minimums m, then the quants in 64-byte chunks whose byte
+// 4r + i belongs to channel r:
+//   Q4_1, chunk c (0..3): low nibble q[r, 32b + 8c + i], high nibble q[r, 32b + 8c + 4 + i];
+//   Q8_0, chunk c (0..7): int8 q[r, 32b + 4c + i].
+// So one 64-byte load feeds 16 channels' 4-weight dot products (vpdpbusd on AVX-512 VNNI:
+// unsigned weight bytes times signed activations; Q8_0 weights go in as q + 128 (xor 0x80)
+// and 128 * sq comes off; AVX2: vpmaddubsw, then vpmaddwd with ones: Q4_1 as nibbles times
+// xq, Q8_0 as |q| times sign(xq, q), whose pair sums stay below 2^15).
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace pagedkv {
+namespace {
+
+constexpr int64_t kGroup = 32, kLanes = 16;
+constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kPanelsPerTask = 4;
+inline int64_t block_bytes(int64_t qtype) { return qtype == kQ4_1 ? 20 : 34; }
+
+// Step 1 for one row: xq, dx and sq per block.
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, int32_t* sq) {
+  for (int64_t b = 0; b < K / kGroup; ++b) {
+    const float* v = x + b * kGroup;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int j = 0; j < kGroup; ++j) {
+      finite = finite && std::isfinite(v[j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    float d = amax / 127.0f;
+    if (!(d > 0.0f)) d = 1.0f;
+    if (!finite) d = NAN;
+    int32_t s = 0;
+    for (int j = 0; j < kGroup; ++j) {
+      const float r = std::isnan(d) ? 0.0f : std::nearbyint(v[j] / d);  // half to even, as torch.round
+      const int q = static_cast<int>(std::min(127.0f, std::max(-127.0f, r)));
+      xq[b * kGroup + j] = static_cast<int8_t>(q);
+      s += q;
+    }
+    dx[b] = d;
+    sq[b] = s;
+  }
+}
+
+#if defined(__AVX2__)
+#define PAGEDKV_GGML_A8 1
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using IVec = __m512i;  // one panel: 16 int32 lanes
+using FVec = __m512;
+constexpr int kHalves = 1;
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+inline IVec lo_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline IVec hi_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline IVec dot_u(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w unsigned
+inline IVec q8_operand(IVec w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline IVec dot_q8(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w = q + 128
+constexpr int32_t kQ8Bias = 128;
+inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec isub_splat(IVec a, int32_t v) { return _mm512_sub_epi32(a, _mm512_set1_epi32(v)); }
+inline FVec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+inline FVec fzero() { return _mm512_setzero_ps(); }
+inline FVec fsplat(float v) { return _mm512_set1_ps(v); }
+inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec fadd(FVec a, FVec b) { return _mm512_add_ps(a, b); }
+inline FVec halves16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void fstore(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+#else
+using IVec = __m256i;  // half a panel: 8 int32 lanes
+using FVec = __m256;
+constexpr int kHalves = 2;
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+inline IVec lo_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline IVec hi_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline IVec pairs(IVec p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+inline IVec dot_u(IVec acc, IVec w, IVec x) { return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(w, x))); }
+inline IVec q8_operand(IVec w) { return w; }
+inline IVec dot_q8(IVec acc, IVec w, IVec x) {
+  return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))));
+}
+constexpr int32_t kQ8Bias = 0;
+inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline IVec isub_splat(IVec a, int32_t v) { return _mm256_sub_epi32(a, _mm256_set1_epi32(v)); }
+inline FVec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline FVec fsplat(float v) { return _mm256_set1_ps(v); }
+inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec fadd(FVec a, FVec b) { return _mm256_add_ps(a, b); }
+inline FVec halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int kVec = kLanes / kHalves;      // channels per vector
+constexpr int64_t kHalfBytes = 64 / kHalves;  // bytes of a chunk per vector
+
+inline FVec scales(const uint8_t* p, int h) {  // channels h * kVec .. of 16 fp16 at p, as fp32
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  (void)h;
+  return halves16(p);
+#else
+  return halves8(p + 2 * kVec * h);
+#endif
+}
+
+// Rows m0 .. m0 + MR - 1 of the quantized activations against panels p .. p + NR - 1 at w
+// (each `stride` bytes): the integer dots of a block in registers, then the scaled sums.
+template <int64_t Q, int MR, int NR>
+void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const uint8_t* w, int64_t stride,
+          float out[][4][kLanes]) {
+  constexpr int64_t hdr = Q == kQ4_1 ? 64 : 32, pbb = 16 * (Q == kQ4_1 ? 20 : 34);
+  constexpr int kChunks = Q == kQ4_1 ? 4 : 8;
+  const int64_t G = K / kGroup;
+  FVec acc[MR][NR][kHalves], macc[MR][NR][kHalves];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < kHalves; ++h) acc[r][j][h] = macc[r][j][h] = fzero();
+  for (int64_t b = 0; b < G; ++b) {
+    IVec ia[MR][NR][kHalves][2];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NR; ++j)
+        for (int h = 0; h < kHalves; ++h) ia[r][j][h][0] = ia[r][j][h][1] = izero();
+    for (int c = 0; c < kChunks; ++c) {
+      for (int j = 0; j < NR; ++j)
+        for (int h = 0; h < kHalves; ++h) {
+          const IVec v = iload(w + j * stride + b * pbb + hdr + 64 * c + kHalfBytes * h);
+          if constexpr (Q == kQ4_1) {
+            const IVec lo = lo_nibbles(v), hi = hi_nibbles(v);
+            for (int r = 0; r < MR; ++r) {
+              const int8_t* xr = xq + r * K + b * kGroup + 8 * c;
+              ia[r][j][h][0] = dot_u(ia[r][j][h][0], lo, bcast(xr));
+              ia[r][j][h][1] = dot_u(ia[r][j][h][1], hi, bcast(xr + 4));
+            }
+          } else {
+            const IVec q = q8_operand(v);
+            for (int r = 0; r < MR; ++r)
+              ia[r][j][h][c & 1] = dot_q8(ia[r][j][h][c & 1], q, bcast(xq + r * K + b * kGroup + 4 * c));
+          }
+        }
+    }
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < kHalves; ++h) {
+        const uint8_t* blk = w + j * stride + b * pbb;
+        const FVec d = scales(blk, h);
+        for (int r = 0; r < MR; ++r) {
+          IVec isum = iadd(ia[r][j][h][0], ia[r][j][h][1]);
+          if constexpr (Q == kQ8_0) isum = isub_splat(isum, kQ8Bias * sq[r * G + b]);
+          acc[r][j][h] = fadd(acc[r][j][h], fmul(to_float(isum), fmul(d, fsplat(dx[r * G + b]))));
+          if constexpr (Q == kQ4_1) {
+            const float sx = dx[r * G + b] * static_cast<float>(sq[r * G + b]);
+            macc[r][j][h] = fadd(macc[r][j][h], fmul(scales(blk + 32, h), fsplat(sx)));
+          }
+        }
+      }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < kHalves; ++h)
+        fstore(out[r][j] + h * kVec, Q == kQ4_1 ? fadd(acc[r][j][h], macc[r][j][h]) : acc[r][j][h]);
+}
+
+// Panels p .. p + NR - 1 against every row, MR rows at a time (then one by one).
+template <int64_t Q, int MR, int NR>
+void panels(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t* packed, float* y, int64_t M,
+            int64_t K, int64_t N, int64_t p) {
+  const int64_t G = K / kGroup, stride = G * 16 * block_bytes(Q);
+  alignas(64) float out[4][4][kLanes];
+  for (int64_t m = 0; m < M;) {
+    const int mr = M - m >= MR ? MR : 1;
+    if (mr == MR) tile<Q, MR, NR>(xq + m * K, dx + m * G, sq + m * G, K, packed + p * stride, stride, out);
+    else tile<Q, 1, NR>(xq + m * K, dx + m * G, sq + m * G, K, packed + p * stride, stride, out);
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < NR; ++j) {
+        const int64_t n0 = (p + j) * kLanes, width = std::min<int64_t>(kLanes, N - n0);
+        std::memcpy(y + (m + r) * N + n0, out[r][j], width * sizeof(float));
+      }
+    m += mr;
+  }
+}
+
+// Tile shapes: one row reads four panels at once (eight independent integer chains); more
+// rows reuse each loaded weight vector across rows (AVX2 has half the registers).
+template <int64_t Q>
+void run_task(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t* packed, float* y, int64_t M,
+              int64_t K, int64_t N, int64_t p, int64_t p1) {
+  constexpr int kRows = kHalves == 1 ? 4 : 2;
+  if (M < 2) {
+    for (; p + 4 <= p1; p += 4) panels<Q, 1, 4>(xq, dx, sq, packed, y, M, K, N, p);
+    for (; p < p1; ++p) panels<Q, 1, 1>(xq, dx, sq, packed, y, M, K, N, p);
+  } else {
+    for (; p < p1; ++p) panels<Q, kRows, 1>(xq, dx, sq, packed, y, M, K, N, p);
+  }
+}
+
+void ggml_a8_cpu(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t* packed, int64_t qtype,
+                 float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t np = (N + kLanes - 1) / kLanes, tasks = (np + kPanelsPerTask - 1) / kPanelsPerTask;
+#pragma omp parallel for schedule(static) if (tasks > 1 && M * N * K >= (1 << 18))
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t p = t * kPanelsPerTask, p1 = std::min(np, p + kPanelsPerTask);
+    if (qtype == kQ4_1) run_task<kQ4_1>(xq, dx, sq, packed, y, M, K, N, p, p1);
+    else run_task<kQ8_0>(xq, dx, sq, packed, y, M, K, N, p, p1);
+  }
+}
+
+at::Tensor ggml_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "ggml_a8_linear: CPU tensors");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "ggml_a8_linear: qtype must be 3 (Q4_1) or 8 (Q8_0), got ", qtype);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "ggml_a8_linear: x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, np = (n + kLanes - 1) / kLanes;
+  TORCH_CHECK(K > 0 && K % kGroup == 0, "ggml_a8_linear: K = ", K, " is not a positive multiple of 32");
+  TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+              packed.size(0) == np && packed.size(1) == G * 16 * block_bytes(qtype),
+              "ggml_a8_linear: packed must be contiguous uint8 [ceil(n / 16), K / 32 * 16 * ", block_bytes(qtype),
+              "] for K = ", K, " and n = ", n, " (GGMLA8Weight.packed)");
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * G);
+  std::vector<int32_t> sq(M * G);
+  at::internal::lazy_init_num_threads();
+  const float* xp = x.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (M >= 64)
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, xq.data() + m * K, dx.data() + m * G, sq.data() + m * G);
+  at::Tensor y = at::empty({M, n}, x.options());
+  ggml_a8_cpu(xq.data(), dx.data(), sq.data(), packed.data_ptr<uint8_t>(), qtype, y.data_ptr<float>(), M, K, n);
+  return y;
+}
+#endif  // AVX2
+
+}  // namespace
+
+#ifdef PAGEDKV_GGML_A8
+at::Tensor ggml_a8_linear_fn(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
+  return ggml_a8_linear(x, packed, qtype, n);
+}
+#endif
+
+}  // namespace pagedkv
+
+#ifdef PAGEDKV_GGML_A8
+TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
+  m.def("ggml_a8_linear(Tensor x, Tensor packed, int qtype, int n) -> Tensor", &pagedkv::ggml_a8_linear);
+}
+#endif
