@@ -179,3 +179,16 @@ def test_int8_activations_with_int4_weights_are_cli_flags(tiny_model_dir):
     r = subprocess.run(run[:-4] + ["float32", "--activation-dtype", "int8", "hi"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "needs weight_dtype int8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_engine_is_batch_invariant_without_padding(tiny_llm_factory, monkeypatch):
+    """Exact integer dots plus per-row float steps: the default engine (no --batch-invariant)
+    gives a prompt the same tokens and log-probs alone and in a batch."""
+    monkeypatch.setenv("PAGEDKV_BATCH_INVARIANT", "0")  # the suite turns it on for every engine
+    llm = tiny_llm_factory(num_blocks=64, weight_dtype="int4", activation_dtype="int8", batch_invariant=False)
+    assert not llm.engine.model.batch_invariant
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = ["a b c d", "the paged cache", "one more prompt here", "x"]
+    alone = llm.generate([prompts[1]], params)[0]
+    batch = llm.generate(prompts, params)[1]
+    assert alone.token_ids == batch.token_ids and alone.logprobs == batch.logprobs

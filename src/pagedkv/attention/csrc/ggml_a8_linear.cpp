@@ -49,6 +49,7 @@ namespace {
 constexpr int64_t kGroup = 32, kLanes = 16;
 constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;
 constexpr int64_t kPanelsPerTask = 4;
+constexpr int64_t kPrefetchBlocks = 4;  // blocks ahead in each panel's stream
 inline int64_t block_bytes(int64_t qtype) { return qtype == kQ4_1 ? 20 : 34; }
 
 // Step 1 for one row: xq, dx and sq per block.
@@ -151,6 +152,9 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
     for (int j = 0; j < NR; ++j)
       for (int h = 0; h < kHalves; ++h) acc[r][j][h] = macc[r][j][h] = fzero();
   for (int64_t b = 0; b < G; ++b) {
+    for (int j = 0; j < NR; ++j)  // the hardware prefetcher alone runs these short streams below the bus
+      for (int64_t off = 0; off < pbb; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * stride + (b + kPrefetchBlocks) * pbb + off), _MM_HINT_T0);
     IVec ia[MR][NR][kHalves][2];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NR; ++j)
