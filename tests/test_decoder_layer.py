@@ -1,5 +1,6 @@
-"""The one-call decoder layer (``csrc/decoder_layer.cpp``, issue 17 item 4): on the default
-GGUF model (Q4_1/Q8_0 or int8 weights, fp32 or fp16 pages) it computes exactly what the per-op path does:
+"""The one-call decoder layer and the one-call stack of layers (``csrc/decoder_layer.cpp``,
+issue 17 item 4): on the default GGUF model (Q4_1/Q8_0 blocks with fp32 or int8 activations,
+or int8 weights; fp32 or fp16 pages) they compute exactly what the per-op path does:
 the same tokens and bit-identical log-probs, through prefill chunks, decode batches and
 prefix hits; it steps aside where it does not apply (quantized pages, reference mode)."""
 
@@ -24,26 +25,47 @@ def engines(default_model_files):
                for kv in ("auto", "float16", "int8")}
     engines["int8 weights"] = LLM(num_blocks=96, max_num_batched_tokens=24, enable_prefix_caching=True,
                                   weight_dtype="int8")
+    engines["int8 activations"] = LLM(num_blocks=96, max_num_batched_tokens=24, enable_prefix_caching=True,
+                                      activation_dtype="int8")
     return engines
 
 
-def _run(llm, fused: bool):
-    llm.engine.model.fused_layers = fused
+def _run(llm, mode: str):
+    """Generate with every layer in one call ("stack"), one call per layer ("layer") or op by op."""
+    model = llm.engine.model
+    model.fused_layers, model.fused_stack = mode != "per-op", mode == "stack"
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     try:
         return [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, params)]
     finally:
-        llm.engine.model.fused_layers = True
+        model.fused_layers = model.fused_stack = True
 
 
-@pytest.mark.parametrize("kv", ["auto", "float16", "int8 weights"])
-def test_the_fused_layer_is_bit_identical_to_the_per_op_path(engines, kv):
+@pytest.mark.parametrize("kv", ["auto", "float16", "int8 weights", "int8 activations"])
+def test_the_fused_layer_and_stack_are_bit_identical_to_the_per_op_path(engines, kv, monkeypatch):
     llm = engines[kv]
-    assert llm.engine.model.fused_op(llm.engine.parts.storage) is not None  # it is the path taken
-    fused = _run(llm, True)
-    assert _run(llm, False) == fused
-    assert _run(llm, True) == fused  # again, now with prefix hits
+    model = llm.engine.model
+    assert model.fused_op(llm.engine.parts.storage) is not None  # it is the path taken
+    calls = []
+    stack = model._forward_stack
+    monkeypatch.setattr(model, "_forward_stack", lambda *a: calls.append(1) or stack(*a))
+    fused = _run(llm, "stack")
+    assert calls  # the stack ran
+    assert _run(llm, "layer") == fused
+    assert _run(llm, "per-op") == fused
+    assert _run(llm, "stack") == fused  # again, now with prefix hits
     assert llm.engine.stats().prefix_cache_hits > 0
+
+
+def test_the_stack_steps_aside_for_connectors_and_several_kv_groups(engines):
+    model = engines["auto"].engine.model
+    fused = model.fused_op(engines["auto"].engine.parts.storage)
+    a, b = object(), object()
+    layers = len(model.layers)
+    assert model.stack_op(fused, [a] * layers, None) is not None
+    assert model.stack_op(fused, [a] * (layers - 1) + [b], None) is None  # two block tables
+    assert model.stack_op(fused, [a] * layers, object()) is None  # a KV connector between layers
+    assert model.stack_op(None, [a] * layers, None) is None
 
 
 def test_it_steps_aside_for_quantized_pages_and_reference_mode(engines, monkeypatch):
@@ -52,3 +74,17 @@ def test_it_steps_aside_for_quantized_pages_and_reference_mode(engines, monkeypa
     auto = engines["auto"]
     monkeypatch.setenv("PAGEDKV_ATTENTION", "reference")
     assert auto.engine.model.fused_op(auto.engine.parts.storage) is None
+
+
+def test_the_stack_is_bit_identical_with_windows_and_sinks(default_model_files):
+    """Streaming eviction gives every layer a window and sinks, and rows past the cache's
+    positions score the sinks with re-rotated queries: the stack passes all of them."""
+    from pagedkv import LLM
+
+    llm = LLM(num_blocks=96, max_num_batched_tokens=24, kv_eviction="streaming", kv_window_tokens=32,
+              num_sink_tokens=4)
+    model = llm.engine.model
+    fused_op = model.fused_op(llm.engine.parts.storage)
+    assert model.layers[0].window == 32 and model.stack_op(fused_op, [None] * len(model.layers), None) is not None
+    fused = _run(llm, "stack")
+    assert _run(llm, "per-op") == fused and _run(llm, "layer") == fused

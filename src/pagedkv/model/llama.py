@@ -176,6 +176,8 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.weight_dtype = weight_dtype
         self.fused_layers = True  # use the one-call decoder_layer op where it applies (fused_op)
+        self.fused_stack = True  # and then every layer in one decoder_stack call where that applies (stack_op)
+        self._stack_args: tuple | None = None  # decoder_stack's per-layer lists, made once per KV storage
         # streaming's positions within the cache (sinks + window tokens), or None: original positions
         self.streaming_cache_len: int | None = None
         if weight_dtype == "int8":
@@ -227,6 +229,9 @@ class LlamaModel:
         x = self.embed[input_ids]
         tables, sink_tables = self.rope.tables(positions), self.sink_tables(positions)
         fused = self.fused_op(kv) if observer is None else None
+        stack = self.stack_op(fused, metas, kv_hooks)
+        if stack is not None:
+            return self.final_norm(self._forward_stack(stack, x, tables, sink_tables, kv, metas[0]))
         for i, layer in enumerate(self.layers):
             if kv_hooks is not None:
                 kv_hooks.wait_for_layer_load(i)
@@ -237,6 +242,40 @@ class LlamaModel:
             if kv_hooks is not None:
                 kv_hooks.save_kv_layer(i, kv, metas[i])
         return self.final_norm(x)
+
+    def stack_op(self, fused, metas, kv_hooks):
+        """``torch.ops.pagedkv.decoder_stack`` (every layer in one call) where the one-call
+        layer applies (``fused``), ``fused_stack`` is on, there is no KV connector to call
+        between layers, every layer reads the same block tables (one KV cache group) and every
+        layer has the same sinks; else None (the layers then run one call each)."""
+        if fused is None or not self.fused_stack or kv_hooks is not None:
+            return None
+        if any(m is not metas[0] for m in metas) or len({layer.sinks for layer in self.layers}) != 1:
+            return None
+        return layer_op("decoder_stack")
+
+    def _forward_stack(self, op, x, tables, sink_tables, kv: KVCacheStorage, meta: AttentionMetadata):
+        pages = kv.layer(0).k
+        if self._stack_args is None or self._stack_args[0] is not pages:  # once per storage
+            weights, scales, types = [], [], []
+            for layer in self.layers:
+                for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                    values, scale, qtype = _op_weight(w)
+                    weights.append(values)
+                    scales.append(scale)
+                    types.append(qtype)
+            layers = [kv.layer(i) for i in range(len(self.layers))]
+            self._stack_args = (pages, [layer.in_norm for layer in self.layers],
+                                [layer.post_norm for layer in self.layers], weights, scales, types,
+                                [p.k for p in layers], [p.v for p in layers])
+        _, in_norms, post_norms, weights, scales, types, k_pages, v_pages = self._stack_args
+        cfg, first = self.cfg, self.layers[0]
+        seq_info, block_tables = meta.packed
+        sink_cos, sink_sin = sink_tables if sink_tables is not None and first.sinks else (None, None)
+        return op(x, in_norms, post_norms, cfg.rms_norm_eps, weights, scales, types, tables[0], tables[1],
+                  cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, k_pages, v_pages,
+                  meta.slot_mapping, seq_info, block_tables, cfg.head_dim ** -0.5,
+                  [layer.window for layer in self.layers], first.sinks, sink_cos, sink_sin)
 
     @torch.inference_mode()
     def dense_forward(self, token_ids: list[int], on_kv=None) -> torch.Tensor:

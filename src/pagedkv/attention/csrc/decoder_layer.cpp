@@ -88,10 +88,41 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
   return y + product(act, down, down_scale, down_type, hidden);
 }
 
+// Every layer of a forward in one call: decoder_layer for i = 0 .. L - 1, the weights of
+// layer i at weights/scales/types[4 i .. 4 i + 3] (qkv, o, gate_up, down), its pages
+// k_caches[i], v_caches[i] and window windows[i]; one slot mapping and block table for all
+// layers (one KV cache group). What goes is the Python and dispatch between layers.
+at::Tensor decoder_stack(const at::Tensor& x, at::TensorList in_norms, at::TensorList post_norms, double eps,
+                         at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& scales,
+                         at::IntArrayRef types, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& slot_mapping, const at::Tensor& seq_info, const at::Tensor& block_tables,
+                         double scale, at::IntArrayRef windows, int64_t sinks,
+                         const c10::optional<at::Tensor>& sink_cos, const c10::optional<at::Tensor>& sink_sin) {
+  const size_t L = in_norms.size();
+  TORCH_CHECK(post_norms.size() == L && weights.size() == 4 * L && scales.size() == 4 * L && types.size() == 4 * L &&
+                  k_caches.size() == L && v_caches.size() == L && windows.size() == L,
+              "decoder_stack: per layer one norm pair, four weights (scales, types), one page pair and a window");
+  at::Tensor h = x;
+  for (size_t i = 0; i < L; ++i) {
+    const size_t w = 4 * i;
+    h = decoder_layer(h, in_norms[i], post_norms[i], eps, weights[w], scales.get(w), types[w], weights[w + 1],
+                      scales.get(w + 1), types[w + 1], weights[w + 2], scales.get(w + 2), types[w + 2], weights[w + 3],
+                      scales.get(w + 3), types[w + 3], cos, sin, num_heads, num_kv_heads, head_dim, k_caches[i],
+                      v_caches[i], slot_mapping, seq_info, block_tables, scale, windows[i], sinks, sink_cos, sink_sin);
+  }
+  return h;
+}
+
 }  // namespace
 }  // namespace pagedkv
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
+  m.def("decoder_stack(Tensor x, Tensor[] in_norms, Tensor[] post_norms, float eps, Tensor[] weights, "
+        "Tensor?[] scales, int[] types, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor seq_info, Tensor block_tables, "
+        "float scale, int[] windows, int sinks=0, Tensor? sink_cos=None, Tensor? sink_sin=None) -> Tensor",
+        &pagedkv::decoder_stack);
   m.def("decoder_layer(Tensor x, Tensor in_norm, Tensor post_norm, float eps, Tensor qkv, Tensor? qkv_scale, "
         "int qkv_type, Tensor o, Tensor? o_scale, int o_type, Tensor gate_up, Tensor? gate_up_scale, "
         "int gate_up_type, Tensor down, Tensor? down_scale, int down_type, Tensor cos, "
