@@ -115,11 +115,12 @@ def copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, window: int = 0, sinks: int = 0,
-                    sink_q: torch.Tensor | None = None) -> torch.Tensor:
+                    sink_q: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal GQA attention of a step's queries over paged KV; ``window`` W > 0 (a sliding
     window layer's, in tokens) limits the query at position p to keys ``p - W + 1 .. p``
     plus, with ``sinks`` S, keys ``0 .. S - 1``, scored with ``sink_q`` (``[T, H, D]``,
-    each row's query rotated to its position within the cache) where it is given.
+    each row's query rotated to its position within the cache) where it is given;
+    ``softcap`` > 0 caps each scaled score s as ``softcap * tanh(s / softcap)`` (Gemma 2).
 
     ``q`` ``[T, num_heads, head_dim]`` fp32; ``k_cache``/``v_cache``
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16); returns
@@ -134,15 +135,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     mode = attention_mode()
     if mode == "reference":
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q,
+                                         softcap)
     if not kernel_supports(q, k_cache, v_cache, k_scale):
         if mode == "kernel":
             raise ValueError(f"the attention kernel does not cover q {tuple(q.shape)} {q.dtype} {q.device}"
                              f" with a cache {tuple(k_cache.shape)} {k_cache.dtype}")
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q,
+                                         softcap)
     op = _kernel_or_none(mode)
     if op is None:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q,
+                                         softcap)
     seq_info, tables = meta.packed
     sq = None if sink_q is None or not sinks else sink_q.contiguous()
-    return op(q.contiguous(), k_cache, v_cache, seq_info, tables, scale, -1, k_scale, v_scale, window, sinks, sq)
+    return op(q.contiguous(), k_cache, v_cache, seq_info, tables, scale, -1, k_scale, v_scale, window, sinks, sq,
+              softcap)

@@ -86,12 +86,13 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
-           sinks: int = 0, sink_q: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: int = 0, sink_q: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal GQA attention of the last ``n`` positions of a length-``L`` context; with
     ``window`` W > 0, the row at position p sees keys ``p - W + 1 .. p`` only, and keys
     ``0 .. sinks - 1`` (StreamingLLM's attention sinks); a sink before a row's window is
     scored with ``sink_q``'s row where it is given (``[n, H, D]``: queries rotated to their
-    position within the cache).
+    position within the cache). ``softcap`` > 0: each scaled score s becomes
+    ``softcap * tanh(s / softcap)`` before masking (Gemma 2's attention logit soft-capping).
 
     ``q`` ``[n, H, D]``, ``k``/``v`` ``[L, Hkv, D]`` with ``n <= L``; returns ``[n, H, D]``.
     """
@@ -109,6 +110,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
         before = (torch.arange(s).unsqueeze(0) <= rows - window).repeat(group, 1)  # [G*n, s]
         sink_scores = torch.bmm(by_kv_head(sink_q), k[:s].permute(1, 2, 0)) * scale
         scores[..., :s] = torch.where(before, sink_scores, scores[..., :s])
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if n > 1 or (window and length > window):
         rows = torch.arange(length - n, length).unsqueeze(1)  # position of each query row
         hidden = torch.arange(length).unsqueeze(0) > rows     # [n, L]: the future
@@ -125,15 +128,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                               v_scale: torch.Tensor | None = None, window: int = 0, sinks: int = 0,
-                              sink_q: torch.Tensor | None = None) -> torch.Tensor:
+                              sink_q: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Attention over paged KV, one sequence at a time (see the module's shape contract);
     quantized pages are dequantized with ``k_scale``/``v_scale`` as they are read; ``window``:
     the sliding window in tokens (0: none), ``sinks``: leading positions every row sees too
-    (scored with ``sink_q`` ``[T, H, D]`` where given, as :func:`attend`)."""
+    (scored with ``sink_q`` ``[T, H, D]`` where given), ``softcap``: as :func:`attend`."""
     out = torch.empty_like(q)
     for s in meta.seqs:
         rows = slice(s.query_start, s.query_start + s.query_len)
         k = gather_pages(k_cache, s.block_table, s.context_len, k_scale)
         v = gather_pages(v_cache, s.block_table, s.context_len, v_scale)
-        out[rows] = attend(q[rows], k, v, scale, window, sinks, None if sink_q is None else sink_q[rows])
+        out[rows] = attend(q[rows], k, v, scale, window, sinks, None if sink_q is None else sink_q[rows], softcap)
     return out

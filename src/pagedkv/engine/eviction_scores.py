@@ -40,7 +40,7 @@ class AttentionScorer:
 
     Args:
         observed: the requests to score, by id.
-        scale: the attention scale (``head_dim ** -0.5``).
+        scale: the attention scale (``ModelConfig.attention_scale``).
     """
 
     def __init__(self, observed: dict[str, Observed], scale: float) -> None:

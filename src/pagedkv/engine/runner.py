@@ -193,7 +193,7 @@ class ModelRunner:
             elif state.num_computed_tokens + n == ev.next_eviction(state) and n >= ev.window:
                 observed[rid] = Observed(row + n - ev.window, ev.window, length, torch.tensor(state.block_ids[0]),
                                          True)
-        return AttentionScorer(observed, self.model.cfg.head_dim ** -0.5) if observed else None
+        return AttentionScorer(observed, self.model.cfg.attention_scale) if observed else None
 
     def _choose(self, scorer: AttentionScorer, out: SchedulerOutput) -> dict[str, list[int]]:
         """The cache indices each request at its eviction point keeps (H2O: its scores so

@@ -53,7 +53,7 @@ def attention_errors(model, windows: list[list[int]], settings: list[KVSetting],
     layers = len(model.layers)
     num = {s.label: [0.0] * layers for s in settings}
     den = [0.0] * layers
-    scale = model.cfg.head_dim ** -0.5
+    scale = model.cfg.attention_scale
     for ids in windows:
         x = model.embed[torch.tensor(ids)]
         positions = torch.arange(len(ids))

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from pagedkv.kv.spec import KVCacheSpec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM")
+ENGINE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's (pagedkv.model.llama.ACTIVATIONS)
 ENGINE_MAX_POSITIONS = 2048  # LlamaConfig's default, for a config.json that names none
 
 
@@ -63,6 +64,12 @@ class ModelConfig:
     (rows of a learned position table: OPT's ``max_position_embeddings + 2``; 0 for RoPE
     models), ``gated_mlp``, ``norms_per_layer``, ``norm_bias`` (LayerNorm), ``mla``,
     ``moe``, ``torch_dtype`` and ``quant_method`` (the checkpoint's), ``eos_token_ids``.
+    Gemma 2's extras (Gemma Team, 2024, "Gemma 2: Improving Open Language Models at a
+    Practical Size", sec. 2; HF ``Gemma2Config``): ``attn_logit_softcapping`` and
+    ``final_logit_softcapping`` (scores become ``cap * tanh(s / cap)``; None = off),
+    ``query_pre_attn_scalar`` (attention scale ``1 / sqrt`` of it instead of of ``head_dim``),
+    ``hidden_act`` (the gated MLP's activation: ``silu`` or ``gelu_pytorch_tanh``), and
+    ``embedding_multiplier`` (embeddings times ``sqrt(hidden_size)``; None = 1).
     """
     num_hidden_layers: int
     hidden_size: int
@@ -94,6 +101,23 @@ class ModelConfig:
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
+    embedding_multiplier: float | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q . k before the softmax: ``query_pre_attn_scalar ** -0.5`` where
+        the config sets it (Gemma 2), else ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Four norms per layer (Gemma 2): the attention and MLP outputs are normed too
+        before their residual adds."""
+        return self.norms_per_layer == 4
 
     @property
     def attention(self) -> str:
@@ -167,9 +191,12 @@ def for_engine(cfg: ModelConfig) -> ModelConfig:
     when the file names none).
 
     Raises:
-        ValueError: for an architecture outside :data:`SUPPORTED_ARCHITECTURES`.
+        ValueError: for an architecture outside :data:`SUPPORTED_ARCHITECTURES` or an MLP
+            activation outside :data:`ENGINE_ACTIVATIONS`.
     """
     arch = cfg.architecture or "LlamaForCausalLM"
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; pagedkv runs {SUPPORTED_ARCHITECTURES}")
+    if cfg.hidden_act not in ENGINE_ACTIVATIONS:
+        raise ValueError(f"unsupported MLP activation {cfg.hidden_act!r}; pagedkv runs {ENGINE_ACTIVATIONS}")
     return replace(cfg, architecture=arch, max_position_embeddings=cfg.max_position_embeddings or ENGINE_MAX_POSITIONS)

@@ -161,7 +161,20 @@ def parse(cfg: dict, name: str = "", source: str = "") -> ModelConfig:
         gated_mlp=mt not in _NON_GATED_MLP,
         norms_per_layer=2 if cfg.get("new_decoder_architecture") else _NORMS_PER_LAYER.get(mt, 2),
         norm_bias=mt in _NORM_BIAS, mla=_mla(cfg), moe=_moe(cfg, sizes["intermediate_size"]),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), **_rope(cfg), **_tokens(cfg))
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), **_rope(cfg), **_tokens(cfg), **_gemma(cfg, mt, sizes))
+
+
+def _gemma(cfg: dict, model_type: str, sizes: dict) -> dict:
+    """Gemma 2's soft-capping, attention scale, GeGLU and embedding scale (``Gemma2Config``'s
+    defaults where the file omits them); nothing for other models."""
+    act = _get(cfg, ("hidden_activation", "hidden_act"), "silu")
+    if model_type != "gemma2":
+        return dict(hidden_act=act)
+    return dict(attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0),
+                final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0),
+                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+                hidden_act=_get(cfg, ("hidden_activation", "hidden_act"), "gelu_pytorch_tanh"),
+                embedding_multiplier=sizes["hidden_size"] ** 0.5)
 
 
 def _opt_bias(cfg: dict, model_type: str) -> bool:

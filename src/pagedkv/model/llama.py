@@ -45,6 +45,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GeGLU with the tanh approximation: Gemma's
+    ``gelu_pytorch_tanh``) of ``gate_up`` ``[T, 2I]`` -> ``[T, I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+#: the gated MLP's activation by config name (``hidden_act``)
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
 def fuse(parts: list):
     """Row-wise concatenation of a layer's weights (q/k/v, gate/up): tensors, or GGML blocks."""
     if all(isinstance(p, GGMLWeight) for p in parts):
@@ -63,6 +74,16 @@ def _op_weight(w) -> tuple:
     return w.packed, None, w.qtype | (A8 if isinstance(w, GGMLA8Weight) else 0)
 
 
+def _gemma_norms(w: dict, num_layers: int) -> None:
+    """Gemma's RMSNorm scales by ``1 + weight`` (HF ``GemmaRMSNorm``): store ``1 + weight``
+    in fp32 so every norm here is the same ``x * rsqrt(mean(x^2) + eps) * w``."""
+    names = ["model.norm.weight"] + [f"model.layers.{i}.{n}_layernorm.weight" for i in range(num_layers)
+                                     for n in ("input", "post_attention", "pre_feedforward", "post_feedforward")]
+    for name in names:
+        if name in w:
+            w[name] = 1.0 + w[name].to(torch.float32)
+
+
 class LlamaLayer:
     """One decoder layer's weights (fused) and forward."""
 
@@ -73,6 +94,10 @@ class LlamaLayer:
         self.sinks = 0  # with a window: leading positions every query also sees (streaming eviction)
         self.linear = F.linear  # or numerics.invariant_linear (LlamaModel.set_batch_invariant)
         self.in_norm, self.post_norm = get("input_layernorm.weight"), get("post_attention_layernorm.weight")
+        # Gemma 2: post_norm norms the attention output; these norm the MLP's input and output
+        self.pre_ff_norm = get("pre_feedforward_layernorm.weight") if cfg.sandwich_norms else None
+        self.post_ff_norm = get("post_feedforward_layernorm.weight") if cfg.sandwich_norms else None
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.qkv = fuse([get(f"self_attn.{p}_proj.weight") for p in "qkv"])  # [(H + 2 Hkv) * D, hidden]
         self.qkv_bias = (torch.cat([get(f"self_attn.{p}_proj.bias") for p in "qkv"])
                          if f"{prefix}.self_attn.q_proj.bias" in w else None)
@@ -94,8 +119,9 @@ class LlamaLayer:
         pages = kv.layer(idx)
         if observer is not None:
             observer(idx, q, pages)
-        attn = paged_attention(q, pages.k, pages.v, meta, cfg.head_dim ** -0.5, pages.k_scale, pages.v_scale,
-                               self.window, self.sinks, self.sink_queries(q, sink_tables))
+        attn = paged_attention(q, pages.k, pages.v, meta, cfg.attention_scale, pages.k_scale, pages.v_scale,
+                               self.window, self.sinks, self.sink_queries(q, sink_tables),
+                               cfg.attn_logit_softcapping or 0.0)
         return self.finish(x, attn)
 
     def sink_queries(self, q: torch.Tensor, sink_tables) -> torch.Tensor | None:
@@ -115,7 +141,7 @@ class LlamaLayer:
         return op(x, self.in_norm, self.post_norm, cfg.rms_norm_eps, *_op_weight(self.qkv), *_op_weight(self.o),
                   *_op_weight(self.gate_up), *_op_weight(self.down), tables[0], tables[1], cfg.num_attention_heads,
                   cfg.num_key_value_heads, cfg.head_dim, pages.k, pages.v, meta.slot_mapping, seq_info, block_tables,
-                  cfg.head_dim ** -0.5, self.window, self.sinks, sink_cos, sink_sin)
+                  cfg.attention_scale, self.window, self.sinks, sink_cos, sink_sin)
 
     def fusable(self) -> bool:
         """Whether :meth:`forward_fused` covers this layer's weights (int8-activation ones
@@ -123,6 +149,9 @@ class LlamaLayer:
         weights = (self.qkv, self.o, self.gate_up, self.down)
         if any(isinstance(w, GGMLA8Weight) for w in weights) and kernel_op("ggml_a8_linear") is None:
             return False
+        cfg = self.cfg
+        if cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.attn_logit_softcapping:
+            return False  # the one-call layer is Llama's
         return (self.qkv_bias is None and self.in_norm.dtype == torch.float32
                 and all(isinstance(w, (GGMLWeight, GGMLA8Weight, Int8Weight)) for w in weights))
 
@@ -141,10 +170,15 @@ class LlamaLayer:
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``x`` and attention output ``attn`` ``[T, H, D]``."""
-        cfg = self.cfg
-        x = x + self.linear(attn.reshape(x.shape[0], self.q_size), self.o)
-        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        return x + self.linear(silu_and_mul(self.linear(h, self.gate_up)), self.down)
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        o = self.linear(attn.reshape(x.shape[0], self.q_size), self.o)
+        if cfg.sandwich_norms:  # Gemma 2: norm each sublayer's output before its residual add
+            x = x + rms_norm(o, self.post_norm, eps)
+            mlp = self.linear(self.act(self.linear(rms_norm(x, self.pre_ff_norm, eps), self.gate_up)), self.down)
+            return x + rms_norm(mlp, self.post_ff_norm, eps)
+        x = x + o
+        h = rms_norm(x, self.post_norm, eps)
+        return x + self.linear(self.act(self.linear(h, self.gate_up)), self.down)
 
 
 class LlamaModel:
@@ -167,6 +201,8 @@ class LlamaModel:
             w.update({k: v for k, v in (quantized or {}).items() if k != EMBED})
             prepare_state(w, weight_dtype, cfg.num_hidden_layers)
         self.embed = w.pop("model.embed_tokens.weight")         # [vocab, hidden]
+        if cfg.model_type.startswith("gemma"):
+            _gemma_norms(w, cfg.num_hidden_layers)
         windows = cfg.layer_windows or (None,) * cfg.num_hidden_layers
         self.layers = [LlamaLayer(cfg, w, f"model.layers.{i}", windows[i]) for i in range(cfg.num_hidden_layers)]
         self.norm = w.pop("model.norm.weight")
@@ -226,7 +262,7 @@ class LlamaModel:
         reads its pages, ``save_kv_layer(i, kv, meta_i)`` after it wrote them.
         """
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
-        x = self.embed[input_ids]
+        x = self.embed_rows(input_ids)
         tables, sink_tables = self.rope.tables(positions), self.sink_tables(positions)
         fused = self.fused_op(kv) if observer is None else None
         stack = self.stack_op(fused, metas, kv_hooks)
@@ -274,7 +310,7 @@ class LlamaModel:
         sink_cos, sink_sin = sink_tables if sink_tables is not None and first.sinks else (None, None)
         return op(x, in_norms, post_norms, cfg.rms_norm_eps, weights, scales, types, tables[0], tables[1],
                   cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, k_pages, v_pages,
-                  meta.slot_mapping, seq_info, block_tables, cfg.head_dim ** -0.5,
+                  meta.slot_mapping, seq_info, block_tables, cfg.attention_scale,
                   [layer.window for layer in self.layers], first.sinks, sink_cos, sink_sin)
 
     @torch.inference_mode()
@@ -283,15 +319,15 @@ class LlamaModel:
         attention over the fp32 k/v it just made, window and sinks applied): the normed hidden
         states ``[T, hidden]``. ``on_kv(i, k, v)`` sees each layer's k, v ``[T, Hkv, D]``.
         The calibrations' forward (static KV scales, W8A8 smoothing)."""
-        x = self.embed[torch.tensor(token_ids)]
+        x = self.embed_rows(torch.tensor(token_ids))
         positions = torch.arange(len(token_ids))
         sink_tables = self.sink_tables(positions)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project(x, positions, self.rope)
             if on_kv is not None:
                 on_kv(i, k, v)
-            attn = attend(q, k, v, self.cfg.head_dim ** -0.5, layer.window, layer.sinks,
-                          layer.sink_queries(q, sink_tables))
+            attn = attend(q, k, v, self.cfg.attention_scale, layer.window, layer.sinks,
+                          layer.sink_queries(q, sink_tables), self.cfg.attn_logit_softcapping or 0.0)
             x = layer.finish(x, attn)
         return self.final_norm(x)
 
@@ -335,10 +371,21 @@ class LlamaModel:
             self._pages_ok = pages.k_scale is None and kernel_supports(q, pages.k, pages.v)
         return op if self._pages_ok else None
 
+    def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``[T, hidden]`` of ``input_ids`` ``[T]``, times the config's
+        ``embedding_multiplier`` (Gemma: ``sqrt(hidden_size)``, rounded to fp32 as HF does)."""
+        x = self.embed[input_ids]
+        if self.cfg.embedding_multiplier is not None:
+            x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
+        return x
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, vocab]`` fp32 logits for ``[n, hidden]`` states."""
-        return self.linear(hidden, self.lm_head)
+        """``[n, vocab]`` fp32 logits for ``[n, hidden]`` states (soft-capped where the config
+        says: Gemma 2's ``final_logit_softcapping``)."""
+        logits = self.linear(hidden, self.lm_head)
+        cap = self.cfg.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     @property
     def weight_bytes(self) -> int:

@@ -26,6 +26,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                    f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
                    f"{p}.mlp.gate_proj.weight": (inter, h), f"{p}.mlp.up_proj.weight": (inter, h),
                    f"{p}.mlp.down_proj.weight": (h, inter)}
+        if cfg.sandwich_norms:
+            shapes |= {f"{p}.pre_feedforward_layernorm.weight": (h,), f"{p}.post_feedforward_layernorm.weight": (h,)}
         if cfg.qkv_bias:
             shapes |= {f"{p}.self_attn.q_proj.bias": (q,), f"{p}.self_attn.k_proj.bias": (kv,),
                        f"{p}.self_attn.v_proj.bias": (kv,)}

@@ -57,6 +57,7 @@ struct PagedAttentionArgs {
   // [T, H, D] or null: the queries that score the sinks before a row's window (StreamingLLM's
   // positions within the cache: q rotated to the row's cache position)
   const float* sink_q = nullptr;
+  float softcap = 0.0f;       // > 0: scores become softcap * tanh(score / softcap) (Gemma 2), before masking
 };
 
 // Head sizes the kernel is instantiated for (multiples of 16 floats).

@@ -165,9 +165,15 @@ class Kernel {
     }
   }
 
-  // Scores of one query head q [D] against keys 0..n-1 (key j at k + j * stride), scaled,
-  // into s[0..n rounded up to 16): keys >= n repeat key n-1.
+  // Scores of one query head q [D] against keys 0..n-1 (key j at k + j * stride), scaled
+  // (and soft-capped), into s[0..n rounded up to 16): keys >= n repeat key n-1.
   void score_keys(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
+    score_scaled(q, k, n, stride, s);
+    if (a_.softcap > 0.0f)  // as HF's Gemma 2: divide, tanh, multiply, each rounded once
+      for (int64_t j = 0; j < (n + kLanes - 1) / kLanes * kLanes; ++j) s[j] = std::tanh(s[j] / a_.softcap) * a_.softcap;
+  }
+
+  void score_scaled(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
 #if PAGEDKV_AVX2_ONLY
     for (int64_t j0 = 0; j0 < n; j0 += kLanes) storev(s + j0, dot16(q, k, j0, n, stride) * splat(a_.scale));
 #else

@@ -92,8 +92,9 @@ ScaleLayout scale_layout(const at::Tensor& k, const at::Tensor& s, const char* n
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& seq_info, const at::Tensor& block_tables, double scale, int64_t split,
                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                           int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_q) {
+                           int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_q, double softcap) {
   check_tensors(q, k_cache, v_cache, seq_info, block_tables);
+  TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "paged_attention: sinks must be >= 0 and need a window, got ",
               sinks, " with window ", window);
@@ -110,7 +111,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                        seq_info.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), nullptr,
                        seq_info.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
                        static_cast<float>(scale), static_cast<int>(split), window, sinks,
-                       sink_q.has_value() ? sink_q->data_ptr<float>() : nullptr};
+                       sink_q.has_value() ? sink_q->data_ptr<float>() : nullptr, static_cast<float>(softcap)};
   if (is_quantized(type)) {
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "paged_attention: an int8/fp8 cache needs k_scale and v_scale");
     a.k_scale = scale_layout(k_cache, *k_scale, "k_scale");
@@ -131,13 +132,14 @@ at::Tensor paged_attention_fn(const at::Tensor& q, const at::Tensor& k_cache, co
                               const at::Tensor& seq_info, const at::Tensor& block_tables, double scale,
                               int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_q) {
   return paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, -1, c10::nullopt, c10::nullopt, window,
-                         sinks, sink_q);
+                         sinks, sink_q, 0.0);
 }
 
 }  // namespace pagedkv
 
 TORCH_LIBRARY(pagedkv, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_info, Tensor block_tables, "
-        "float scale, int split=-1, Tensor? k_scale=None, Tensor? v_scale=None, int window=0, int sinks=0, Tensor? sink_q=None) -> Tensor",
+        "float scale, int split=-1, Tensor? k_scale=None, Tensor? v_scale=None, int window=0, int sinks=0, Tensor? sink_q=None, "
+        "float softcap=0.0) -> Tensor",
         &pagedkv::paged_attention);
 }

@@ -1,0 +1,100 @@
+"""Gemma 2 (issue 14: interleaved sliding and full layers): a tiny random Gemma2ForCausalLM
+against HF transformers' own model, with its extras exercised hard (attention and final
+logit soft-capping at small caps, an attention scale that is not head_dim's, GeGLU,
+four norms per layer with Gemma's ``1 + weight``, embeddings times sqrt(hidden)); whole and
+chunked prefill across the window edge and decode past it, fused kernel and reference;
+the engine's greedy tokens equal HF's ``generate``."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from pagedkv.model.llama import LlamaModel
+from pagedkv.model.loader import load_model_config, load_state_dict
+
+from conftest import TINY_CONFIG
+from test_forward_vs_hf import BLOCK, paged_logits
+
+WINDOW = 12
+TOL = 2e-4
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+             sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory, default_model_files):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(21)
+    cfg = Gemma2Config(**(TINY_CONFIG | GEMMA))
+    model = Gemma2ForCausalLM(cfg).float()
+    with torch.no_grad():  # HF inits small; widen so soft-capping and windows both bite
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 0.2)
+    folder = tmp_path_factory.mktemp("gemma2")
+    model.save_pretrained(str(folder))
+    for f in default_model_files.folder.iterdir():  # the real SmolLM2 tokenizer, for the engine
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def hf_model(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def test_the_config_reads_gemma2s_extras(gemma2_dir):
+    cfg = load_model_config(gemma2_dir)
+    assert cfg.layer_windows == (WINDOW, None, WINDOW)  # sliding first, alternating
+    assert cfg.sandwich_norms and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert cfg.attention_scale == 24 ** -0.5 and cfg.attn_logit_softcapping == 2.0
+    assert cfg.final_logit_softcapping == 5.0 and cfg.embedding_multiplier == 64 ** 0.5
+
+
+@pytest.mark.parametrize("length", [WINDOW - 1, WINDOW + 1, 2 * BLOCK, 3 * BLOCK + 5])
+@pytest.mark.parametrize("attention", ["kernel", "reference"])
+def test_gemma2_matches_hf(gemma2_dir, length, attention, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_ATTENTION", attention)
+    model = LlamaModel(load_model_config(gemma2_dir), load_state_dict(gemma2_dir))
+    ids = torch.randint(0, 49152, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    with torch.no_grad():
+        ref = hf_model(gemma2_dir)(torch.tensor([ids])).logits[0]
+    assert ref.abs().max() <= 5.0  # the final cap is in force ...
+    assert ref.abs().max() > 3.0   # ... and reached: tanh is far from linear here
+    head = [WINDOW - 1, 1, 1, BLOCK - WINDOW + 3]
+    for chunks in ([length], [1] * length, head + [length - sum(head)] if length > sum(head) else [length]):
+        diff = (paged_logits(model, ids, chunks) - ref).abs().max().item()
+        assert diff < TOL, f"chunks {chunks[:5]}...: max |logit diff| {diff:.2e} vs HF"
+
+
+def test_dropping_any_gemma_extra_breaks_the_match(gemma2_dir):
+    """Each extra changes the logits on this model: a check that the test above can fail."""
+    from dataclasses import replace
+
+    cfg = load_model_config(gemma2_dir)
+    ids = list(range(100, 100 + 2 * BLOCK))
+    with torch.no_grad():
+        ref = hf_model(gemma2_dir)(torch.tensor([ids])).logits[0]
+    for change in (dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None),
+                   dict(query_pre_attn_scalar=None), dict(hidden_act="silu"), dict(embedding_multiplier=None),
+                   dict(layer_windows=())):
+        model = LlamaModel(replace(cfg, **change), load_state_dict(gemma2_dir))
+        assert (paged_logits(model, ids, [len(ids)]) - ref).abs().max().item() > 100 * TOL, change
+
+
+def test_the_engine_generates_hfs_greedy_tokens_past_the_window(gemma2_dir):
+    from pagedkv import LLM, SamplingParams
+
+    ids = list(range(1000, 1000 + WINDOW + 5))
+    llm = LLM(model=str(gemma2_dir), num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    got = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        want = hf_model(gemma2_dir).generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                             min_new_tokens=20)[0, len(ids):].tolist()
+    assert got == want
