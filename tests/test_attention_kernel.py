@@ -240,3 +240,23 @@ def test_sinks_need_a_window(op):
     q, k, v, meta = make_batch([(1, 20)], seed=9)
     with pytest.raises(RuntimeError, match="sinks must be"):
         op(q, k, v, *meta.packed, 0.1, -1, None, None, 0, 4)
+
+
+@pytest.mark.parametrize("softcap,window,sinks", [(1.0, 0, 0), (2.5, 17, 0), (5.0, 100, 4), (50.0, 0, 0)])
+def test_soft_capping_matches_the_reference(op, softcap, window, sinks):
+    """Gemma 2's ``cap * tanh(s / cap)`` on every scaled score, before masking, with and
+    without windows and sinks; split or not; a cap far above every score changes little."""
+    specs = [(1, 15), (1, 300), (40, 600), (17, 17), (1, 3000), (33, 100)]
+    q, k, v, meta = make_batch(specs, seed=12)
+    q = q * 3  # scores of several units, so small caps bite
+    scale = q.shape[-1] ** -0.5
+    ref = paged_attention_reference(q, k, v, meta, scale, window=window, sinks=sinks, softcap=softcap)
+    out = op(q, k, v, *meta.packed, scale, -1, None, None, window, sinks, None, softcap)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(op(q, k, v, *meta.packed, scale, 1, None, None, window, sinks, None, softcap), out)
+    plain = op(q, k, v, *meta.packed, scale, -1, None, None, window, sinks)
+    assert not torch.equal(out, plain)
+    if softcap < 10:
+        assert (out - plain).abs().max() > 0.05  # the cap is not a no-op
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        op(q, k, v, *meta.packed, scale, -1, None, None, window, sinks, None, -1.0)
