@@ -3,7 +3,8 @@ against HF transformers' own model, with its extras exercised hard (attention an
 logit soft-capping at small caps, an attention scale that is not head_dim's, GeGLU,
 four norms per layer with Gemma's ``1 + weight``, embeddings times sqrt(hidden)); whole and
 chunked prefill across the window edge and decode past it, fused kernel and reference;
-the engine's greedy tokens equal HF's ``generate``."""
+the engine's greedy tokens equal HF's ``generate``; its window and full layers in two KV
+groups whose pages share tensors, holding exactly the planner's bytes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from test_forward_vs_hf import BLOCK, paged_logits
 WINDOW = 12
 TOL = 2e-4
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
-             sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=3)
+             sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def hf_model(folder):
 
 def test_the_config_reads_gemma2s_extras(gemma2_dir):
     cfg = load_model_config(gemma2_dir)
-    assert cfg.layer_windows == (WINDOW, None, WINDOW)  # sliding first, alternating
+    assert cfg.layer_windows == (WINDOW, None, WINDOW, None)  # sliding first, alternating
     assert cfg.sandwich_norms and cfg.hidden_act == "gelu_pytorch_tanh"
     assert cfg.attention_scale == 24 ** -0.5 and cfg.attn_logit_softcapping == 2.0
     assert cfg.final_logit_softcapping == 5.0 and cfg.embedding_multiplier == 64 ** 0.5
@@ -98,3 +99,47 @@ def test_the_engine_generates_hfs_greedy_tokens_past_the_window(gemma2_dir):
         want = hf_model(gemma2_dir).generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
                                              min_new_tokens=20)[0, len(ids):].tolist()
     assert got == want
+
+
+def test_window_and_full_layers_get_two_groups_sharing_pages(gemma2_dir):
+    """Layers 0, 2 slide, 1, 3 attend fully: two groups of two layers; layer i of each group
+    uses page slot i, so a page holds two layers and the pool has twice the pages of a
+    single-group cache in the same memory."""
+    from pagedkv import LLM
+
+    llm = LLM(model=str(gemma2_dir), kv_cache_memory="1MiB", block_size=4)
+    parts = llm.engine.parts
+    assert [g.layer_ids for g in llm.engine.kv.kv_groups] == [(0, 2), (1, 3)]
+    assert parts.storage.layer_slots == (0, 0, 1, 1) and parts.spec.page_layers == 2
+    assert parts.storage.k[0] is parts.storage.k[1] and parts.storage.k[0] is not parts.storage.k[2]
+    single = LLM(model=str(gemma2_dir), kv_cache_memory="1MiB", block_size=4, kv_offload_memory="1MiB")
+    assert len(single.engine.kv.kv_groups) == 1  # a tier copies whole tables: one group, every page
+    assert parts.storage.nbytes <= 2**20 and single.engine.parts.storage.nbytes <= 2**20
+    assert llm.engine.kv.pool.num_blocks >= 2 * single.engine.kv.pool.num_blocks - 1
+
+
+def test_hybrid_pages_hold_the_planners_bytes_and_give_tokens_like_hf(gemma2_dir):
+    """A request far past the window holds window-bounded pages in the window group and every
+    page in the full one: exactly ``paged_bytes_for_tokens``; its greedy tokens equal HF's,
+    alone and beside another request in a pool too small for both at full size."""
+    from pagedkv import LLM, SamplingParams
+
+    ids = list(range(2000, 2060))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(gemma2_dir), num_blocks=40, block_size=4, max_num_batched_tokens=8,
+              enable_prefix_caching=False)
+    eng, held = llm.engine, []
+    step = eng.step
+    eng.step = lambda: (held.append(eng.kv.usage().used), step())[1]
+    got = llm.generate([{"prompt_token_ids": ids}], params)[0].token_ids
+    spec = eng.parts.spec
+    total = len(ids) + 20 - 1  # the last sampled token is never written
+    assert max(held) * spec.page_size_bytes == spec.paged_bytes_for_tokens(total)
+    assert eng.stats().blocks_freed_by_window > 0
+    with torch.no_grad():
+        want = hf_model(gemma2_dir).generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                             min_new_tokens=20)[0, len(ids):].tolist()
+    assert got == want
+    other = list(range(3000, 3050))
+    both = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": other}], params)
+    assert both[0].token_ids == want

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedkv.attention.dispatch import attention_mode
 from pagedkv.config import SCORED_EVICTIONS, EngineConfig
 from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
-from pagedkv.kv.groups import KVCacheGroup, SlidingWindowSpec, group_layers, single_group
+from pagedkv.kv.groups import (FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers, shared_page_slots,
+                               single_group)
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec, pool_cache_bytes, pool_num_blocks
 from pagedkv.kv.storage import KVCacheStorage
@@ -139,6 +140,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     draft = build_draft(config, cfg, tokenizer, dtype)
     if draft is not None:  # the draft runs at every position: the shorter limit holds
         max_len = min(max_len, draft_max_model_len(draft, config.max_model_len))
+    groups = kv_groups(config, cfg, draft is not None)
+    slots = shared_page_slots(groups)
+    if slots is not None:  # equal window and full groups share page tensors: a page holds one group's layers
+        spec = replace(spec, page_layers=max(slots) + 1)
     specs = (spec,) if draft is None else (spec, draft.spec)
     num_blocks = config.num_blocks or pool_num_blocks(specs, config.kv_cache_memory)
     check_fits_in_ram(pool_cache_bytes(specs, num_blocks))
@@ -151,11 +156,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
                                  f"{config.streaming_positions}"),)
     if draft is not None:  # pages hold the draft's KV too: never share them with other drafts
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
-    groups = kv_groups(config, cfg, draft is not None)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
     max_len = cache_max_model_len(config, kv, max_len)
     model = load_model(config, files, tokenizer)
-    storage = KVCacheStorage(spec, kv.pool.num_pages, draft_spec=draft.spec if draft else None)  # page 0: null page
+    storage = KVCacheStorage(spec, kv.pool.num_pages, draft_spec=draft.spec if draft else None,
+                             layer_slots=slots)  # page 0: null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":
         # the model's own length limit, not the cache's: scales must not depend on the cache size
         calibrate_static_scales(model, storage, engine_calibration_ids(tokenizer, cfg))
@@ -179,10 +184,12 @@ def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[
     """One group of every layer: a sliding-window group (pages before the window go back,
     :class:`~pagedkv.kv.single_type.SlidingWindowManager`) when every layer has the same
     window (or streaming eviction gives them one, with sinks) and nothing else reads those
-    pages, else full attention (correct for any model:
+    pages; a window group beside a full-attention group when the model mixes one window with
+    full layers in equal numbers (Gemma 2; their pages share tensors:
+    :func:`~pagedkv.kv.groups.shared_page_slots`); else full attention (correct for any model:
     attention itself applies each layer's window). Not yet for: a draft model (its layers
     attend to everything on the same tables), CPU/disk tiers and swap preemption (they copy
-    whole tables), the contiguous allocator, models mixing window and full layers."""
+    whole tables), the contiguous allocator, mixes of unequal size or several windows."""
     windows, sinks = set(cfg.layer_windows), 0
     if config.kv_eviction in SCORED_EVICTIONS:
         if any(w is not None for w in windows):
@@ -191,10 +198,16 @@ def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[
         return single_group(cfg.num_hidden_layers, config.block_size)
     if config.kv_eviction == "streaming":
         windows, sinks = {config.kv_window_tokens}, config.num_sink_tokens
-    if (len(windows) == 1 and None not in windows and not has_draft and config.kv_allocator == "paged"
-            and config.kv_offload_memory is None):  # (swap preemption needs the tier too)
+    plain = not has_draft and config.kv_allocator == "paged" and config.kv_offload_memory is None  # (swap needs the tier)
+    if len(windows) == 1 and None not in windows and plain:
         spec = SlidingWindowSpec(config.block_size, sliding_window=windows.pop(), num_sinks=sinks)
         return group_layers([spec] * cfg.num_hidden_layers)
+    if plain and len(windows) == 2 and None in windows:  # window and full layers (Gemma 2)
+        full = FullAttentionSpec(config.block_size)
+        groups = group_layers([full if w is None else SlidingWindowSpec(config.block_size, sliding_window=w)
+                               for w in cfg.layer_windows])
+        if shared_page_slots(groups) is not None:  # equal group sizes: pages shared (kv/groups.py)
+            return groups
     return single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
 
 

@@ -13,7 +13,10 @@ block tables from a manager class chosen by the spec's type
 
 A page is one block of ``block_size`` tokens for every layer of its group (the storage
 allocates page tensors per layer; a page id is valid in every layer of the group that
-holds it). Plain data only: no torch.
+holds it). When the groups have equally many layers (Gemma 2's alternation), the storage
+lets them share page tensors (:func:`shared_page_slots`: a group's i-th layer uses slot i),
+so a page holds one group's layers and a window group's pages cost only its own layers
+(vLLM's hybrid allocator does the same). Plain data only: no torch.
 """
 
 from __future__ import annotations
@@ -85,3 +88,15 @@ def single_group(num_layers: int, block_size: int, contiguous: bool = False) -> 
     """Every layer in one full-attention group (``contiguous``: the baseline allocator)."""
     spec = (ContiguousAttentionSpec if contiguous else FullAttentionSpec)(block_size)
     return group_layers([spec] * num_layers)
+
+
+def shared_page_slots(groups: Sequence[KVCacheGroup]) -> tuple[int, ...] | None:
+    """Per layer (model order), the page slot it uses when several groups of equally many
+    layers share page tensors: layer ``group.layer_ids[i]`` uses slot ``i``. None for one
+    group or groups of different sizes (every layer then has its own tensors)."""
+    if len(groups) < 2 or len({len(g.layer_ids) for g in groups}) != 1:
+        return None
+    slots: dict[int, int] = {}
+    for g in groups:
+        slots.update({layer: i for i, layer in enumerate(g.layer_ids)})
+    return tuple(slots[layer] for layer in range(len(slots)))

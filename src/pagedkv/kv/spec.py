@@ -54,6 +54,9 @@ class KVCacheSpec:
         layer_windows: per layer, the sliding-window length in tokens or ``None`` for
             full attention; empty means every layer is full.
         scale_granularity: for quantized dtypes, one of :data:`SCALE_GRANULARITIES`.
+        page_layers: layers whose block one page holds; 0 = every layer. A hybrid cache whose
+            KV groups share page tensors (:func:`pagedkv.kv.groups.shared_page_slots`) holds
+            one group's layers per page: ``num_layers / number of groups``.
 
     Raises:
         ValueError: on a non-positive size, unknown dtype or granularity, or a
@@ -69,6 +72,7 @@ class KVCacheSpec:
     mla_latent_dim: int = 0
     layer_windows: tuple[int | None, ...] = field(default=())
     scale_granularity: str = "per-token-head"
+    page_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -82,6 +86,8 @@ class KVCacheSpec:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries, need {self.num_layers}")
         if any(w is not None and w <= 0 for w in self.layer_windows):
             raise ValueError("sliding windows must be positive")
+        if not 0 <= self.page_layers <= self.num_layers:
+            raise ValueError(f"page_layers must be in 0..{self.num_layers}, got {self.page_layers}")
 
     # ---- per token --------------------------------------------------------------
     @property
@@ -133,8 +139,9 @@ class KVCacheSpec:
     # ---- per page -----------------------------------------------------------------
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block across all layers: ``block_size * bytes_per_token``."""
-        return self.block_size * self.bytes_per_token
+        """Bytes of one page: a block of every layer (``block_size * bytes_per_token``), or of
+        ``page_layers`` layers where groups share page tensors."""
+        return self.block_size * self.bytes_per_token_layer * (self.page_layers or self.num_layers)
 
     @property
     def static_bytes(self) -> int:

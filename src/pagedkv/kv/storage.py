@@ -20,6 +20,12 @@ shape, and a page id addresses the same token slots in all of them. One page the
 block of both models' KV (:func:`pagedkv.kv.spec.pool_page_bytes`), so both caches share the
 block tables, the pool accounting, prefix caching, tiers and rollback. The draft runs on
 :meth:`KVCacheStorage.draft_view`.
+
+With ``layer_slots`` (KV groups of equally many layers sharing page tensors:
+:func:`pagedkv.kv.groups.shared_page_slots`) layer ``i`` reads and writes the page tensors of
+slot ``layer_slots[i]``: ``self.k[i]`` is that slot's tensor, the same object for one layer
+of each group, and a page id belongs to one group at a time, so it holds only that group's
+layers. Static scales stay per layer.
 """
 
 from __future__ import annotations
@@ -33,6 +39,22 @@ from pagedkv.kv.spec import KVCacheSpec, check_pool_specs, pool_page_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 **quant.STORAGE_DTYPES}
+
+
+def _check_slots(slots, spec: KVCacheSpec, draft_spec: KVCacheSpec | None) -> tuple[int, ...] | None:
+    """``layer_slots`` validated against the spec: one slot per layer, ``spec.page_layers`` of
+    them, each used by the same number of layers. Raises ValueError."""
+    if slots is None:
+        if spec.page_layers not in (0, spec.num_layers):
+            raise ValueError(f"a spec of {spec.page_layers} layers per page needs layer_slots")
+        return None
+    slots = tuple(int(s) for s in slots)
+    counts = [slots.count(i) for i in range(spec.page_layers)]
+    if (draft_spec is not None or len(slots) != spec.num_layers or not spec.page_layers
+            or sorted(set(slots)) != list(range(spec.page_layers)) or len(set(counts)) != 1):
+        raise ValueError(f"layer_slots {slots} do not share {spec.page_layers} page slots evenly among "
+                         f"{spec.num_layers} layers (and no draft model)")
+    return slots
 
 
 class LayerKV(NamedTuple):
@@ -56,26 +78,43 @@ class KVCacheStorage:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str = "cpu",
-                 draft_spec: KVCacheSpec | None = None) -> None:
+                 draft_spec: KVCacheSpec | None = None, layer_slots: tuple[int, ...] | None = None) -> None:
         if spec.dtype not in TORCH_DTYPES:
             raise ValueError(f"KV storage for dtype {spec.dtype!r} is not implemented")
         self.spec, self.num_blocks, self.draft_spec = spec, num_blocks, draft_spec
         self.specs = (spec,) if draft_spec is None else (spec, draft_spec)
         check_pool_specs(self.specs)
         self.layer_specs = [s for s in self.specs for _ in range(s.num_layers)]
+        self.layer_slots = _check_slots(layer_slots, spec, draft_spec)
         dtype = TORCH_DTYPES[spec.dtype]
         shapes = [(num_blocks, s.block_size, s.num_kv_heads, s.head_dim) for s in self.layer_specs]
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
-        for t in self.k + self.v:
+        k = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes[:self._num_slots]]
+        v = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes[:self._num_slots]]
+        for t in k + v:
             t[0].zero_()
+        self.k, self.v = self._by_layer(k), self._by_layer(v)
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         self._calibrated = [False] * len(shapes)
         if spec.is_quantized:
             kg, vg = quant.key_value_granularities(spec.scale_granularity)
-            self.k_scale = [self._scale_tensor(kg, shape, device) for shape in shapes]
-            self.v_scale = [self._scale_tensor(vg, shape, device) for shape in shapes]
+            self.k_scale = self._scales(kg, shapes, device)
+            self.v_scale = self._scales(vg, shapes, device)
+
+    @property
+    def _num_slots(self) -> int:
+        return len(self.layer_specs) if self.layer_slots is None else max(self.layer_slots) + 1
+
+    def _by_layer(self, per_slot: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each layer's tensor: its own, or its slot's (shared with the other groups' layer)."""
+        return per_slot if self.layer_slots is None else [per_slot[s] for s in self.layer_slots]
+
+    def _scales(self, gran: str, shapes: list, device: str) -> list[torch.Tensor]:
+        """Scale tensors per layer: per-token ones live with the pages (shared like them),
+        static ones are each layer's own."""
+        if gran == "per-token-head":
+            return self._by_layer([self._scale_tensor(gran, shape, device) for shape in shapes[:self._num_slots]])
+        return [self._scale_tensor(gran, shape, device) for shape in shapes]
 
     @property
     def num_layers(self) -> int:
@@ -89,7 +128,7 @@ class KVCacheStorage:
 
     def like(self, num_blocks: int, device: str = "cpu") -> "KVCacheStorage":
         """An empty storage of the same layers with ``num_blocks`` pages (a tier's pool)."""
-        return KVCacheStorage(self.spec, num_blocks, device, self.draft_spec)
+        return KVCacheStorage(self.spec, num_blocks, device, self.draft_spec, self.layer_slots)
 
     def draft_view(self) -> "LayerOffsetStorage":
         """The draft model's layers as a storage of their own (layer ``i`` is layer ``N + i``).
@@ -114,7 +153,8 @@ class KVCacheStorage:
         """Bytes held by all page and scale tensors
         (``spec.cache_bytes(num_blocks)`` for a pool of ``num_blocks`` usable pages:
         this storage holds ``num_pages = num_blocks + 1``, the null page included)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
+        unique = {id(t): t for t in self.k + self.v + self.k_scale + self.v_scale}  # shared slots once
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     def page_tensors(self, layer: int) -> list[torch.Tensor]:
         """Every tensor of ``layer`` indexed by page (dim 0): K, V, and per-token-head scales
@@ -129,11 +169,11 @@ class KVCacheStorage:
         """Copy the KV (and per-token scales) of flat slots ``src`` ``[n]`` to ``dst`` ``[n]``
         in every layer, as bytes (KV eviction's compaction). They may share pages: every
         source is read before any destination is written."""
-        for layer in range(self.num_layers):
-            for t in self.page_tensors(layer):
-                flat = t.view(torch.uint8) if t.element_size() == 1 else t
-                flat = flat.view(t.shape[0] * t.shape[1], -1)
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+        unique = {id(t): t for layer in range(self.num_layers) for t in self.page_tensors(layer)}
+        for t in unique.values():  # a shared slot's tensor once: a second pass would read moved slots
+            flat = t.view(torch.uint8) if t.element_size() == 1 else t
+            flat = flat.view(t.shape[0] * t.shape[1], -1)
+            flat.index_copy_(0, dst, flat.index_select(0, src))
 
     def layer(self, layer: int) -> LayerKV:
         if not self.spec.is_quantized:
