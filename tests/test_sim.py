@@ -128,6 +128,16 @@ def test_simulate_a_70b_model_on_a100s():
     assert r.timeline["waiting"][0] > 0 and r.timeline["waiting"][-1] == 0  # a burst queues, then drains
 
 
+def test_gemma2s_hybrid_pages_double_the_pool_as_in_the_engine():
+    """Gemma 2's window and full layers share pages (one group's layers per page), so the
+    same memory holds twice the pages; the contiguous allocator (one group) keeps whole-layer
+    pages, and the simulator sizes each pool as the engine would."""
+    kw = dict(workload="random", num_prompts=4, request_rate=math.inf, input_len=64, output_len=4)
+    paged = simulate("gemma-2-9b", "a100-80gb-sxm4", **kw).settings["num_blocks"]
+    whole = simulate("gemma-2-9b", "a100-80gb-sxm4", kv_allocator="contiguous", **kw).settings["num_blocks"]
+    assert abs(paged - 2 * whole) <= 1
+
+
 def test_a_small_cache_preempts_and_rejects_what_never_fits():
     reqs = [BenchRequest(tuple(range(1, 200)), 300, 300) for _ in range(16)]
     r = simulate("llama-3-8b", "l4", workload=reqs, request_rate=math.inf, kv_cache_memory="256MiB",

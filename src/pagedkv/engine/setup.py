@@ -141,9 +141,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if draft is not None:  # the draft runs at every position: the shorter limit holds
         max_len = min(max_len, draft_max_model_len(draft, config.max_model_len))
     groups = kv_groups(config, cfg, draft is not None)
-    slots = shared_page_slots(groups)
-    if slots is not None:  # equal window and full groups share page tensors: a page holds one group's layers
-        spec = replace(spec, page_layers=max(slots) + 1)
+    slots = shared_page_slots(groups)  # equal window and full groups share page tensors, else every page
+    spec = replace(spec, page_layers=0 if slots is None else max(slots) + 1)  # holds every layer (a tier, ...)
     specs = (spec,) if draft is None else (spec, draft.spec)
     num_blocks = config.num_blocks or pool_num_blocks(specs, config.kv_cache_memory)
     check_fits_in_ram(pool_cache_bytes(specs, num_blocks))

@@ -100,3 +100,15 @@ def shared_page_slots(groups: Sequence[KVCacheGroup]) -> tuple[int, ...] | None:
     for g in groups:
         slots.update({layer: i for i, layer in enumerate(g.layer_ids)})
     return tuple(slots[layer] for layer in range(len(slots)))
+
+
+def hybrid_page_layers(layer_windows: Sequence[int | None]) -> int:
+    """Layers per page of the hybrid layout (:func:`shared_page_slots`) for a model whose
+    layers are one sliding window and full attention in equal numbers (Gemma 2): that
+    number; else 0 (every page holds every layer). The planner, the simulator and the engine
+    size their pools from this."""
+    windows = set(layer_windows)
+    if len(windows) != 2 or None not in windows:
+        return 0
+    full = sum(w is None for w in layer_windows)
+    return full if 2 * full == len(layer_windows) else 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pagedkv.kv.groups import hybrid_page_layers
 from pagedkv.kv.spec import KVCacheSpec
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM")
@@ -171,8 +172,10 @@ class ModelConfig:
     def kv_spec(self, dtype: str, block_size: int = 16, tp: int = 1,
                 scale_granularity: str = "per-token-head") -> KVCacheSpec:
         """The KV cache of one of ``tp`` devices: K and V per layer and KV head (an MLA model:
-        one latent per layer), each layer's sliding window kept. The engine's pool and the
-        planner's figures both come from here.
+        one latent per layer), each layer's sliding window kept; a model of window and full
+        layers in equal numbers gets the hybrid page layout (``page_layers``:
+        :func:`~pagedkv.kv.groups.hybrid_page_layers`). The engine's pool and the planner's
+        figures both come from here.
 
         Raises:
             ValueError: for a ``tp`` that does not split the KV heads, or a bad dtype/size.
@@ -182,7 +185,8 @@ class ModelConfig:
             return KVCacheSpec(self.num_hidden_layers, 1, d, dtype, block_size, mla_latent_dim=d,
                                layer_windows=self.layer_windows, scale_granularity=scale_granularity)
         return KVCacheSpec(self.num_hidden_layers, self.kv_heads_per_device(tp), self.head_dim, dtype,
-                           block_size, layer_windows=self.layer_windows, scale_granularity=scale_granularity)
+                           block_size, layer_windows=self.layer_windows, scale_granularity=scale_granularity,
+                           page_layers=hybrid_page_layers(self.layer_windows))
 
 
 def for_engine(cfg: ModelConfig) -> ModelConfig:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from pagedkv.bench.driver import EngineRun, drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals, workload_summary
 from pagedkv.config import WEIGHT_DTYPES, EngineConfig
+from pagedkv.engine.setup import kv_groups
+from pagedkv.kv.groups import shared_page_slots
 from pagedkv.model.config import ENGINE_MAX_POSITIONS, ModelConfig
 from pagedkv.planner.hardware import get_device
 from pagedkv.planner.models import load_model
@@ -107,7 +109,10 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
              kv_scale_granularity=config.kv_cache_scale)
     m = load_model(model)
     num_blocks = config.num_blocks or p.num_blocks
-    check_pool(m, p, dev, config, tp, num_blocks, kv_cache_memory is not None)
+    page = sim_page_bytes(m, p, config, tp)
+    if not config.num_blocks:  # the plan's pool in this layout's pages (a hybrid model on one group: whole-layer pages)
+        num_blocks = num_blocks * m.kv_spec(p.kv_cache_dtype, config.block_size, tp).page_size_bytes // page
+    check_pool(m, p, dev, config, tp, num_blocks, kv_cache_memory is not None, page)
     cost, w_dtype = step_cost(m, p, dev, config, model, tp, weight_dtype, efficiency)
     eff = cost.efficiency
     settings = {"model": p.model, "gpu": dev.name, "gpu_label": dev.label, "tp": tp, "weight_dtype": w_dtype,
@@ -119,7 +124,17 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     return SimSetup(config, model, num_blocks, cost, settings)
 
 
-def check_pool(m: ModelConfig, p, dev, config: EngineConfig, tp: int, num_blocks: int, budget_given: bool) -> None:
+def sim_page_bytes(m: ModelConfig, p, config: EngineConfig, tp: int) -> int:
+    """Bytes of one page as the engine would lay out this configuration: the hybrid layout's
+    (one group's layers) where its KV groups share pages, else every layer's."""
+    spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
+    if spec.page_layers and shared_page_slots(kv_groups(config, m, False)) is None:
+        spec = replace(spec, page_layers=0)
+    return spec.page_size_bytes
+
+
+def check_pool(m: ModelConfig, p, dev, config: EngineConfig, tp: int, num_blocks: int, budget_given: bool,
+               page: int) -> None:
     """Refuse what no device of the plan ``p`` runs: a tp that does not split the heads,
     no room for one block, or a pool that with the weights exceeds the device's memory.
 
@@ -128,7 +143,6 @@ def check_pool(m: ModelConfig, p, dev, config: EngineConfig, tp: int, num_blocks
     """
     if m.num_attention_heads % tp:
         raise ValueError(f"tp {tp} does not split {p.model}'s {m.num_attention_heads} attention heads evenly")
-    page = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale).page_size_bytes
     if num_blocks < 1 and budget_given:
         raise ValueError(f"a KV cache budget of {p.cache_budget_bytes:,} bytes per device holds no block of "
                          f"{config.block_size} tokens ({page:,} bytes)")
