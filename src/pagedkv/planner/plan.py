@@ -137,7 +137,7 @@ def _capacity(c: _Inputs) -> dict:
     budget = c.budget if c.budget is not None else usable - weights_dev
     max_req = _requests_fitting(c.specs(), budget, c.seq_len) if budget > 0 else 0
     blocks = _budget_blocks(c.specs(), budget)
-    out = dict(cache_budget_bytes=budget, num_blocks=blocks, max_cached_tokens=blocks * c.spec.block_size,
+    out = dict(cache_budget_bytes=budget, num_blocks=blocks, max_cached_tokens=blocks * c.spec.block_size * (c.spec.page_layers or c.spec.num_layers) // c.spec.num_layers,
                max_concurrent_requests=max_req, batch_fits=max_req >= c.batch)
     if c.dev:
         out.update(device_memory_bytes=c.dev.memory_bytes, usable_memory_bytes=usable,

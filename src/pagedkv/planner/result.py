@@ -47,7 +47,8 @@ class PlanResult:
     Capacity (per device): ``device_memory_bytes``, ``usable_memory_bytes``
     (× gpu_memory_utilization), ``cache_budget_bytes`` (usable − weights, or
     ``--kv-cache-memory``), ``num_blocks`` (the engine's pool for that budget:
-    ``KVCacheSpec.num_blocks_for``), ``max_cached_tokens`` (num_blocks × block_size),
+    ``KVCacheSpec.num_blocks_for``), ``max_cached_tokens`` (tokens of every layer those
+    blocks hold: num_blocks × block_size, halved where a block holds one of two groups' layers),
     ``max_concurrent_requests`` (of ``seq_len`` tokens), ``weights_fit``, ``batch_fits``,
     ``min_tp_for_weights``, ``min_tp_for_batch``.
 
