@@ -67,3 +67,29 @@ def smollm(default_model_files):
     from pagedkv import LLM
 
     return LLM(num_blocks=256, debug_invariants=True)
+
+
+def assert_rows_invariant(product, x) -> None:
+    """``product(x)`` row by row equals it whole, and with one thread equals it with the
+    default threads, bit for bit (a batch-invariant kernel)."""
+    full = product(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(product(x[i:i + 1]), full[i:i + 1])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(product(x), full)
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_engine_batch_invariant(llm) -> None:
+    """A prompt's greedy tokens and log-probs alone equal the same prompt's in a batch."""
+    from pagedkv import SamplingParams
+
+    assert not llm.engine.model.batch_invariant
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = ["a b c d", "the paged cache", "one more prompt here", "x"]
+    alone = llm.generate([prompts[1]], params)[0]
+    batch = llm.generate(prompts, params)[1]
+    assert alone.token_ids == batch.token_ids and alone.logprobs == batch.logprobs

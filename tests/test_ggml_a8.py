@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from conftest import assert_engine_batch_invariant, assert_rows_invariant
+
 from pagedkv import EngineConfig, SamplingParams
 from pagedkv.model.ggml_a8 import GGMLA8Weight, quantize_activations, reference
 from pagedkv.model.ggml_weights import Q4_1, Q8_0, GGMLWeight
@@ -79,15 +81,7 @@ def test_activation_quantization_rounds_half_to_even_and_keeps_zero_blocks_finit
 def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(qtype):
     w = weight(576, 576, qtype)
     x = torch.randn(37, 576)
-    full = w(x)
-    for i in range(37):
-        assert torch.equal(w(x[i:i + 1]), full[i:i + 1])
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(w(x), full)
-    finally:
-        torch.set_num_threads(before)
+    assert_rows_invariant(w, x)
 
 
 @FMTS
@@ -186,9 +180,4 @@ def test_the_engine_is_batch_invariant_without_padding(tiny_llm_factory, monkeyp
     gives a prompt the same tokens and log-probs alone and in a batch."""
     monkeypatch.setenv("PAGEDKV_BATCH_INVARIANT", "0")  # the suite turns it on for every engine
     llm = tiny_llm_factory(num_blocks=64, weight_dtype="int4", activation_dtype="int8", batch_invariant=False)
-    assert not llm.engine.model.batch_invariant
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-    prompts = ["a b c d", "the paged cache", "one more prompt here", "x"]
-    alone = llm.generate([prompts[1]], params)[0]
-    batch = llm.generate(prompts, params)[1]
-    assert alone.token_ids == batch.token_ids and alone.logprobs == batch.logprobs
+    assert_engine_batch_invariant(llm)

@@ -19,6 +19,7 @@ from pagedkv.model.ggml_weights import FORMATS, Q4_1, Q8_0, GGMLWeight
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import load_model_config, load_state_dict
 
+from conftest import assert_rows_invariant
 from test_forward_vs_hf import BLOCK, paged_logits
 
 FMTS = pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
@@ -50,15 +51,7 @@ def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(qtype):
     torch.manual_seed(0)
     w = GGMLWeight.quantize(torch.randn(576, 576), qtype)
     x = torch.randn(37, 576)
-    full = w(x)
-    for i in range(37):
-        assert torch.equal(w(x[i:i + 1]), full[i:i + 1])
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(w(x), full)
-    finally:
-        torch.set_num_threads(before)
+    assert_rows_invariant(w, x)
 
 
 @pytest.mark.filterwarnings("ignore:pagedkv. quantized weights without")

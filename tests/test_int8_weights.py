@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_rows_invariant
+
 from pagedkv import SamplingParams
 from pagedkv.model.int8_weights import Int8Weight
 from pagedkv.model.llama import LlamaModel
@@ -37,15 +39,7 @@ def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count():
     torch.manual_seed(0)
     w = Int8Weight.quantize(torch.randn(576, 576))
     x = torch.randn(37, 576)
-    full = w(x)
-    for i in range(37):
-        assert torch.equal(w(x[i:i + 1]), full[i:i + 1])
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(w(x), full)
-    finally:
-        torch.set_num_threads(before)
+    assert_rows_invariant(w, x)
 
 
 def test_quantization_error_is_half_a_step_and_zero_rows_survive():

@@ -91,9 +91,10 @@ def test_engine_fields_rope_tokens_and_defaults():
 
 
 def test_engine_refuses_what_the_planner_reads(tmp_path):
-    folder = _write(tmp_path, BASE | dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=W))
+    folder = _write(tmp_path, BASE | dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                                          sliding_window=W, sliding_window_pattern=2))
     assert load_model(str(folder)).sliding_layers == 2
-    with pytest.raises(ValueError, match="unsupported architecture 'Gemma2ForCausalLM'"):
+    with pytest.raises(ValueError, match="unsupported architecture 'Gemma3ForCausalLM'"):
         load_model_config(folder)
 
 

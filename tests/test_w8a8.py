@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_engine_batch_invariant
+
 from pagedkv import EngineConfig, SamplingParams
 from pagedkv.model.int8_weights import kernel_op
 from pagedkv.model.w8a8 import W8A8Weight, quantize_activations, smoothing
@@ -117,12 +119,7 @@ def test_w8a8_engine_is_batch_invariant_without_padding(tiny_llm_factory, monkey
     (no --batch-invariant) gives a prompt the same tokens and log-probs in any batch."""
     monkeypatch.setenv("PAGEDKV_BATCH_INVARIANT", "0")  # the suite turns it on for every engine
     llm = tiny_llm_factory(num_blocks=64, weight_dtype="int8", activation_dtype="int8", batch_invariant=False)
-    assert not llm.engine.model.batch_invariant
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-    prompts = ["a b c d", "the paged cache", "one more prompt here", "x"]
-    alone = llm.generate([prompts[1]], params)[0]
-    batch = llm.generate(prompts, params)[1]
-    assert alone.token_ids == batch.token_ids and alone.logprobs == batch.logprobs
+    assert_engine_batch_invariant(llm)
     m = llm.engine.model
     weights = [t for layer in m.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [m.lm_head]
     assert all(isinstance(t, W8A8Weight) for t in weights)
