@@ -163,7 +163,9 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                     (dict(workload=[BenchRequest((1, 2), 2, 2, float("nan"))]), "arrival_s"),
                                     (dict(workload=[BenchRequest((1, 2), 0, 2)]), "output_len"),
                                     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-                                     "not simulated"),
+                                     "given draft acceptance rate"),
+                                    (dict(speculative_config={"model": "no-such-draft", "num_speculative_tokens": 2},
+                                          spec_acceptance_rate=0.5), "unknown model 'no-such-draft'"),
                                     (dict(kv_eviction="snapkv", kv_budget_tokens=64), "not simulated")])
 def test_bad_input_is_a_clear_error(kw, msg):
     args = dict(model="llama-3-8b", gpu="a100-80gb-sxm4", workload="random", num_prompts=2) | kw
@@ -217,7 +219,11 @@ def test_cli_text_and_sweep(capsys):
                                       (["--sweep", "--target", "ttft_p50"], "METRIC=SECONDS"),
                                       (["--sweep", "--plot", "x.png"], "not with --sweep: --plot"),
                                       (["--trace", "t.jsonl", "--request-rate", "2"], "not both"),
-                                      (["--trace", "/nonexistent.jsonl"], "cannot read trace")])
+                                      (["--trace", "/nonexistent.jsonl"], "cannot read trace"),
+                                      (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                                       "--spec-acceptance-rate"),
+                                      (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                        "--spec-acceptance-rate", "1.5"], "in [0, 1]")])
 def test_cli_bad_input_is_one_line(argv, msg, capsys):
     assert main(["simulate", "--model", "llama-3-8b", "--gpu", "a100-80gb-sxm4", "--workload", "random",
                  *argv]) == 2
@@ -243,3 +249,45 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     assert s.settings["efficiency"] == eff.to_dict() and s.metrics["output_tokens"] == 16
     # every decode step pays the fitted overheads on top of the roofline
     assert s.metrics["tpot_s"]["p50"] >= eff.step_overhead_s + eff.request_overhead_s
+
+
+# ---- speculative decoding ---------------------------------------------------------------
+def test_alpha_for_inverts_the_mean_acceptance():
+    from pagedkv.sim.spec import alpha_for, mean_acceptance
+
+    for k in (1, 3, 8):
+        for rate in (0.0, 0.2, 0.55, 0.9, 1.0):
+            assert abs(mean_acceptance(alpha_for(rate, k), k) - rate) < 1e-9
+    assert alpha_for(0.5, 1) == pytest.approx(0.5)  # one draft: the rate is alpha
+
+
+def _spec_run(rate=None, model=None, **kw):
+    sc = {"num_speculative_tokens": 4} | ({"model": model} if model else {"method": "ngram"})
+    flags = dict(speculative_config=sc, spec_acceptance_rate=rate) if rate is not None else {}
+    return simulate("llama-3-70b", "a100-80gb-sxm4", tp=4, workload="random", num_prompts=24, request_rate=1.0,
+                    input_len=256, output_len=96, **flags, **kw)
+
+
+def test_speculation_accepts_drafts_at_the_rate_given_and_shortens_tpot():
+    """The scheduler's own draft handling, with accepted counts drawn at the rate: the
+    counted rate lands near it, every request still gets exactly its output tokens, and at a
+    low request rate (memory-bound steps) TPOT drops by about the tokens per verification."""
+    plain, spec = _spec_run(), _spec_run(0.6)
+    sd = spec.metrics["spec_decode"]
+    assert abs(sd["acceptance_rate"] - 0.6) < 0.05 and sd["num_draft_tokens"] > 1000
+    assert spec.metrics["output_tokens"] == plain.metrics["output_tokens"] == 24 * 96
+    speedup = plain.metrics["tpot_s"]["p50"] / spec.metrics["tpot_s"]["p50"]
+    assert 0.7 * sd["mean_acceptance_length"] < speedup <= sd["mean_acceptance_length"] * 1.05
+    none = _spec_run(0.0)
+    assert none.metrics["spec_decode"]["num_accepted_tokens"] == 0
+    assert none.metrics["tpot_s"]["p50"] >= plain.metrics["tpot_s"]["p50"]  # verifying 4 more tokens costs
+
+
+def test_a_draft_model_costs_its_own_steps_and_shares_the_pool():
+    """With a draft model each step also runs the draft k times, and pages hold both
+    models' KV: at acceptance 0 it only costs (TPOT above plain), and the pool is smaller."""
+    plain, draft0, draft = _spec_run(), _spec_run(0.0, "llama-3-8b"), _spec_run(0.7, "llama-3-8b")
+    assert draft0.metrics["tpot_s"]["p50"] > 1.3 * plain.metrics["tpot_s"]["p50"]
+    assert draft.metrics["tpot_s"]["p50"] < plain.metrics["tpot_s"]["p50"]
+    ratio = plain.settings["num_blocks"] / draft.settings["num_blocks"]
+    assert ratio == pytest.approx((327_680 + 131_072) / 327_680, rel=0.01)  # both models' bytes per token

@@ -61,7 +61,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--random-output-len", type=int, default=128, help="random workload output length (default: 128)")
     s.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random lengths drawn from len x [1 - r, 1 + r] (default: 0)")
-    s.add_argument("--workload-seed", type=int, default=0, help="seed of lengths and arrivals (default: 0)")
+    s.add_argument("--workload-seed", type=int, default=0,
+                   help="seed of lengths, arrivals and accepted drafts (default: 0)")
+    s.add_argument("--spec-acceptance-rate", type=float, default=None,
+                   help="with --speculative-config: the share of drafts the target accepts (accepted / drafted, "
+                        "as pagedkv bench reports it); a draft model is a planner model name")
     s.add_argument("--sweep", action="store_true",
                    help="find the highest Poisson request rate meeting --target for these --num-prompts requests")
     s.add_argument("--target", default="normalized_latency=0.2",
@@ -130,7 +134,7 @@ def _setup_and_requests(a, flags: dict, weight: str, rate: float | None):
                    a.workload, a.num_prompts, rate,
                    dict(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens, input_len=a.random_input_len,
                         output_len=a.random_output_len, range_ratio=a.random_range_ratio, trace=a.trace,
-                        seed=a.workload_seed))
+                        seed=a.workload_seed), a.spec_acceptance_rate)
 
 
 def _run_one(a, flags: dict, weight: str) -> int:

@@ -10,7 +10,9 @@ the cache (:func:`~pagedkv.engine.setup.cache_max_model_len`). It offers the par
 (``add_request``, ``step``, ``abort_request``, ``scheduler``, ``kv``), on token ids only:
 no tokenizer, no weights, no tensors.
 
-Not simulated (refused with a message): speculative decoding, KV offload tiers and swap
+Speculative decoding runs the scheduler's own draft handling (verification, lookahead
+slots, giving back rejected positions) with accepted counts drawn at a given rate
+(:mod:`pagedkv.sim.spec`). Not simulated (refused with a message): KV offload tiers and swap
 preemption, SnapKV/H2O eviction (their choices need attention scores).
 """
 
@@ -44,8 +46,6 @@ class SimOutput:
 
 def check_simulated(config: EngineConfig) -> None:
     """Raise ValueError naming the first engine setting the simulator does not model."""
-    if config.speculative_config is not None:
-        raise ValueError("speculative decoding is not simulated yet (drop --speculative-config)")
     if config.kv_offload_memory is not None or config.kv_offload_disk_size is not None:
         raise ValueError("KV offload tiers are not simulated yet (drop --kv-offload-memory/--kv-offload-disk-size)")
     if config.kv_eviction in SCORED_EVICTIONS:
@@ -76,12 +76,17 @@ class SimEngine:
         streaming = config.kv_eviction == "streaming"
         max_len = resolve_max_model_len(model, config.max_model_len, streaming)
         keys = (("model", model.name), ("kv_dtype", config.kv_cache_dtype), ("block_size", str(config.block_size)))
+        spec = config.speculative_config
+        if spec is not None and runner.spec is None:
+            raise ValueError("speculative decoding is simulated at a given draft acceptance rate "
+                             "(--spec-acceptance-rate, accepted / drafted as pagedkv bench reports it)")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
-                                 kv_groups(config, model, False))
+                                 kv_groups(config, model, spec is not None and spec.method == "draft_model"))
         self.max_model_len = cache_max_model_len(config, self.kv, max_len)
         preemption = PreemptionCost(config.preemption_mode, cost.layer_matmul_params, cost.attn_flops_per_pair)
         scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                              frozenset(), None, config.scheduling_policy, preemption)
+                              frozenset(), None, config.scheduling_policy, preemption,
+                              spec.num_speculative_tokens if spec else 0, spec.num_lookahead_tokens if spec else 0)
         self.core = EngineCore(scheduler, runner, clock=clock, debug_invariants=config.debug_invariants)
         self._live: dict[str, Request] = {}
         self._next_id = 0

@@ -49,6 +49,11 @@ def render(r: SimResult) -> str:
         f"  running at once       max {m['max_running']}, mean {m['mean_running']:.1f}; {m['steps']} steps",
         f"  simulator             {r.wall_s:.2f} s wall, {r.events_per_s:,.0f} events/s",
     ]
+    sd = m.get("spec_decode")
+    if sd and sd.get("acceptance_rate") is not None:
+        lines.insert(-1, f"  speculative decoding  {sd['num_accepted_tokens']:,} of {sd['num_draft_tokens']:,} drafts "
+                         f"accepted ({sd['acceptance_rate']:.1%}; asked {s['spec_acceptance_rate']:.1%}), "
+                         f"{sd['mean_acceptance_length']:.2f} tokens per verification")
     return "\n".join(lines)
 
 

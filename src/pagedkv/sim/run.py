@@ -33,6 +33,7 @@ from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import Efficiency, StepCost
 from pagedkv.sim.engine import SimEngine
 from pagedkv.sim.runner import SimRunner, cost_model_times
+from pagedkv.sim.spec import SpecDraws, alpha_for
 from pagedkv.sim.workloads import SYNTHETIC, check_requests, dataset_workload, load_trace, synthetic_workload
 
 
@@ -65,11 +66,17 @@ class SimSetup:
     num_blocks: int
     step_cost: StepCost
     settings: dict
+    spec_acceptance_rate: float | None = None  # speculative decoding: accepted / drafted
+    draft_cost: StepCost | None = None         # the draft model's step cost (draft_model only)
+    seed: int = 0
 
     def engine(self) -> SimEngine:
         clock = VirtualClock()
         m = sim_model(self.model_name)
-        runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config))
+        sc = self.config.speculative_config
+        spec = (SpecDraws(sc.num_speculative_tokens, self.spec_acceptance_rate, self.seed, self.draft_cost)
+                if sc is not None and self.spec_acceptance_rate is not None else None)
+        runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config), spec=spec)
         return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock)
 
 
@@ -92,7 +99,8 @@ def read_windows(m: ModelConfig, config: EngineConfig) -> tuple[tuple[int | None
 
 def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = None, weight_dtype: str = "auto",
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | str | None = None,
-              efficiency: Efficiency | None = None) -> SimSetup:
+              efficiency: Efficiency | None = None, spec_acceptance_rate: float | None = None,
+              seed: int = 0) -> SimSetup:
     """Resolve a simulation's model, device and pool (see :func:`simulate` for the arguments).
 
     Raises:
@@ -110,6 +118,9 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     m = load_model(model)
     num_blocks = config.num_blocks or p.num_blocks
     page = sim_page_bytes(m, p, config, tp)
+    draft = draft_parts(config, p, dev, tp, spec_acceptance_rate)
+    if draft is not None:  # pages hold both models' KV (one pool, as the engine keeps them)
+        page += draft[1]
     if not config.num_blocks:  # the plan's pool in this layout's pages (a hybrid model on one group: whole-layer pages)
         num_blocks = num_blocks * m.kv_spec(p.kv_cache_dtype, config.block_size, tp).page_size_bytes // page
     check_pool(m, p, dev, config, tp, num_blocks, kv_cache_memory is not None, page)
@@ -121,7 +132,33 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
                 "bandwidth_bytes_per_s": dev.bandwidth, "matmul_flops": dev.matmul_rate(p.weight_dtype),
                 "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
                 "enable_prefix_caching": config.enable_prefix_caching, "kv_allocator": config.kv_allocator}
-    return SimSetup(config, model, num_blocks, cost, settings)
+    if config.speculative_config is not None:
+        settings |= {"speculative_config": config.speculative_config.__dict__,
+                     "spec_acceptance_rate": spec_acceptance_rate}
+    return SimSetup(config, model, num_blocks, cost, settings, spec_acceptance_rate,
+                    None if draft is None else StepCost(draft[0], dev, p.weight_dtype, eff), seed)
+
+
+def draft_parts(config: EngineConfig, p, dev, tp: int, rate: float | None):
+    """A draft model's (cost, page bytes) for speculative decoding with ``draft_model``
+    (the draft: a planner model name or config.json path, priced on the same device and
+    dtypes); None for n-gram drafts or none.
+
+    Raises:
+        ValueError: speculative decoding without an acceptance rate, or an unknown draft.
+    """
+    sc = config.speculative_config
+    if sc is None:
+        return None
+    alpha_for(1.0 if rate is None else rate, sc.num_speculative_tokens)  # (checks the range)
+    if rate is None:
+        raise ValueError("speculative decoding is simulated at a given draft acceptance rate: pass "
+                         "spec_acceptance_rate (--spec-acceptance-rate), accepted / drafted as pagedkv bench reports it")
+    if sc.method != "draft_model":
+        return None
+    dm = sim_model(sc.model)
+    dspec = dm.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
+    return config_cost(dm, dspec, p.weight_dtype, tp), replace(dspec, page_layers=0).page_size_bytes
 
 
 def sim_page_bytes(m: ModelConfig, p, config: EngineConfig, tp: int) -> int:
@@ -223,7 +260,10 @@ def run_setup(setup: SimSetup, requests: list[BenchRequest]) -> SimResult:
     timeline = {"t_s": run.step_starts, "kv_blocks_used": run.blocks_used, "running": run.running_after,
                 "waiting": run.waiting}
     settings = setup.settings | {"max_model_len": engine.max_model_len, "workload": workload_summary(requests)}
-    return SimResult(settings, run.metrics() | extra_metrics(run), timeline, wall,
+    metrics = run.metrics() | extra_metrics(run)
+    if engine.scheduler.spec_stats is not None:  # the drafts as the scheduler counted them
+        metrics["spec_decode"] = engine.scheduler.spec_stats.to_dict()
+    return SimResult(settings, metrics, timeline, wall,
                      events / wall if wall > 0 else math.inf, run)
 
 
@@ -242,7 +282,7 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
              kv_cache_memory: int | str | None = None, efficiency: Efficiency | None = None,
              max_prompt_tokens: int = 512, max_tokens: int = 128, input_len: int = 256, output_len: int = 128,
              range_ratio: float = 0.0, trace: str | None = None, workload_seed: int = 0,
-             **engine_flags) -> SimResult:
+             spec_acceptance_rate: float | None = None, **engine_flags) -> SimResult:
     """Simulate serving ``workload`` with ``model`` on ``tp`` x ``gpu``.
 
     Args:
@@ -261,7 +301,9 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
         input_len, output_len, range_ratio: the ``random`` workload's lengths.
         trace: a JSONL trace (:func:`pagedkv.sim.workloads.load_trace`) instead of ``workload``
             (with its own arrivals: ``request_rate`` must then be None).
-        workload_seed: seed of synthetic lengths, dataset draws and arrivals.
+        workload_seed: seed of synthetic lengths, dataset draws, arrivals and accepted drafts.
+        spec_acceptance_rate: with ``speculative_config``, the share of drafts the target
+            accepts (accepted / drafted; :mod:`pagedkv.sim.spec`); required then.
         engine_flags: :class:`~pagedkv.config.EngineConfig` fields (block_size, max_num_seqs, ...).
 
     Raises:
@@ -270,7 +312,8 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
     setup, requests = prepare(model, gpu, tp, engine_flags, weight_dtype, gpu_memory_utilization, kv_cache_memory,
                               efficiency, workload, num_prompts, request_rate,
                               dict(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, input_len=input_len,
-                                   output_len=output_len, range_ratio=range_ratio, trace=trace, seed=workload_seed))
+                                   output_len=output_len, range_ratio=range_ratio, trace=trace, seed=workload_seed),
+                              spec_acceptance_rate)
     result = run_setup(setup, requests)
     result.settings["request_rate"] = request_rate
     return result
@@ -278,7 +321,7 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
 
 def prepare(model: str, gpu: str, tp: int, engine_flags: dict, weight_dtype: str, gpu_memory_utilization: float,
             kv_cache_memory, efficiency: Efficiency | None, workload, num_prompts: int, request_rate: float | None,
-            workload_kw: dict) -> tuple[SimSetup, list[BenchRequest]]:
+            workload_kw: dict, spec_acceptance_rate: float | None = None) -> tuple[SimSetup, list[BenchRequest]]:
     """The setup and the requests of one simulation (the arguments as :func:`simulate`'s;
     ``workload_kw``: :func:`build_requests`' keywords but ``max_model_len``, which is the
     engine's, the cache's cap included). A weight dtype the engine knows is an engine flag too
@@ -286,7 +329,7 @@ def prepare(model: str, gpu: str, tp: int, engine_flags: dict, weight_dtype: str
     if weight_dtype in WEIGHT_DTYPES:
         engine_flags = engine_flags | {"weight_dtype": weight_dtype}
     setup = sim_setup(model, gpu, tp, engine_config(engine_flags), weight_dtype, gpu_memory_utilization,
-                      kv_cache_memory, efficiency)
+                      kv_cache_memory, efficiency, spec_acceptance_rate, workload_kw.get("seed", 0))
     requests = build_requests(workload, num_prompts, request_rate, max_model_len=setup.engine().max_model_len,
                               **workload_kw)
     return setup, requests

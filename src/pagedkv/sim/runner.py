@@ -16,6 +16,7 @@ from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOu
 from pagedkv.planner.roofline import StepWork, chunk_work
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import StepCost
+from pagedkv.sim.spec import SpecDraws
 
 
 class StepTimes(Protocol):
@@ -71,15 +72,19 @@ class SimRunner:
         token_id: the token every sampled row produces.
         windows: the layers' attention windows (:func:`~pagedkv.planner.roofline.layer_window_mix`),
             capping the KV each chunk reads; ``()`` for full attention.
+        spec: speculative decoding (:class:`~pagedkv.sim.spec.SpecDraws`): a request verifying
+            drafts samples its accepted ones plus one, every sampling request proposes k
+            drafts for its next step, and a draft model's proposing time is added to the step.
     """
 
     def __init__(self, clock: VirtualClock, times: StepTimes | None = None,
                  replay: RecordedTimes | None = None, replay_t0: float = 0.0,
-                 token_id: int = 0, windows: tuple[tuple[int | None, float], ...] = ()) -> None:
+                 token_id: int = 0, windows: tuple[tuple[int | None, float], ...] = (),
+                 spec: SpecDraws | None = None) -> None:
         if (times is None) == (replay is None):
             raise ValueError("give one of times and replay")
         self.clock, self.times, self.replay, self.replay_t0 = clock, times, replay, replay_t0
-        self.token_id, self.windows = token_id, windows
+        self.token_id, self.windows, self.spec = token_id, windows, spec
         self.lengths: dict[str, int] = {}   # tokens of each request the runner knows of
         self.num_steps = 0
         self.busy_s = 0.0                   # modelled seconds of every step
@@ -94,19 +99,29 @@ class SimRunner:
             self.lengths[rid] += len(new)
         chunks = out.chunks()
         sampling = [rid for rid, start, n in chunks if start + n >= self.lengths[rid]]
-        result = ModelRunnerOutput(sampled={rid: SampledTokens([self.token_id]) for rid in sampling})
+        result = ModelRunnerOutput(sampled={rid: SampledTokens([self.token_id] * (1 + self._accepted(out, rid)))
+                                            for rid in sampling})
+        draft_s = 0.0
+        if self.spec is not None:
+            result.num_draft_tokens = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
+            result.spec_token_ids = {rid: [self.token_id] * self.spec.k for rid in sampling}
+            draft_s = self.spec.draft_seconds([self.lengths[rid] for rid in sampling], len(chunks))
         if chunks or self.replay is not None:  # (a replayed run's clock moved at every step)
             work = chunk_work([(s, n) for _, s, n in chunks], len(sampling), self.windows)
-            result.execute_seconds = self._advance(work, len(chunks))
+            result.execute_seconds = self._advance(work, len(chunks), draft_s)
         return result
 
-    def _advance(self, work: StepWork, num_requests: int) -> float:
+    def _accepted(self, out: SchedulerOutput, rid: str) -> int:
+        drafts = out.scheduled_spec_decode_tokens.get(rid)
+        return self.spec.accepted(len(drafts)) if drafts and self.spec is not None else 0
+
+    def _advance(self, work: StepWork, num_requests: int, extra_s: float = 0.0) -> float:
         if self.replay is not None:
             end = self.replay.end(self.num_steps)  # (raises past the recording)
             seconds = self.replay.seconds[self.num_steps]
             self.clock.set(max(self.clock(), self.replay_t0 + end))
         else:
-            seconds = self.times(self.num_steps, work, num_requests)
+            seconds = self.times(self.num_steps, work, num_requests) + extra_s
             self.clock.advance(seconds)
         self.num_steps += 1
         self.busy_s += seconds
