@@ -9,6 +9,7 @@ from pagedkv.bench.driver import drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.kv_eviction import eviction_policy
 from pagedkv.model.config import for_engine
 from pagedkv.model.hf_config import load_config
 from pagedkv.planner.roofline import config_cost
@@ -84,20 +85,27 @@ def run_real(model_dir, work, virtual: bool, **kw):
 
 def run_sim(model_dir, work, replay=None, **kw):
     clock = VirtualClock()
-    runner = (SimRunner(clock, fixed_times(STEP_S)) if replay is None
+    config = EngineConfig(model="unused", **flags(**kw))
+    runner = (SimRunner(clock, fixed_times(STEP_S), eviction=eviction_policy(config)) if replay is None
               else SimRunner(clock, replay=RecordedTimes(replay.step_starts, replay.step_seconds)))
-    engine = sim_engine(model_dir, EngineConfig(model="unused", **flags(**kw)), runner, clock)
+    engine = sim_engine(model_dir, config, runner, clock)
     log = schedule_log(engine)
     return drive(engine, work, clock=clock, sleep=runner.sleep), log
 
 
+EVICT = dict(kv_budget_tokens=12, kv_window_tokens=4, num_sink_tokens=2, num_blocks=16)
+
+
 @pytest.mark.parametrize("kw", [{}, {"enable_prefix_caching": False, "max_num_batched_tokens": 16},
-                                {"kv_allocator": "contiguous", "num_blocks": 40}])
+                                {"kv_allocator": "contiguous", "num_blocks": 40},
+                                {"kv_eviction": "snapkv"} | EVICT, {"kv_eviction": "h2o"} | EVICT])
 def test_same_schedule_as_the_engine_with_fixed_step_times(tiny_model_dir, kw):
+    """SnapKV/H2O: the engine keeps the tokens its scores pick, the simulator as many of
+    others; pages, compactions and the schedule they make are the same."""
     work = workload()
     real, real_log = run_real(tiny_model_dir, work, virtual=True, **kw)
     sim, sim_log = run_sim(tiny_model_dir, work, **kw)
-    assert real.preemptions > 0 or kw.get("kv_allocator") == "contiguous"  # the pool is tight enough to matter
+    assert real.preemptions > 0 or kw.get("kv_allocator") == "contiguous" or "kv_eviction" in kw  # a tight pool
     assert sim_log == real_log
     assert (sim.preemptions, max(sim.blocks_used)) == (real.preemptions, max(real.blocks_used))
     for a, b in zip(sorted(sim.records, key=lambda r: r.index), sorted(real.records, key=lambda r: r.index)):

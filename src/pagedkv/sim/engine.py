@@ -12,17 +12,20 @@ no tokenizer, no weights, no tensors.
 
 Speculative decoding runs the scheduler's own draft handling (verification, lookahead
 slots, giving back rejected positions) with accepted counts drawn at a given rate
-(:mod:`pagedkv.sim.spec`). Not simulated (refused with a message): KV offload tiers and swap
-preemption, SnapKV/H2O eviction (their choices need attention scores).
+(:mod:`pagedkv.sim.spec`). SnapKV/H2O evict at the engine's points, keeping as many tokens
+as the budget says (which ones a scorer picks changes no page count;
+:class:`~pagedkv.sim.runner.SimRunner`). Not simulated (refused with a message): KV offload
+tiers and swap preemption.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.config import SCORED_EVICTIONS, EngineConfig
+from pagedkv.config import EngineConfig
 from pagedkv.engine.admission import resolve_max_tokens
 from pagedkv.engine.core import EngineCore
+from pagedkv.engine.kv_eviction import eviction_policy
 from pagedkv.engine.preemption import PreemptionCost
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling_params import SamplingParams
@@ -48,9 +51,6 @@ def check_simulated(config: EngineConfig) -> None:
     """Raise ValueError naming the first engine setting the simulator does not model."""
     if config.kv_offload_memory is not None or config.kv_offload_disk_size is not None:
         raise ValueError("KV offload tiers are not simulated yet (drop --kv-offload-memory/--kv-offload-disk-size)")
-    if config.kv_eviction in SCORED_EVICTIONS:
-        raise ValueError(f"kv_eviction {config.kv_eviction} is not simulated: which tokens it keeps "
-                         "depends on attention scores a cost model does not have")
 
 
 class SimEngine:
@@ -86,7 +86,8 @@ class SimEngine:
         preemption = PreemptionCost(config.preemption_mode, cost.layer_matmul_params, cost.attn_flops_per_pair)
         scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                               frozenset(), None, config.scheduling_policy, preemption,
-                              spec.num_speculative_tokens if spec else 0, spec.num_lookahead_tokens if spec else 0)
+                              spec.num_speculative_tokens if spec else 0, spec.num_lookahead_tokens if spec else 0,
+                              eviction_policy(config))
         self.core = EngineCore(scheduler, runner, clock=clock, debug_invariants=config.debug_invariants)
         self._live: dict[str, Request] = {}
         self._next_id = 0

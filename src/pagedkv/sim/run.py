@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pagedkv.bench.driver import EngineRun, drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals, workload_summary
 from pagedkv.config import WEIGHT_DTYPES, EngineConfig
+from pagedkv.engine.kv_eviction import eviction_policy
 from pagedkv.engine.setup import kv_groups
 from pagedkv.kv.groups import shared_page_slots
 from pagedkv.model.config import ENGINE_MAX_POSITIONS, ModelConfig
@@ -76,7 +77,8 @@ class SimSetup:
         sc = self.config.speculative_config
         spec = (SpecDraws(sc.num_speculative_tokens, self.spec_acceptance_rate, self.seed, self.draft_cost)
                 if sc is not None and self.spec_acceptance_rate is not None else None)
-        runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config), spec=spec)
+        runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config), spec=spec,
+                           eviction=eviction_policy(self.config))
         return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock)
 
 

@@ -10,13 +10,33 @@ from a :class:`StepTimes` source: the cost model, a fixed time, or a recorded ru
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+from pagedkv.engine.kv_eviction import KVEvictionPolicy
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedkv.planner.roofline import StepWork, chunk_work
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import StepCost
 from pagedkv.sim.spec import SpecDraws
+
+
+@dataclass
+class _EvictState:
+    """What :class:`~pagedkv.engine.kv_eviction.KVEvictionPolicy` reads of a request."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    num_computed_tokens: int = 0
+    num_evicted_tokens: int = 0
+
+
+def kept_indices(length: int, budget: int, num_sinks: int, window: int) -> list[int]:
+    """A keep list as :func:`~pagedkv.engine.eviction_scores.select_tokens` returns one for
+    equal scores: the sinks, the earliest ``budget - sinks - window`` tokens after them, the
+    last ``window``; ascending, ``budget`` of ``length`` cache indices."""
+    room = budget - num_sinks - window
+    return list(range(num_sinks + room)) + list(range(length - window, length))
 
 
 class StepTimes(Protocol):
@@ -75,16 +95,22 @@ class SimRunner:
         spec: speculative decoding (:class:`~pagedkv.sim.spec.SpecDraws`): a request verifying
             drafts samples its accepted ones plus one, every sampling request proposes k
             drafts for its next step, and a draft model's proposing time is added to the step.
+        eviction: SnapKV/H2O (:class:`~pagedkv.engine.kv_eviction.KVEvictionPolicy`): at each
+            eviction point the runner answers a keep list of the budget's size (the sinks, the
+            window and the earliest tokens between: which tokens a scorer keeps changes no
+            page count), so the scheduler compacts and frees pages as in the engine; chunks
+            then read only the kept cache.
     """
 
     def __init__(self, clock: VirtualClock, times: StepTimes | None = None,
                  replay: RecordedTimes | None = None, replay_t0: float = 0.0,
                  token_id: int = 0, windows: tuple[tuple[int | None, float], ...] = (),
-                 spec: SpecDraws | None = None) -> None:
+                 spec: SpecDraws | None = None, eviction: KVEvictionPolicy | None = None) -> None:
         if (times is None) == (replay is None):
             raise ValueError("give one of times and replay")
         self.clock, self.times, self.replay, self.replay_t0 = clock, times, replay, replay_t0
-        self.token_id, self.windows, self.spec = token_id, windows, spec
+        self.token_id, self.windows, self.spec, self.eviction = token_id, windows, spec, eviction
+        self.evict: dict[str, _EvictState] = {}  # per request, what the eviction policy reads
         self.lengths: dict[str, int] = {}   # tokens of each request the runner knows of
         self.num_steps = 0
         self.busy_s = 0.0                   # modelled seconds of every step
@@ -98,6 +124,7 @@ class SimRunner:
         for rid, new in zip(cached.req_ids, cached.new_token_ids):
             self.lengths[rid] += len(new)
         chunks = out.chunks()
+        keep = self._track_eviction(out, chunks) if self.eviction is not None else {}
         sampling = [rid for rid, start, n in chunks if start + n >= self.lengths[rid]]
         result = ModelRunnerOutput(sampled={rid: SampledTokens([self.token_id] * (1 + self._accepted(out, rid)))
                                             for rid in sampling})
@@ -106,10 +133,33 @@ class SimRunner:
             result.num_draft_tokens = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
             result.spec_token_ids = {rid: [self.token_id] * self.spec.k for rid in sampling}
             draft_s = self.spec.draft_seconds([self.lengths[rid] for rid in sampling], len(chunks))
+        result.kv_keep = keep
         if chunks or self.replay is not None:  # (a replayed run's clock moved at every step)
-            work = chunk_work([(s, n) for _, s, n in chunks], len(sampling), self.windows)
+            evicted = {rid: st.num_evicted_tokens for rid, st in self.evict.items()}
+            work = chunk_work([(s - evicted.get(rid, 0), n) for rid, s, n in chunks], len(sampling), self.windows)
             result.execute_seconds = self._advance(work, len(chunks), draft_s)
         return result
+
+    def _track_eviction(self, out: SchedulerOutput, chunks) -> dict[str, list[int]]:
+        """Follow each request's progress and compactions as the model runner does, and
+        answer a keep list where a chunk reaches the request's eviction point."""
+        ev = self.eviction
+        for rid in out.finished_req_ids:
+            self.evict.pop(rid, None)
+        for r in out.scheduled_new_reqs:  # (a resumed request starts over: nothing evicted)
+            self.evict[r.req_id] = _EvictState(r.num_prompt_tokens, r.sampling_params, r.num_computed_tokens)
+        c = out.scheduled_cached_reqs
+        for rid, computed, kept in zip(c.req_ids, c.num_computed_tokens, c.compacted):
+            st = self.evict[rid]
+            if kept is not None:
+                st.num_evicted_tokens = computed - len(kept)
+            st.num_computed_tokens = computed
+        keep = {}
+        for rid, start, n in chunks:
+            st = self.evict[rid]
+            if start + n == ev.next_eviction(st):
+                keep[rid] = kept_indices(start + n - st.num_evicted_tokens, ev.budget(st), ev.num_sinks, ev.window)
+        return keep
 
     def _accepted(self, out: SchedulerOutput, rid: str) -> int:
         drafts = out.scheduled_spec_decode_tokens.get(rid)
