@@ -48,6 +48,23 @@ def test_prefill_is_compute_bound_and_tp_halves_it():
     assert p1.flops > 2 * count_params(load_model("llama-3-70b")).active * 4096 * 0.9
 
 
+def test_tensor_parallel_steps_pay_their_all_reduces_over_the_gpu_link():
+    """Two all-reduces per layer of tokens x hidden 16-bit activations; a ring moves
+    2 (tp - 1) / tp of each per device, one way over NVLink (half its bidirectional 600 GB/s
+    on A100); none at tp 1; a PCIe card (L4) goes over its host link."""
+    _, one = _rf("llama-3-70b", "a100-80gb-sxm4", "float16", tp=1)
+    _, four = _rf("llama-3-70b", "a100-80gb-sxm4", "float16", tp=4)
+    assert one.decode(8, 1024).allreduce_seconds == 0.0
+    step = four.decode(8, 1024)
+    want = 8 * 80 * 2 * 8192 * 2 * (3 / 4) * 2 / 300e9
+    assert step.allreduce_seconds == pytest.approx(want)
+    assert step.seconds == pytest.approx(max(step.memory_seconds, step.compute_seconds) + want)
+    prefill = four.prefill(2048)
+    assert prefill.allreduce_seconds == pytest.approx(want * 2048 / 8)
+    _, l4 = _rf("llama-3-8b", "l4", "float16", tp=2)
+    assert l4.decode(1, 128).allreduce_seconds == pytest.approx(32 * 2 * 4096 * 1 * 2 / get_device("l4").host_link)
+
+
 def test_fp8_weights_use_fp8_rate_only_where_present():
     h100, a100 = get_device("h100-sxm"), get_device("a100-80gb-sxm4")
     assert h100.matmul_rate("fp8_e4m3") == h100.flops_fp8 == pytest.approx(2 * h100.matmul_rate("bfloat16"), rel=1e-3)

@@ -166,7 +166,7 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                      "given draft acceptance rate"),
                                     (dict(speculative_config={"model": "no-such-draft", "num_speculative_tokens": 2},
                                           spec_acceptance_rate=0.5), "unknown model 'no-such-draft'"),
-                                    (dict(kv_eviction="snapkv", kv_budget_tokens=64), "not simulated")])
+                                    (dict(kv_offload_memory="1GiB"), "not simulated")])
 def test_bad_input_is_a_clear_error(kw, msg):
     args = dict(model="llama-3-8b", gpu="a100-80gb-sxm4", workload="random", num_prompts=2) | kw
     with pytest.raises(ValueError, match=msg):

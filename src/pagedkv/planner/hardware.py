@@ -55,6 +55,19 @@ class Device:
     def is_cpu(self) -> bool:
         return self.name == "cpu"
 
+    @property
+    def tp_link(self) -> float:
+        """Bytes/s one device sends (and receives) in a tensor-parallel all-reduce: half the
+        GPU link's bidirectional total, else the one-way host link (PCIe), else (a CPU: ranks
+        share memory) the read bandwidth."""
+        return self.nvlink / 2 if self.nvlink else self.host_link or self.bandwidth
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element as the engines move them: 2 on GPUs (fp16/bf16),
+        4 on a CPU (pagedkv computes in fp32 there)."""
+        return 4 if self.is_cpu else 2
+
     def matmul_rate(self, weight_dtype: str) -> float:
         """FLOP/s for matrix products with ``weight_dtype`` weights: FP8 units for fp8 weights
         where present, else the 16-bit rate (int8/int4 weights are dequantized to 16 bits)."""

@@ -93,11 +93,14 @@ def _speed(r: PlanResult) -> list[str]:
     return ["", f"Decode step lower bound (batch {r.batch:,}, context {r.seq_len:,}, per device)",
             _row("memory", f"{fmt_seconds(d.memory_seconds)}  ({fmt_short(d.bytes_read)} read)"),
             _row("compute", f"{fmt_seconds(d.compute_seconds)}  ({fmt_flop_count(d.flops)})"),
+            *([_row("all-reduce", f"{fmt_seconds(d.allreduce_seconds)}  (2 per layer over the GPU link, "
+                    "added: not overlapped)")] if d.allreduce_seconds else []),
             _row("bound", f"{fmt_seconds(d.seconds)}, {d.limited_by}-bound: at most "
                  f"{d.tokens_per_s:,.0f} tokens/s"),
             "", f"Prefill lower bound (one {r.seq_len:,}-token prompt)",
             _row("bound", f"{fmt_seconds(p.seconds)}, {p.limited_by}-bound ({fmt_flop_count(p.flops)} "
-                 f"per device; memory {fmt_seconds(p.memory_seconds)})")]
+                 f"per device; memory {fmt_seconds(p.memory_seconds)}"
+                 + (f"; all-reduce {fmt_seconds(p.allreduce_seconds)})" if p.allreduce_seconds else ")"))]
 
 
 def _sweep(r: PlanResult) -> list[str]:

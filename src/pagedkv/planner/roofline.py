@@ -13,8 +13,14 @@ device's share of heads. Weight bytes read skip idle MoE experts (uniform routin
 see :func:`pagedkv.planner.params.expected_experts_touched`). Attention FLOPs per
 token and layer are ``2 * heads * (d_qk + d_v) * tokens held`` (window-capped);
 MLA decode uses the absorbed form (``d_qk = kv_lora_rank + rope``, ``d_v =
-kv_lora_rank``). Not counted: activations, all-reduce traffic, kernel launch
-overheads; a real step is slower. Units: seconds, bytes, FLOPs.
+kv_lora_rank``). With ``tp`` > 1 the step also all-reduces each layer's two row-parallel
+outputs (attention's o_proj and the MLP's down projection: Shoeybi et al., 2019,
+"Megatron-LM", sec. 3), ``tokens * hidden`` activations each; a ring all-reduce sends and
+receives ``2 (tp - 1) / tp`` of the message per device (Patarasuk and Yuan, 2009,
+"Bandwidth optimal all-reduce algorithms for clusters of workstations") over the GPU link
+(:attr:`Device.tp_link`), added to the bound (not overlapped; its latency is not counted).
+Not counted: activations' memory traffic, kernel launch overheads; a real step is slower.
+Units: seconds, bytes, FLOPs.
 
 The same model prices a *counted* schedule, step by step (``pagedkv bench`` on the
 steps a run actually took, and the simulator's cost clock): a :class:`StepWork` says
@@ -50,9 +56,10 @@ class StepBound:
     """Lower bound of one step on one device.
 
     Attributes:
-        seconds: ``max(memory_seconds, compute_seconds)``.
+        seconds: ``max(memory_seconds, compute_seconds) + allreduce_seconds``.
         memory_seconds: bytes read / memory bandwidth.
         compute_seconds: FLOPs / matmul rate.
+        allreduce_seconds: tensor-parallel all-reduce bytes / the GPU link (0 at tp 1).
         limited_by: ``"memory"`` or ``"compute"``, whichever bound is larger.
         bytes_read: bytes the step reads on one device.
         flops: FLOPs on one device.
@@ -65,6 +72,16 @@ class StepBound:
     bytes_read: float
     flops: float
     tokens_per_s: float
+    allreduce_seconds: float = 0.0
+
+
+ALLREDUCES_PER_LAYER = 2  # Megatron's row-parallel outputs: o_proj and down
+
+
+def allreduce_elements_per_token(m: ModelConfig, tp: int) -> float:
+    """Activation elements one device sends per token through a step's all-reduces:
+    ``layers * 2 * hidden * 2 (tp - 1) / tp`` (ring all-reduce; 0 at tp 1)."""
+    return m.num_hidden_layers * ALLREDUCES_PER_LAYER * m.hidden_size * 2 * (tp - 1) / tp
 
 
 @dataclass(frozen=True)
@@ -79,8 +96,10 @@ class Roofline:
     def _bound(self, nbytes: float, flops: float, tokens: int) -> StepBound:
         mem = nbytes / self.device.bandwidth
         comp = flops / self.device.matmul_rate(self.weight_dtype)
-        s = max(mem, comp)
-        return StepBound(s, mem, comp, "memory" if mem >= comp else "compute", nbytes, flops, tokens / s)
+        comm = (tokens * allreduce_elements_per_token(self.model, self.tp) * self.device.activation_bytes
+                / self.device.tp_link)
+        s = max(mem, comp) + comm
+        return StepBound(s, mem, comp, "memory" if mem >= comp else "compute", nbytes, flops, tokens / s, comm)
 
     def _attn_dims(self, absorbed: bool) -> tuple[int, int]:
         m = self.model
@@ -200,6 +219,7 @@ class ModelCost:
     expert_bytes: int = 0      # one routed expert of every MoE layer
     num_experts: int = 0
     experts_per_tok: int = 0
+    allreduce_elements_per_token: float = 0.0  # tensor parallelism (allreduce_elements_per_token)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -257,7 +277,8 @@ def config_cost(m: ModelConfig, spec: KVCacheSpec, weight_dtype: str, tp: int = 
                      kv_bytes_per_token=spec.bytes_per_token,
                      attn_flops_per_pair=2 * m.num_hidden_layers * m.num_attention_heads * (dqk + dv) // tp,
                      expert_bytes=round(c.moe_layers * c.expert * per / tp),
-                     num_experts=m.moe.num_experts if m.moe else 0, experts_per_tok=m.moe.experts_per_tok if m.moe else 0)
+                     num_experts=m.moe.num_experts if m.moe else 0, experts_per_tok=m.moe.experts_per_tok if m.moe else 0,
+                     allreduce_elements_per_token=allreduce_elements_per_token(m, tp))
 
 
 def chunk_work(chunks: list[tuple[int, int]], sampled: int,

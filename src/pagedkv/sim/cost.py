@@ -116,10 +116,19 @@ class StepCost:
 
     def seconds_of(self, phases: tuple[float, float, float, float], num_requests: int, tokens: int = 0) -> float:
         """Modelled seconds of a step of ``tokens`` rows with these :meth:`phases` (see the
-        module docstring)."""
+        module docstring), plus its tensor-parallel all-reduces (:meth:`allreduce_seconds`)."""
         e = self.efficiency
         few = e.few_row_factors[tokens - 1] if 0 < tokens <= len(e.few_row_factors) else 1.0
-        return few * self._seconds(phases, num_requests)
+        return few * self._seconds(phases, num_requests) + self.allreduce_seconds(tokens)
+
+    def allreduce_seconds(self, tokens: int) -> float:
+        """The step's all-reduce time, as the planner's roofline counts it
+        (:func:`~pagedkv.planner.roofline.allreduce_elements_per_token`); 0 at tp 1 or on a
+        device without link figures."""
+        elements, d = self.cost.allreduce_elements_per_token, self.device
+        if not elements or not hasattr(d, "tp_link"):
+            return 0.0
+        return tokens * elements * d.activation_bytes / d.tp_link
 
     def _seconds(self, phases: tuple[float, float, float, float], num_requests: int) -> float:
         e = self.efficiency

@@ -290,8 +290,8 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
     Args:
         model: a planner model (``pagedkv plan --list-models``) or a config.json path.
         gpu: a catalog GPU (``--list-gpus``) or ``cpu`` (this machine, measured).
-        tp: tensor-parallel degree (each device holds 1/tp of weights, KV heads and FLOPs;
-            all-reduce time is not modelled).
+        tp: tensor-parallel degree (each device holds 1/tp of weights, KV heads and FLOPs,
+            and pays the planner's all-reduce time over the GPU link).
         workload: ``arena-hard``, ``hh-rlhf``, ``shared-prefix``, ``random``, ``sharegpt-like``,
             ``alpaca-like`` (:mod:`pagedkv.sim.workloads`), or a list of
             :class:`~pagedkv.bench.workloads.BenchRequest`.
