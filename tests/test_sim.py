@@ -156,7 +156,7 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                     (dict(tp=3), "tp"),
                                     (dict(model="qwen2.5-7b", tp=8), "28 attention heads"),
                                     (dict(kv_cache_memory="1MiB"), "holds no block"),
-                                    (dict(preemption_mode="swap"), "not simulated"),
+                                    (dict(preemption_mode="swap"), "set kv_offload_memory"),
                                     (dict(workload="arena-hard", num_prompts=501), "has 500 prompts"),
                                     (dict(workload="random", num_prompts=-1), "num_prompts"),
                                     (dict(kv_cache_memory="500GiB"), "exceed"),
@@ -166,7 +166,7 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                      "given draft acceptance rate"),
                                     (dict(speculative_config={"model": "no-such-draft", "num_speculative_tokens": 2},
                                           spec_acceptance_rate=0.5), "unknown model 'no-such-draft'"),
-                                    (dict(kv_offload_memory="1GiB"), "not simulated")])
+                                    (dict(kv_offload_memory="1GiB", kv_offload_dir="/tmp/x"), "not simulated")])
 def test_bad_input_is_a_clear_error(kw, msg):
     args = dict(model="llama-3-8b", gpu="a100-80gb-sxm4", workload="random", num_prompts=2) | kw
     with pytest.raises(ValueError, match=msg):
@@ -291,3 +291,18 @@ def test_a_draft_model_costs_its_own_steps_and_shares_the_pool():
     assert draft.metrics["tpot_s"]["p50"] < plain.metrics["tpot_s"]["p50"]
     ratio = plain.settings["num_blocks"] / draft.settings["num_blocks"]
     assert ratio == pytest.approx((327_680 + 131_072) / 327_680, rel=0.01)  # both models' bytes per token
+
+
+def test_the_cpu_tier_reloads_evicted_prefixes_over_the_host_link():
+    """A shared prefix that the small device cache evicts comes back from the CPU tier: the
+    engine's tier bookkeeping decides, the host link prices each page (a PCIe L4)."""
+    kw = dict(workload="shared-prefix", num_prompts=48, request_rate=math.inf, kv_cache_memory="256MiB")
+    plain = simulate("llama-3-8b", "l4", **kw)
+    tier = simulate("llama-3-8b", "l4", kv_offload_memory="4GiB", **kw)
+    off = tier.metrics["kv_offload"]
+    assert off["blocks_saved"] > 0 and off["blocks_loaded"] > 0 and off["hit_tokens"] == 16 * off["blocks_loaded"]
+    page = load_model("llama-3-8b").kv_spec("bfloat16", 16).page_size_bytes
+    assert off["load_seconds"] == pytest.approx(off["blocks_loaded"] * page / get_device("l4").host_link)
+    assert "kv_offload" not in plain.metrics
+    swap = simulate("llama-3-8b", "l4", kv_offload_memory="4GiB", preemption_mode="swap", **kw).metrics
+    assert swap["preemptions"] == 0 or swap["kv_offload"]["swap_outs"] > 0

@@ -66,8 +66,10 @@ class FixedTimeRunner:
 
 def sim_engine(model_dir, config: EngineConfig, runner: SimRunner, clock: VirtualClock) -> SimEngine:
     m = for_engine(load_config(model_dir / "config.json"))
-    cost = config_cost(m, m.kv_spec("float32", config.block_size), "float32")
-    return SimEngine(config, m, config.num_blocks, cost, runner, clock)
+    spec = m.kv_spec("float32", config.block_size)
+    cost = config_cost(m, spec, "float32")
+    tier = (spec.page_size_bytes, float("inf"))  # copies take no time, as FixedTimeRunner's real ones
+    return SimEngine(config, m, config.num_blocks, cost, runner, clock, tier)
 
 
 def run_real(model_dir, work, virtual: bool, **kw):
@@ -94,14 +96,17 @@ def run_sim(model_dir, work, replay=None, **kw):
 
 
 EVICT = dict(kv_budget_tokens=12, kv_window_tokens=4, num_sink_tokens=2, num_blocks=16)
+TIER = 64 * 1024  # bytes: 32 pages of the tiny model's 2 KiB
 
 
 @pytest.mark.parametrize("kw", [{}, {"enable_prefix_caching": False, "max_num_batched_tokens": 16},
                                 {"kv_allocator": "contiguous", "num_blocks": 40},
-                                {"kv_eviction": "snapkv"} | EVICT, {"kv_eviction": "h2o"} | EVICT])
+                                {"kv_eviction": "snapkv"} | EVICT, {"kv_eviction": "h2o"} | EVICT,
+                                {"kv_offload_memory": TIER}, {"kv_offload_memory": TIER, "preemption_mode": "swap"}])
 def test_same_schedule_as_the_engine_with_fixed_step_times(tiny_model_dir, kw):
     """SnapKV/H2O: the engine keeps the tokens its scores pick, the simulator as many of
-    others; pages, compactions and the schedule they make are the same."""
+    others; pages, compactions and the schedule they make are the same. The CPU tier: the
+    engine's own tier bookkeeping, its loads, saves and swaps planned alike."""
     work = workload()
     real, real_log = run_real(tiny_model_dir, work, virtual=True, **kw)
     sim, sim_log = run_sim(tiny_model_dir, work, **kw)

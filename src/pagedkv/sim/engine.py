@@ -14,8 +14,9 @@ Speculative decoding runs the scheduler's own draft handling (verification, look
 slots, giving back rejected positions) with accepted counts drawn at a given rate
 (:mod:`pagedkv.sim.spec`). SnapKV/H2O evict at the engine's points, keeping as many tokens
 as the budget says (which ones a scorer picks changes no page count;
-:class:`~pagedkv.sim.runner.SimRunner`). Not simulated (refused with a message): KV offload
-tiers and swap preemption.
+:class:`~pagedkv.sim.runner.SimRunner`). The CPU KV tier and swap preemption run the
+engine's tier bookkeeping with copies priced over the host link (:mod:`pagedkv.sim.tier`).
+Not simulated (refused with a message): the disk tier.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.planner.roofline import ModelCost
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.runner import SimRunner
+from pagedkv.sim.tier import sim_tier
 
 
 @dataclass
@@ -49,8 +51,8 @@ class SimOutput:
 
 def check_simulated(config: EngineConfig) -> None:
     """Raise ValueError naming the first engine setting the simulator does not model."""
-    if config.kv_offload_memory is not None or config.kv_offload_disk_size is not None:
-        raise ValueError("KV offload tiers are not simulated yet (drop --kv-offload-memory/--kv-offload-disk-size)")
+    if config.kv_offload_disk_size is not None or config.kv_offload_dir is not None:
+        raise ValueError("the disk KV tier is not simulated yet (drop --kv-offload-disk-size/--kv-offload-dir)")
 
 
 class SimEngine:
@@ -69,7 +71,7 @@ class SimEngine:
     """
 
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int, cost: ModelCost,
-                 runner: SimRunner, clock: VirtualClock) -> None:
+                 runner: SimRunner, clock: VirtualClock, tier: tuple[int, float] | None = None) -> None:
         check_simulated(config)
         check_streaming(config, model)
         self.config, self.model_config, self.clock = config, model, clock
@@ -83,11 +85,20 @@ class SimEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
                                  kv_groups(config, model, spec is not None and spec.method == "draft_model"))
         self.max_model_len = cache_max_model_len(config, self.kv, max_len)
+        connector = self.connector = None
+        if config.kv_offload_memory is not None:
+            if tier is None:
+                raise ValueError("a simulated CPU tier needs its page bytes and host link (SimSetup passes them)")
+            connector = self.connector = sim_tier(self.kv, config.kv_offload_memory, config.kv_offload_policy, *tier)
+            runner.tier = connector.worker
         preemption = PreemptionCost(config.preemption_mode, cost.layer_matmul_params, cost.attn_flops_per_pair)
         scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                              frozenset(), None, config.scheduling_policy, preemption,
+                              frozenset(), connector.scheduler if connector else None, config.scheduling_policy,
+                              preemption,
                               spec.num_speculative_tokens if spec else 0, spec.num_lookahead_tokens if spec else 0,
                               eviction_policy(config))
+        if connector is not None:
+            connector.scheduler.requests = scheduler.requests  # the live requests, read-only
         self.core = EngineCore(scheduler, runner, clock=clock, debug_invariants=config.debug_invariants)
         self._live: dict[str, Request] = {}
         self._next_id = 0

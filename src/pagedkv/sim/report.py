@@ -49,6 +49,11 @@ def render(r: SimResult) -> str:
         f"  running at once       max {m['max_running']}, mean {m['mean_running']:.1f}; {m['steps']} steps",
         f"  simulator             {r.wall_s:.2f} s wall, {r.events_per_s:,.0f} events/s",
     ]
+    off = m.get("kv_offload")
+    if off:
+        lines.insert(-1, f"  CPU KV tier           {off['hit_tokens']:,} prompt tokens loaded from it "
+                         f"({off['blocks_loaded']:,} blocks, {off['load_seconds']:.2f} s over the host link), "
+                         f"{off['blocks_saved']:,} blocks saved, {off['swap_outs']:,} swaps out")
     sd = m.get("spec_decode")
     if sd and sd.get("acceptance_rate") is not None:
         lines.insert(-1, f"  speculative decoding  {sd['num_accepted_tokens']:,} of {sd['num_draft_tokens']:,} drafts "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from pagedkv.bench.driver import EngineRun, drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals, workload_summary
@@ -70,6 +70,7 @@ class SimSetup:
     spec_acceptance_rate: float | None = None  # speculative decoding: accepted / drafted
     draft_cost: StepCost | None = None         # the draft model's step cost (draft_model only)
     seed: int = 0
+    tier: tuple[int, float] | None = None      # CPU KV tier: (page bytes, host link bytes/s)
 
     def engine(self) -> SimEngine:
         clock = VirtualClock()
@@ -79,7 +80,7 @@ class SimSetup:
                 if sc is not None and self.spec_acceptance_rate is not None else None)
         runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config), spec=spec,
                            eviction=eviction_policy(self.config))
-        return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock)
+        return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock, self.tier)
 
 
 def sim_model(name: str) -> ModelConfig:
@@ -137,8 +138,12 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     if config.speculative_config is not None:
         settings |= {"speculative_config": config.speculative_config.__dict__,
                      "spec_acceptance_rate": spec_acceptance_rate}
+    tier = None
+    if config.kv_offload_memory is not None:  # whole pages over the host link (PCIe; a CPU: its copy rate)
+        tier = (page, dev.host_link or dev.copy_bandwidth or dev.bandwidth)
+        settings |= {"kv_offload_memory": config.kv_offload_memory, "host_link_bytes_per_s": tier[1]}
     return SimSetup(config, model, num_blocks, cost, settings, spec_acceptance_rate,
-                    None if draft is None else StepCost(draft[0], dev, p.weight_dtype, eff), seed)
+                    None if draft is None else StepCost(draft[0], dev, p.weight_dtype, eff), seed, tier)
 
 
 def draft_parts(config: EngineConfig, p, dev, tp: int, rate: float | None):
@@ -265,6 +270,8 @@ def run_setup(setup: SimSetup, requests: list[BenchRequest]) -> SimResult:
     metrics = run.metrics() | extra_metrics(run)
     if engine.scheduler.spec_stats is not None:  # the drafts as the scheduler counted them
         metrics["spec_decode"] = engine.scheduler.spec_stats.to_dict()
+    if engine.connector is not None:  # the CPU tier's counters, as the engine's stats() gives them
+        metrics["kv_offload"] = asdict(engine.connector.scheduler.stats)
     return SimResult(settings, metrics, timeline, wall,
                      events / wall if wall > 0 else math.inf, run)
 
@@ -338,14 +345,9 @@ def prepare(model: str, gpu: str, tp: int, engine_flags: dict, weight_dtype: str
 
 
 def engine_config(flags: dict) -> EngineConfig:
-    """:class:`EngineConfig` from engine flags, refusing first what the simulator does not
-    model (whose own checks would otherwise ask for a CPU tier the simulator refuses).
+    """:class:`EngineConfig` from engine flags.
 
     Raises:
-        ValueError: a preemption mode other than recompute, or a bad engine flag.
+        ValueError: a bad engine flag (the engine's own checks).
     """
-    mode = flags.get("preemption_mode", "recompute")
-    if mode != "recompute":
-        raise ValueError(f"preemption_mode {mode!r} is not simulated yet: swap needs the CPU KV tier, "
-                         "which the simulator does not model (use recompute)")
     return EngineConfig(**flags)

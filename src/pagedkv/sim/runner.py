@@ -20,6 +20,7 @@ from pagedkv.planner.roofline import StepWork, chunk_work
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import StepCost
 from pagedkv.sim.spec import SpecDraws
+from pagedkv.sim.tier import SimTierWorker
 
 
 @dataclass
@@ -100,17 +101,21 @@ class SimRunner:
             window and the earliest tokens between: which tokens a scorer keeps changes no
             page count), so the scheduler compacts and frees pages as in the engine; chunks
             then read only the kept cache.
+        tier: the CPU KV tier's worker (:class:`~pagedkv.sim.tier.SimTierWorker`): each step's
+            loads and swaps add to it, its saves overlap it.
     """
 
     def __init__(self, clock: VirtualClock, times: StepTimes | None = None,
                  replay: RecordedTimes | None = None, replay_t0: float = 0.0,
                  token_id: int = 0, windows: tuple[tuple[int | None, float], ...] = (),
-                 spec: SpecDraws | None = None, eviction: KVEvictionPolicy | None = None) -> None:
+                 spec: SpecDraws | None = None, eviction: KVEvictionPolicy | None = None,
+                 tier: SimTierWorker | None = None) -> None:
         if (times is None) == (replay is None):
             raise ValueError("give one of times and replay")
         self.clock, self.times, self.replay, self.replay_t0 = clock, times, replay, replay_t0
         self.token_id, self.windows, self.spec, self.eviction = token_id, windows, spec, eviction
         self.evict: dict[str, _EvictState] = {}  # per request, what the eviction policy reads
+        self.tier = tier
         self.lengths: dict[str, int] = {}   # tokens of each request the runner knows of
         self.num_steps = 0
         self.busy_s = 0.0                   # modelled seconds of every step
@@ -134,10 +139,14 @@ class SimRunner:
             result.spec_token_ids = {rid: [self.token_id] * self.spec.k for rid in sampling}
             draft_s = self.spec.draft_seconds([self.lengths[rid] for rid in sampling], len(chunks))
         result.kv_keep = keep
-        if chunks or self.replay is not None:  # (a replayed run's clock moved at every step)
+        before_s = saves_s = 0.0
+        if self.tier is not None:
+            before_s, saves_s = self.tier.price(out.kv_connector_metadata)
+            result.kv_connector_output = self.tier.get_connector_output()
+        if chunks or self.replay is not None or before_s:  # (a replayed run's clock moved at every step)
             evicted = {rid: st.num_evicted_tokens for rid, st in self.evict.items()}
             work = chunk_work([(s - evicted.get(rid, 0), n) for rid, s, n in chunks], len(sampling), self.windows)
-            result.execute_seconds = self._advance(work, len(chunks), draft_s)
+            result.execute_seconds = self._advance(work, len(chunks), draft_s, before_s, saves_s)
         return result
 
     def _track_eviction(self, out: SchedulerOutput, chunks) -> dict[str, list[int]]:
@@ -165,13 +174,18 @@ class SimRunner:
         drafts = out.scheduled_spec_decode_tokens.get(rid)
         return self.spec.accepted(len(drafts)) if drafts and self.spec is not None else 0
 
-    def _advance(self, work: StepWork, num_requests: int, extra_s: float = 0.0) -> float:
+    def _advance(self, work: StepWork, num_requests: int, extra_s: float = 0.0, before_s: float = 0.0,
+                 beside_s: float = 0.0) -> float:
+        """Move the clock by the step: ``before_s`` of copies, then the forward (and
+        ``extra_s``: a draft model's rounds) or ``beside_s`` of copies overlapping it, whichever
+        is longer (a recorded run: its recorded instants)."""
         if self.replay is not None:
             end = self.replay.end(self.num_steps)  # (raises past the recording)
             seconds = self.replay.seconds[self.num_steps]
             self.clock.set(max(self.clock(), self.replay_t0 + end))
         else:
-            seconds = self.times(self.num_steps, work, num_requests) + extra_s
+            forward = self.times(self.num_steps, work, num_requests) if work.tokens else 0.0
+            seconds = before_s + max(forward + extra_s, beside_s)
             self.clock.advance(seconds)
         self.num_steps += 1
         self.busy_s += seconds
