@@ -112,6 +112,7 @@ def test_window_and_full_layers_get_two_groups_sharing_pages(gemma2_dir):
     assert [g.layer_ids for g in llm.engine.kv.kv_groups] == [(0, 2), (1, 3)]
     assert parts.storage.layer_slots == (0, 0, 1, 1) and parts.spec.page_layers == 2
     assert parts.storage.k[0] is parts.storage.k[1] and parts.storage.k[0] is not parts.storage.k[2]
+    assert llm.engine.stats().kv_bytes_per_token == parts.spec.bytes_per_token  # every layer's, as plan/info say
     single = LLM(model=str(gemma2_dir), kv_cache_memory="1MiB", block_size=4, kv_offload_memory="1MiB")
     assert len(single.engine.kv.kv_groups) == 1  # a tier copies whole tables: one group, every page
     assert parts.storage.nbytes <= 2**20 and single.engine.parts.storage.nbytes <= 2**20

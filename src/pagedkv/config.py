@@ -72,8 +72,9 @@ class EngineConfig:
             input: float32, or int8, quantized as it comes. With weight_dtype int8 that is
             W8A8 (per token, SmoothQuant; much faster at batch 16+, perplexity +0.5-0.7% on
             SmolLM2; :mod:`pagedkv.model.w8a8`); with auto or int4 the GGML blocks multiply
-            activations quantized per 32 values, as llama.cpp's CPU backend does (the fastest
-            single stream; :mod:`pagedkv.model.ggml_a8`). float32 weights refuse it.
+            activations quantized per 32 values, as llama.cpp's CPU backend does (one stream
+            as fast as float32 activations, batches and prefill faster; greedy text can differ
+            from float32's; :mod:`pagedkv.model.ggml_a8`). float32 weights refuse it.
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
             KB/MB/GB of 10); ignored when ``num_blocks`` is set.
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.

@@ -165,7 +165,9 @@ def text_report(result: dict) -> str:
     out = [f"pagedkv bench {result['command']}: {result['workload'].get('num_requests')} requests "
            f"({result['workload'].get('dataset')}), medians over {result['settings'].get('repeats')} repeat(s); "
            f"pagedkv weights {result.get('model', {}).get('weight_dtype', 'auto')}, activations "
-           f"{result.get('model', {}).get('activation_dtype', 'float32')} (HF baselines: float32)",
+           f"{result.get('model', {}).get('activation_dtype', 'float32')}"
+           + (" (HF baselines: float32)" if any(str(x).startswith("hf") for x in result['settings'].get('systems', ()))
+              else ""),
            f"machine: read {result['machine'].get('read_bandwidth', 0) / 1e9:.1f} GB/s, "
            f"fp32 matmul {result['machine'].get('fp32_flops', 0) / 1e9:.0f} GFLOP/s, int8 GEMM "
            f"{result['machine'].get('int8_ops', 0) / 1e9:.0f} GOP/s (measured in this run); "

@@ -46,7 +46,7 @@ def collect_stats(engine) -> EngineStats:
     return EngineStats(
         block_size=kv.block_size, num_blocks=usage.total, blocks_used=usage.used,
         blocks_cached=usage.cached, blocks_free=usage.free, peak_blocks_used=engine.peak_blocks_used,
-        kv_bytes_per_token=engine.parts.storage.page_size_bytes // engine.parts.spec.block_size,  # a draft's too
+        kv_bytes_per_token=sum(s.bytes_per_token for s in engine.parts.storage.specs),  # every layer, a draft's too
         kv_cache_bytes=engine.parts.storage.nbytes,
         num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
         num_rejected=engine.num_rejected, num_generated_tokens=engine.num_generated_tokens,

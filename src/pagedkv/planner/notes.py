@@ -30,9 +30,11 @@ def _layout_notes(r, m: ModelConfig) -> list[str]:
         out.append(f"seq_len {r.seq_len:,} exceeds the model's max_position_embeddings "
                    f"{m.max_position_embeddings:,}")
     if r.sliding_window_layers:
+        blocks = (f"{fmt_bytes(r.paged_bytes_per_request)} in whole {r.block_size}-token blocks (a window "
+                  "that does not start on a block edge straddles one more)"
+                  if r.paged_bytes_per_request != r.bytes_per_request else f"the same in whole {r.block_size}-token blocks")
         out.append(f"{r.sliding_window_layers} of {r.num_layers} layers slide over {r.sliding_window:,} tokens: "
-                   f"a request holds {fmt_bytes(r.bytes_per_request)} exactly, {fmt_bytes(r.paged_bytes_per_request)} "
-                   f"in whole {r.block_size}-token blocks (a window straddles one extra block)")
+                   f"a request of {r.seq_len:,} tokens holds {fmt_bytes(r.bytes_per_request)} exactly, {blocks}")
     if m.mla and r.tp > 1:
         out.append("MLA's latent cache is not split by head: every TP device holds all of it")
     elif not m.mla and r.tp > m.num_key_value_heads:

@@ -79,7 +79,8 @@ def _capacity(r: PlanResult) -> list[str]:
                   _row("weights fit", "yes" if r.weights_fit else "NO")]
     lines += [_row("KV cache budget", fmt_bytes(max(r.cache_budget_bytes, 0))),
               _row(f"blocks of {r.block_size} tokens", f"{r.num_blocks:,} ({r.max_cached_tokens:,} tokens"
-                   + (", each block one KV group's layers: window and full share pages)"
+                   + (" if every layer kept every token; a block holds one KV group's layers, window and "
+                      "full layers in separate blocks, and window layers give theirs back)"
                       if r.max_cached_tokens < r.num_blocks * r.block_size else ")")),
               _row(f"requests of {r.seq_len:,} tokens", f"{r.max_concurrent_requests:,} fit; batch of "
                    f"{r.batch:,} {'fits' if r.batch_fits else 'does NOT fit'}")]
