@@ -144,3 +144,70 @@ def test_hybrid_pages_hold_the_planners_bytes_and_give_tokens_like_hf(gemma2_dir
     other = list(range(3000, 3050))
     both = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": other}], params)
     assert both[0].token_ids == want
+
+
+def test_a_prefix_hit_under_pressure_never_gives_one_page_to_both_groups(gemma2_dir):
+    """Every group's hit is pinned before any group takes new pages (one group's allocation
+    could evict the other's unpinned hit and hand that page to both: found by a break-it
+    pass). Repeated prefixes in a pool that preempts; the invariant check runs every step and
+    the outputs equal a roomy engine's."""
+    import random
+
+    from pagedkv import LLM, SamplingParams
+
+    rng = random.Random(3)
+    base = [rng.randrange(49152) for _ in range(40)]
+    prompts = []
+    for i in range(8):
+        k = rng.choice([1, 3, 4, 11, 12, 13, 16, 24, 33])
+        prompts.append({"prompt_token_ids": base[:k] if i % 2 else [rng.randrange(49152) for _ in range(k)]})
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    tight = LLM(model=str(gemma2_dir), block_size=4, batch_invariant=True, num_blocks=26, max_num_batched_tokens=8,
+                debug_invariants=True)
+    got = tight.generate(prompts, params)
+    assert tight.engine.stats().prefix_cache_hits > 0 and tight.engine.stats().num_preemptions > 0
+    roomy = LLM(model=str(gemma2_dir), block_size=4, batch_invariant=True, num_blocks=256, enable_prefix_caching=False)
+    for a, p in zip(got, prompts):
+        b = roomy.generate([p], params)[0]
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_max_model_len_is_what_both_groups_hold_at_once(gemma2_dir):
+    """"Fill the cache" (no max_tokens) must fit: max_model_len comes from the longest request
+    whose pages in both groups fit the pool, not from pages x block size."""
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(model=str(gemma2_dir), block_size=4, num_blocks=40)
+    kv = llm.engine.kv
+    assert llm.engine.max_model_len == 80  # 20 full-group + 20 window-group pages of 4 tokens
+    assert kv.peak_blocks(80, 2048) <= 40 < kv.peak_blocks(81, 2048)
+    out = llm.generate([{"prompt_token_ids": list(range(500, 531))}],
+                       SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 80 - 31
+
+
+def test_a_gemma2_draft_keeps_whole_layer_pages_within_the_budget(gemma2_dir):
+    """A draft reads the target's one table: the target falls back to one group and both
+    specs' pages hold every layer, so the storage stays within kv_cache_memory."""
+    from pagedkv import LLM
+
+    llm = LLM(model=str(gemma2_dir), kv_cache_memory="1MiB", block_size=4,
+              speculative_config={"model": str(gemma2_dir), "num_speculative_tokens": 2})
+    parts = llm.engine.parts
+    assert len(llm.engine.kv.kv_groups) == 1 and parts.spec.page_layers == 0 and parts.draft.spec.page_layers == 0
+    assert parts.storage.nbytes <= 2**20
+
+
+def test_streaming_leaves_the_models_own_windows_alone(gemma2_dir):
+    """Streaming's sinks + window apply to layers that read more than its window; Gemma's own
+    window layers keep theirs, so a streaming window past the whole sequence changes nothing."""
+    from pagedkv import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": list(range(700, 700 + n))} for n in (5, 13, 20, 40)]
+    dense = LLM(model=str(gemma2_dir), block_size=4, num_blocks=200).generate(prompts, params)
+    stream = LLM(model=str(gemma2_dir), block_size=4, num_blocks=200, kv_eviction="streaming",
+                 kv_window_tokens=400, num_sink_tokens=4, max_model_len=500)
+    assert [layer.sinks for layer in stream.engine.model.layers] == [0, 4, 0, 4]
+    for a, b in zip(dense, stream.generate(prompts, params)):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -29,3 +29,14 @@ def test_plan_cli_json_num_blocks_256mib():
                          capture_output=True, text=True, check=True).stdout
     # 46,080 B/token x 16 = 737,280 B per block; 268,435,456 // 737,280 = 364
     assert json.loads(out)["num_blocks"] == 363  # 364 pages fit; page 0 is the null page
+
+
+def test_hybrid_pages_only_where_the_engine_keeps_two_groups():
+    """Gemma 2's window and full layers share pages (a page = half the layers: twice the
+    pages); with a CPU tier or a draft model the engine keeps one group of whole-layer pages,
+    and the plan says so."""
+    kw = dict(model="gemma-2-9b", gpu="a100-80gb-sxm4", kv_cache_memory="8GiB")
+    hybrid, tier = plan(**kw).num_blocks, plan(**kw, kv_offload_memory="10GiB").num_blocks
+    assert abs(hybrid - 2 * tier) <= 1
+    draft = plan(**kw, speculative_config={"model": "gemma-2-9b", "num_speculative_tokens": 2}).num_blocks
+    assert abs(tier - 2 * draft) <= 1  # whole-layer pages holding both models' KV

@@ -106,11 +106,17 @@ def cap_to_cache(max_len: int, cache_tokens: int, explicit: bool) -> int:
 
 
 def cache_max_model_len(config: EngineConfig, kv: KVCacheManager, max_len: int) -> int:
-    """``max_len`` capped by what one request can use of ``kv``'s pool: the whole cache, or
-    any length when a window bounds its pages (:func:`cap_to_cache` keeps a value the user set)."""
-    num_blocks = kv.pool.num_blocks
-    fits = max_len if kv.peak_blocks(max_len, step_tokens(config)) <= num_blocks else num_blocks * config.block_size
-    return cap_to_cache(max_len, fits, config.max_model_len is not None)
+    """``max_len`` capped by what one request can use of ``kv``'s pool: the longest request
+    whose peak pages (:meth:`KVCacheManager.peak_blocks`, every group) fit the pool: the
+    whole cache under full attention, any length when a window bounds its pages, and for
+    window and full groups side by side what both hold at once (:func:`cap_to_cache` keeps a
+    value the user set)."""
+    num_blocks, step = kv.pool.num_blocks, step_tokens(config)
+    lo, hi = 0, max_len  # peak_blocks grows with the length: the longest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if kv.peak_blocks(mid, step) <= num_blocks else (lo, mid - 1)
+    return cap_to_cache(max_len, lo, config.max_model_len is not None)
 
 
 def check_fits_in_ram(kv_bytes: int) -> None:
@@ -143,6 +149,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     groups = kv_groups(config, cfg, draft is not None)
     slots = shared_page_slots(groups)  # equal window and full groups share page tensors, else every page
     spec = replace(spec, page_layers=0 if slots is None else max(slots) + 1)  # holds every layer (a tier, ...)
+    if draft is not None:  # the draft reads the target's one table: its pages hold every layer too
+        draft = replace(draft, spec=replace(draft.spec, page_layers=0))
     specs = (spec,) if draft is None else (spec, draft.spec)
     num_blocks = config.num_blocks or pool_num_blocks(specs, config.kv_cache_memory)
     check_fits_in_ram(pool_cache_bytes(specs, num_blocks))
@@ -226,10 +234,10 @@ def load_model(config: EngineConfig, files: ModelFiles, tokenizer) -> LlamaModel
     w8a8 = config.activation_dtype == "int8" and config.weight_dtype == "int8"
     model = LlamaModel(files.config, state, batch_invariant=invariant,
                        weight_dtype="float32" if w8a8 else config.weight_dtype, quantized=blocks)
-    if config.kv_eviction == "streaming":  # every layer: sinks + recent window (StreamingLLM)
-        for layer in model.layers:
-            layer.window = min(layer.window or config.kv_window_tokens, config.kv_window_tokens)
-            layer.sinks = config.num_sink_tokens
+    if config.kv_eviction == "streaming":  # sinks + recent window (StreamingLLM) on every layer that reads more
+        for layer in model.layers:  # (a model's own window inside the streaming one stays as trained: no sinks)
+            if not layer.window or layer.window > config.kv_window_tokens:
+                layer.window, layer.sinks = config.kv_window_tokens, config.num_sink_tokens
         if config.streaming_positions == "cache":
             model.streaming_cache_len = config.num_sink_tokens + config.kv_window_tokens
     if w8a8:  # calibrated on the fp32 model, then quantized (pagedkv.model.w8a8)

@@ -143,8 +143,10 @@ class KVCacheManager:
         if req.request_id not in self.groups[0].block_tables and self.enable_prefix_caching:
             self.prefix_queries += len(req.all_token_ids)  # first allocation: count the lookup once
             self.prefix_hits += hit.num_tokens
-        for i, (g, need) in enumerate(zip(self.groups, needs)):
-            g.allocate(req.request_id, _group_hit(hit, i), need)
+        for i, g in enumerate(self.groups):  # every group's hit pinned before any group takes new pages,
+            g.allocate(req.request_id, _group_hit(hit, i), 0)  # which could evict another group's hit
+        for g, need in zip(self.groups, needs):
+            g.allocate(req.request_id, [], need)
             if hit.num_tokens:
                 g.remove_skipped(req, req.num_computed_tokens + hit.num_tokens)
         return True
@@ -251,13 +253,18 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Pool invariants plus: ref counts equal the number of tables (any group) holding
-        each page; the null page is held by no count."""
+        each page; the null page is held by no count; no page is in two groups' tables."""
         self.pool.check_invariants()
         null = self.pool.null_block
         held = Counter(b for g in self.groups for t in g.block_tables.values() for b in t if b != null)
         for b in self.pool.block_ids:
             assert self.pool.ref_cnt[b] == held[b], (
                 f"block {b}: ref count {self.pool.ref_cnt[b]} but held by {held[b]} tables")
+        owner: dict[int, int] = {}  # a page is one group's (groups may share page tensors)
+        for i, g in enumerate(self.groups):
+            for rid, t in g.block_tables.items():
+                for b in t:
+                    assert b == null or owner.setdefault(b, i) == i, f"block {b} in group {owner.get(b)} and {i} ({rid})"
 
 
 def _group_hit(hit: ComputedBlocks, group: int) -> list[int]:

@@ -18,7 +18,7 @@ the speed lines stay the target's alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedkv.config import parse_size
 from pagedkv.kv.spec import SCALE_GRANULARITIES, KVCacheSpec, pool_cache_bytes, pool_num_blocks, pool_page_bytes
@@ -57,16 +57,23 @@ class _Inputs:
     def specs(self, tp: int | None = None) -> tuple[KVCacheSpec, ...]:
         """The per-device KV specs sharing one pool (target, then draft) at ``tp`` (default: the plan's)."""
         if tp is None or tp == self.tp:
-            own = (self.spec,)
+            own = self.spec
         else:
-            own = (self.m.kv_spec(self.kv_dtype, self.spec.block_size, tp, self.scale),)
+            own = whole_pages(self.m.kv_spec(self.kv_dtype, self.spec.block_size, tp, self.scale),
+                              self.spec.page_layers == 0)
         if self.draft is None:
-            return own
-        return own + (self.draft.kv_spec(self.kv_dtype, self.spec.block_size, tp or self.tp, self.scale),)
+            return (own,)
+        return own, whole_pages(self.draft.kv_spec(self.kv_dtype, self.spec.block_size, tp or self.tp, self.scale))
 
     @property
     def all_weight_bytes(self) -> int:
         return self.weight_bytes + self.draft_weight_bytes
+
+
+def whole_pages(spec: KVCacheSpec, whole: bool = True) -> KVCacheSpec:
+    """``spec`` with every layer in every page where the engine keeps one KV group (a draft
+    model, the offload tiers: they read whole tables), else as it is (Gemma 2's hybrid pages)."""
+    return replace(spec, page_layers=0) if whole else spec
 
 
 def _check_int(name: str, value, minimum: int = 1) -> int:
@@ -260,6 +267,8 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
     """
     c = _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, gpu_memory_utilization,
                  kv_heads, block_size, kv_cache_memory, kv_scale_granularity, speculative_config)
+    one_group = c.draft is not None or kv_offload_memory is not None or kv_offload_disk_size is not None
+    c = replace(c, spec=whole_pages(c.spec, one_group))
     fields = {**_model_fields(c), **_capacity(c)}
     if c.dev:
         fields.update(_speed(c, fields.get("max_concurrent_requests")))

@@ -96,7 +96,7 @@ def read_windows(m: ModelConfig, config: EngineConfig) -> tuple[tuple[int | None
     windows = m.layer_windows or (None,) * m.num_hidden_layers
     if config.kv_eviction == "streaming":
         cap = config.kv_window_tokens
-        windows = tuple(config.num_sink_tokens + (cap if w is None else min(w, cap)) for w in windows)
+        windows = tuple(w if w is not None and w <= cap else config.num_sink_tokens + cap for w in windows)
     return layer_window_mix(windows)
 
 
