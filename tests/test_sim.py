@@ -136,6 +136,9 @@ def test_gemma2s_hybrid_pages_double_the_pool_as_in_the_engine():
     paged = simulate("gemma-2-9b", "a100-80gb-sxm4", **kw).settings["num_blocks"]
     whole = simulate("gemma-2-9b", "a100-80gb-sxm4", kv_allocator="contiguous", **kw).settings["num_blocks"]
     assert abs(paged - 2 * whole) <= 1
+    draft = simulate("gemma-2-9b", "a100-80gb-sxm4", speculative_config={"model": "gemma-2-9b",
+                     "num_speculative_tokens": 2}, spec_acceptance_rate=0.5, **kw).settings["num_blocks"]
+    assert abs(whole - 2 * draft) <= 1  # a draft: one group, whole-layer pages with both models' KV
 
 
 def test_a_small_cache_preempts_and_rejects_what_never_fits():

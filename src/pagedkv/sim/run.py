@@ -125,7 +125,8 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     if draft is not None:  # pages hold both models' KV (one pool, as the engine keeps them)
         page += draft[1]
     if not config.num_blocks:  # the plan's pool in this layout's pages (a hybrid model on one group: whole-layer pages)
-        num_blocks = num_blocks * m.kv_spec(p.kv_cache_dtype, config.block_size, tp).page_size_bytes // page
+        num_blocks = num_blocks * m.kv_spec(p.kv_cache_dtype, config.block_size, tp,
+                                            config.kv_cache_scale).page_size_bytes // page
     check_pool(m, p, dev, config, tp, num_blocks, kv_cache_memory is not None, page)
     cost, w_dtype = step_cost(m, p, dev, config, model, tp, weight_dtype, efficiency)
     eff = cost.efficiency
@@ -172,7 +173,8 @@ def sim_page_bytes(m: ModelConfig, p, config: EngineConfig, tp: int) -> int:
     """Bytes of one page as the engine would lay out this configuration: the hybrid layout's
     (one group's layers) where its KV groups share pages, else every layer's."""
     spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
-    if spec.page_layers and shared_page_slots(kv_groups(config, m, False)) is None:
+    sc = config.speculative_config
+    if spec.page_layers and shared_page_slots(kv_groups(config, m, sc is not None and sc.method == "draft_model")) is None:
         spec = replace(spec, page_layers=0)
     return spec.page_size_bytes
 
