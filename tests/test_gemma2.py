@@ -172,6 +172,32 @@ def test_a_prefix_hit_under_pressure_never_gives_one_page_to_both_groups(gemma2_
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
+def test_groups_hits_of_different_lengths_are_looked_up_again_at_the_shorter_one(gemma2_dir):
+    """The full group finds fewer cached blocks than the window group: the window group's hit
+    must be the one for that shorter length (the pages its window reads there), not its longer
+    hit cut short, whose leading entries are null pages (a recheck pass found logprobs drifting
+    past the window with block size 1, prefix caching and preemptions)."""
+    import random
+
+    from pagedkv import LLM, SamplingParams
+
+    rng = random.Random(10)
+    base = [rng.randrange(49152) for _ in range(40)]
+    prompts = []
+    for i in range(8):
+        k = rng.choice([1, 3, 4, 11, 12, 13, 16, 24, 33])
+        prompts.append(base[:k] if i % 2 else [rng.randrange(49152) for _ in range(k)])
+    prompts = [{"prompt_token_ids": p} for p in prompts + prompts[:3]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    tight = LLM(model=str(gemma2_dir), block_size=1, batch_invariant=True, num_blocks=120, max_num_batched_tokens=8,
+                debug_invariants=True)
+    got = tight.generate(prompts, params)
+    roomy = LLM(model=str(gemma2_dir), block_size=1, batch_invariant=True, num_blocks=1024, enable_prefix_caching=False)
+    for a, p in zip(got, prompts):
+        b = roomy.generate([p], params)[0]
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 def test_max_model_len_is_what_both_groups_hold_at_once(gemma2_dir):
     """"Fill the cache" (no max_tokens) must fit: max_model_len comes from the longest request
     whose pages in both groups fit the pool, not from pages x block size."""

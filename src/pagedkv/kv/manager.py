@@ -108,7 +108,10 @@ class KVCacheManager:
         hashes = self.block_hashes(req)
         hits = [g.find_longest_hit(hashes, req.all_token_ids, max_blocks) for g in self.groups]
         n = min(len(h) for h in hits)
-        return ComputedBlocks(tuple(h[:n] for h in hits), n * self.block_size) if n else NO_HIT
+        while n and any(len(h) != n for h in hits):  # a group hit less: look up n again in every group, since
+            hits = [g.find_longest_hit(hashes, req.all_token_ids, n) for g in self.groups]  # the pages a window
+            n = min(len(h) for h in hits)  # group needs depend on n (a longer hit's null entries, cut, are not)
+        return ComputedBlocks(tuple(hits), n * self.block_size) if n else NO_HIT
 
     def blocks_needed(self, req: CacheRequest, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> int:
         """New pages ``allocate_slots`` would take over all groups, beyond tables and hit."""
