@@ -158,10 +158,10 @@ def draft_parts(config: EngineConfig, p, dev, tp: int, rate: float | None):
     sc = config.speculative_config
     if sc is None:
         return None
-    alpha_for(1.0 if rate is None else rate, sc.num_speculative_tokens)  # (checks the range)
     if rate is None:
         raise ValueError("speculative decoding is simulated at a given draft acceptance rate: pass "
                          "spec_acceptance_rate (--spec-acceptance-rate), accepted / drafted as pagedkv bench reports it")
+    alpha_for(rate, sc.num_speculative_tokens)  # a rate outside [0, 1] is refused here, before any step
     if sc.method != "draft_model":
         return None
     dm = sim_model(sc.model)
