@@ -77,7 +77,7 @@ def test_plot_writes_png(capsys, tmp_path):
     (["--batch", "many"], "--batch must be an integer"),
     (["--kv-cache-dtype", "fp7"], "unknown kv cache dtype"),
     (["--kv-heads", "4"], "--kv-heads must divide"),
-    (["--tp", "3", "--model", "llama-3-8b"], "does not split"),
+    (["--tp", "3", "--model", "llama-3-8b", "--kv-heads", "2"], "does not split"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
     (["--kv-cache-memory", "lots"], "cannot parse size"),
     (["--plot", "x.png"], "--plot needs --gpu"),

@@ -139,6 +139,14 @@ class EngineConfig:
             in fixed 16-row tiles (slower single-stream decode on CPU; see
             :mod:`pagedkv.numerics`); also on for every engine when ``PAGEDKV_BATCH_INVARIANT=1``
             is set.
+        tensor_parallel_size: processes the model is split over (Megatron-style: attention
+            heads and MLP columns; each rank's pages hold only its KV heads, and
+            kv_cache_memory (--kv-cache-memory) is per rank). The engine starts the other
+            ranks itself, or under torchrun every rank runs the same command
+            (:mod:`pagedkv.distributed`). Not yet with a draft model, snapkv/h2o eviction or
+            a KV tier.
+        distributed_timeout: seconds a tensor-parallel collective may wait before the engine
+            fails the step and stops (a dead rank is noticed at once; a hung one within this).
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """
@@ -171,6 +179,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     debug_invariants: bool = False
     batch_invariant: bool = False
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -206,6 +216,7 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         self._check_eviction()
+        self._check_parallel()
         if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}")
         if self.kv_cache_scale not in KV_CACHE_SCALES:
@@ -272,6 +283,22 @@ class EngineConfig:
             if on:
                 raise ValueError(f"kv_eviction {self.kv_eviction} cannot be combined with {clash} yet (compacted pages "
                                  "hold no token prefix a tier or draft could use)")
+
+    def _check_parallel(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        t = self.distributed_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
+            raise ValueError(f"distributed_timeout must be a number of seconds in (0, 1e6), got {t!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        sc = self.speculative_config
+        for clash, on in (("a draft model (speculative_config method draft_model)",
+                           sc is not None and sc.method == "draft_model"),
+                          (f"kv_eviction {self.kv_eviction} (its scores need every head)",
+                           self.kv_eviction in SCORED_EVICTIONS),
+                          ("a KV tier (kv_offload_memory)", bool(self.kv_offload_memory))):
+            if on:
+                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} cannot be combined with {clash} yet")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -28,6 +28,7 @@ from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.setup import EngineParts, build_parts, check_fits_in_ram, step_tokens
 from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.attention.dispatch import copy_pages
+from pagedkv.distributed.executor import TPExecutor
 from pagedkv.kv.connector import KVConnector
 from pagedkv.kv.cpu_offload import cpu_offload_connector
 from pagedkv.reprs import brief
@@ -52,7 +53,26 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, kv_connector: KVConnector | None = None,
                  **kwargs) -> None:
         self.config = config or EngineConfig(**kwargs)
-        parts: EngineParts = build_parts(self.config)
+        if self.config.tensor_parallel_size > 1 and kv_connector is not None:
+            raise ValueError("a kv_connector cannot be combined with tensor_parallel_size > 1 yet")
+        tp = TPExecutor.start(self.config) if self.config.tensor_parallel_size > 1 else None
+        try:
+            self._build(kv_connector, tp)
+        except BaseException:
+            if tp is not None:  # the workers wait for rank 0: stop them
+                tp.close()
+            raise
+        self._texts: dict[str, TextRequest] = {}
+        self._ended: dict[str, TextRequest] = {}   # recently ended, for final_output
+        self._kept: dict[str, TextRequest | None] = {}  # ended records kept past the cap, by id
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_rejected = 0
+
+    def _build(self, kv_connector: KVConnector | None, tp: TPExecutor | None) -> None:
+        """The parts, scheduler, runner and core (with ``tp``: rank 0's share, the other
+        ranks building theirs alongside)."""
+        parts: EngineParts = build_parts(self.config, tp.group if tp else None)
         self.parts = parts
         self.model, self.tokenizer, self.kv = parts.model, parts.tokenizer, parts.kv
         self.max_model_len, self.eos_token_ids = parts.max_model_len, parts.eos_token_ids
@@ -75,15 +95,11 @@ class LLMEngine:
                              torch.Generator().manual_seed(self.config.seed),
                              kv_connector.worker if kv_connector else None,
                              make_proposer(spec, parts), eviction)
+        if tp is not None:  # the other ranks run the same step; rank 0 samples
+            runner = tp.attach(runner)
         self.core = EngineCore(scheduler, runner, debug_invariants=self.config.debug_invariants)
         if kv_connector is not None and hasattr(kv_connector.scheduler, "requests"):
             kv_connector.scheduler.requests = scheduler.requests  # the live requests, read-only
-        self._texts: dict[str, TextRequest] = {}
-        self._ended: dict[str, TextRequest] = {}   # recently ended, for final_output
-        self._kept: dict[str, TextRequest | None] = {}  # ended records kept past the cap, by id
-        self._ids = itertools.count()
-        self.num_generated_tokens = 0
-        self.num_rejected = 0
 
     # the parts, by their usual names
     scheduler = property(lambda self: self.core.scheduler)
@@ -245,10 +261,19 @@ class LLMEngine:
         """Drop every cached prefix block (in-use blocks stay, unpublished). Returns the count."""
         return self.kv.reset_prefix_cache()
 
+    def check_health(self) -> None:
+        """Raise if the engine cannot step again (a tensor-parallel rank was lost:
+        :class:`~pagedkv.distributed.executor.TPGroupError`); else nothing."""
+        if isinstance(self.runner, TPExecutor):
+            self.runner.check_health()
+
     def close(self) -> None:
         """Finish what the KV connector has in flight (disk writes) and release what it holds
         (the ``--kv-offload-dir`` lock), so another engine can open it. Idempotent; the
-        engine may still step afterwards, its disk tier no longer written."""
+        engine may still step afterwards, its disk tier no longer written. Tensor-parallel
+        workers stop here, and such an engine cannot step after."""
+        if isinstance(self.runner, TPExecutor):
+            self.runner.close()
         if self.runner.connector is not None:
             self.core.connector_step()  # plan and start the disk writes still owed
             self.runner.connector.close()  # wait for them; release the directory

@@ -55,12 +55,15 @@ class ModelRunner:
         eviction: score-based KV eviction (:mod:`pagedkv.engine.kv_eviction`): the runner
             scores the observed queries (SnapKV: a long prompt's last ones; H2O: all) and,
             at a request's eviction point, answers with the cache indices to keep.
+        driver: False for a tensor-parallel worker (rank >= 1): it runs the forward (its
+            share of every layer) and answers with an empty output; rank 0 samples.
     """
 
     def __init__(self, model: LlamaModel, storage: KVCacheStorage, kv_groups: tuple[KVCacheGroup, ...],
                  generator: torch.Generator, connector=None, proposer=None,
-                 eviction: KVEvictionPolicy | None = None) -> None:
+                 eviction: KVEvictionPolicy | None = None, driver: bool = True) -> None:
         self.model, self.storage, self.generator, self.connector = model, storage, generator, connector
+        self.driver = driver
         self.proposer, self.eviction = proposer, eviction
         self.block_size = kv_groups[0].spec.block_size
         self.layer_group = [0] * sum(len(g.layer_ids) for g in kv_groups)
@@ -163,6 +166,8 @@ class ModelRunner:
         scorer = self._scorer(out)
         hidden = self.model.forward(ids, positions, self.storage, [metas[g] for g in self.layer_group], hooks,
                                     observer=scorer)
+        if not self.driver:
+            return result
         if scorer is not None:
             result.kv_keep = self._choose(scorer, out)
         result.prompt_logprobs = prompt_logprobs(self.model, hidden, self._chunks(out))

@@ -26,6 +26,7 @@ from pagedkv.model.weight_formats import EMBED
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.ggml_a8 import convert_model as convert_ggml_a8
 from pagedkv.model.w8a8 import quantize_model as quantize_w8a8
+from pagedkv.model.partition import Partition, local_config, partition, shard_state
 from pagedkv.model.loader import ModelFiles, load_state_dict, load_tokenizer, resolve_model
 from pagedkv.model.validate import check_weights
 from pagedkv.numerics import env_requests_invariance
@@ -135,13 +136,20 @@ def kv_dtype(config: EngineConfig) -> str:
     return COMPUTE_DTYPE if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
 
 
-def build_parts(config: EngineConfig) -> EngineParts:
+def build_parts(config: EngineConfig, tp=None) -> EngineParts:
+    """The engine's parts; with ``tp`` (this process's rank of a tensor-parallel group:
+    ``rank``, ``world``, ``all_reduce``; :mod:`pagedkv.distributed`) the model holds its
+    share (:mod:`pagedkv.model.partition`) and the pages its KV heads, while the pool is
+    sized for the rank holding the most heads, so every rank has the same page ids. Every
+    rank calls this in the same order: the calibrations run collectives."""
     files = resolve_model(config.model)
     cfg = files.config
     check_streaming(config, cfg)
     max_len = resolve_max_model_len(cfg, config.max_model_len, config.kv_eviction == "streaming")
     dtype = kv_dtype(config)
-    spec = cfg.kv_spec(dtype, config.block_size, scale_granularity=config.kv_cache_scale)
+    spec = cfg.kv_spec(dtype, config.block_size, config.tensor_parallel_size, config.kv_cache_scale)
+    part = partition(cfg, tp.rank, tp.world) if tp is not None else None
+    own = local_config(cfg, part).kv_spec(dtype, config.block_size, 1, config.kv_cache_scale) if part else spec
     tokenizer = load_tokenizer(files.folder)
     draft = build_draft(config, cfg, tokenizer, dtype)
     if draft is not None:  # the draft runs at every position: the shorter limit holds
@@ -149,6 +157,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     groups = kv_groups(config, cfg, draft is not None)
     slots = shared_page_slots(groups)  # equal window and full groups share page tensors, else every page
     spec = replace(spec, page_layers=0 if slots is None else max(slots) + 1)  # holds every layer (a tier, ...)
+    own = replace(own, page_layers=spec.page_layers)
     if draft is not None:  # the draft reads the target's one table: its pages hold every layer too
         draft = replace(draft, spec=replace(draft.spec, page_layers=0))
     specs = (spec,) if draft is None else (spec, draft.spec)
@@ -165,8 +174,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys, groups)
     max_len = cache_max_model_len(config, kv, max_len)
-    model = load_model(config, files, tokenizer)
-    storage = KVCacheStorage(spec, kv.pool.num_pages, draft_spec=draft.spec if draft else None,
+    model = load_model(config, files, tokenizer, part, tp.all_reduce if tp is not None else None)
+    storage = KVCacheStorage(own, kv.pool.num_pages, draft_spec=draft.spec if draft else None,
                              layer_slots=slots)  # page 0: null page
     if spec.is_quantized and spec.scale_granularity != "per-token-head":
         # the model's own length limit, not the cache's: scales must not depend on the cache size
@@ -218,22 +227,30 @@ def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[
     return single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")
 
 
-def load_model(config: EngineConfig, files: ModelFiles, tokenizer) -> LlamaModel:
+def load_model(config: EngineConfig, files: ModelFiles, tokenizer, part: Partition | None = None,
+               all_reduce=None) -> LlamaModel:
     """The decoder in ``files`` with the engine's weight and activation dtypes and numerics
-    (``tokenizer`` makes the W8A8 calibration text)."""
+    (``tokenizer`` makes the W8A8 calibration text); with ``part``, one tensor-parallel
+    rank's share, its row-parallel outputs summed by ``all_reduce``."""
     blocks = (read_blocks(files.gguf_path, files.folder) if config.weight_dtype in ("auto", "int4") and files.gguf_path
               else {})
     kept = {k: v for k, v in blocks.items() if k != EMBED}  # used as stored: no fp32 copy is loaded
     state = load_state_dict(files.folder, skip=set(kept)) | kept
     check_weights(files.config, state)
+    model_cfg = files.config
+    if part is not None:
+        state, model_cfg = shard_state(state, model_cfg, part), local_config(model_cfg, part)
+        blocks = {k: state.get(k, v) if k != EMBED else v for k, v in blocks.items()}  # the shares, as kept
     invariant = config.batch_invariant or env_requests_invariance()
     if invariant and attention_mode() == "reference":
         warnings.warn("pagedkv: batch-invariant mode with PAGEDKV_ATTENTION=reference: the reference "
                       "attention's products change shape with the chunk, so log-probs can differ in "
                       "the last bits with batching; the fused kernel is batch-invariant", RuntimeWarning)
     w8a8 = config.activation_dtype == "int8" and config.weight_dtype == "int8"
-    model = LlamaModel(files.config, state, batch_invariant=invariant,
+    model = LlamaModel(model_cfg, state, batch_invariant=invariant,
                        weight_dtype="float32" if w8a8 else config.weight_dtype, quantized=blocks)
+    if all_reduce is not None:
+        model.set_all_reduce(all_reduce)
     if config.kv_eviction == "streaming":  # sinks + recent window (StreamingLLM) on every layer that reads more
         for layer in model.layers:  # (a model's own window inside the streaming one stays as trained: no sinks)
             if not layer.window or layer.window > config.kv_window_tokens:

@@ -155,19 +155,15 @@ class ModelConfig:
         return replace(self, num_key_value_heads=kv_heads)
 
     def kv_heads_per_device(self, tp: int) -> int:
-        """KV heads one of ``tp`` devices holds: split evenly, or replicated when fewer than ``tp``.
+        """KV heads the most loaded of ``tp`` devices holds (:func:`head_spans`: split as evenly
+        as whole heads allow, or replicated when fewer than ``tp``).
 
         Raises:
-            ValueError: if neither count divides the other (the engines' rule).
+            ValueError: fewer KV heads than devices where replication cannot split them.
         """
         if self.mla:
             return 1  # the latent is not split by head; every device holds all of it
-        kv = self.num_key_value_heads
-        if kv % tp == 0:
-            return kv // tp
-        if tp % kv == 0:
-            return 1
-        raise ValueError(f"--tp {tp} does not split {kv} KV heads: one must divide the other")
+        return max(b - a for _, (a, b) in head_spans(self.num_attention_heads, self.num_key_value_heads, tp))
 
     def kv_spec(self, dtype: str, block_size: int = 16, tp: int = 1,
                 scale_granularity: str = "per-token-head") -> KVCacheSpec:
@@ -187,6 +183,41 @@ class ModelConfig:
         return KVCacheSpec(self.num_hidden_layers, self.kv_heads_per_device(tp), self.head_dim, dtype,
                            block_size, layer_windows=self.layer_windows, scale_granularity=scale_granularity,
                            page_layers=hybrid_page_layers(self.layer_windows))
+
+
+Span = tuple[int, int]  # [start, stop)
+
+
+def even_spans(n: int, parts: int, unit: int = 1) -> list[Span]:
+    """``n`` items in ``parts`` contiguous runs of whole ``unit``s, sizes differing by at
+    most one unit, the larger first. Raises ValueError if a run would be empty."""
+    units = n // unit
+    if n % unit or units < parts:
+        raise ValueError(f"{n} cannot be split into {parts} parts of whole units of {unit}")
+    spans, start = [], 0
+    for r in range(parts):
+        size = (units // parts + (r < units % parts)) * unit
+        spans.append((start, start + size))
+        start += size
+    return spans
+
+
+def head_spans(num_heads: int, num_kv_heads: int, world: int) -> list[tuple[Span, Span]]:
+    """Per rank, its (query heads, KV heads).
+
+    Raises:
+        ValueError: fewer KV heads than ranks where neither replication rule holds.
+    """
+    group = num_heads // num_kv_heads  # query heads per KV head (GQA)
+    if num_kv_heads >= world:
+        kv = even_spans(num_kv_heads, world)
+        return [((a * group, b * group), (a, b)) for a, b in kv]
+    per_kv = world // num_kv_heads  # ranks sharing one KV head
+    if world % num_kv_heads or group % per_kv:
+        raise ValueError(f"tensor parallel size {world} does not split {num_kv_heads} KV heads: with fewer KV heads "
+                         f"than ranks, the rank count must be a multiple of them and divide their {group} query heads")
+    q = group // per_kv
+    return [((r * q, (r + 1) * q), (r // per_kv, r // per_kv + 1)) for r in range(world)]
 
 
 def for_engine(cfg: ModelConfig) -> ModelConfig:

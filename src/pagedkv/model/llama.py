@@ -93,6 +93,7 @@ class LlamaLayer:
         self.window = int(window or 0)  # sliding window in tokens (0: full attention)
         self.sinks = 0  # with a window: leading positions every query also sees (streaming eviction)
         self.linear = F.linear  # or numerics.invariant_linear (LlamaModel.set_batch_invariant)
+        self.all_reduce = None  # tensor parallelism: sums a row-parallel output over the ranks, in place
         self.in_norm, self.post_norm = get("input_layernorm.weight"), get("post_attention_layernorm.weight")
         # Gemma 2: post_norm norms the attention output; these norm the MLP's input and output
         self.pre_ff_norm = get("pre_feedforward_layernorm.weight") if cfg.sandwich_norms else None
@@ -152,6 +153,8 @@ class LlamaLayer:
         cfg = self.cfg
         if cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.attn_logit_softcapping:
             return False  # the one-call layer is Llama's
+        if self.all_reduce is not None:
+            return False  # its products are partial sums: the all-reduce runs between them
         return (self.qkv_bias is None and self.in_norm.dtype == torch.float32
                 and all(isinstance(w, (GGMLWeight, GGMLA8Weight, Int8Weight)) for w in weights))
 
@@ -171,14 +174,21 @@ class LlamaLayer:
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``x`` and attention output ``attn`` ``[T, H, D]``."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        o = self.linear(attn.reshape(x.shape[0], self.q_size), self.o)
+        o = self.reduced(self.linear(attn.reshape(x.shape[0], self.q_size), self.o))
         if cfg.sandwich_norms:  # Gemma 2: norm each sublayer's output before its residual add
             x = x + rms_norm(o, self.post_norm, eps)
             mlp = self.linear(self.act(self.linear(rms_norm(x, self.pre_ff_norm, eps), self.gate_up)), self.down)
-            return x + rms_norm(mlp, self.post_ff_norm, eps)
+            return x + rms_norm(self.reduced(mlp), self.post_ff_norm, eps)
         x = x + o
         h = rms_norm(x, self.post_norm, eps)
-        return x + self.linear(self.act(self.linear(h, self.gate_up)), self.down)
+        return x + self.reduced(self.linear(self.act(self.linear(h, self.gate_up)), self.down))
+
+    def reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product's output summed over the tensor-parallel ranks (in place;
+        :mod:`pagedkv.model.partition`), or as it is on one rank."""
+        if self.all_reduce is not None:
+            self.all_reduce(partial)
+        return partial
 
 
 class LlamaModel:
@@ -248,6 +258,14 @@ class LlamaModel:
         self.linear = linear_for(self.batch_invariant)
         for layer in self.layers:
             layer.linear = self.linear
+
+    def set_all_reduce(self, fn) -> None:
+        """Tensor parallelism: ``fn(t)`` sums ``t`` over the ranks in place after every
+        row-parallel product (output projection, MLP down); the one-call layer ops, which do
+        not stop between those products, are then not used."""
+        for layer in self.layers:
+            layer.all_reduce = fn
+        self._fusable = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCacheStorage,

@@ -5,7 +5,7 @@ caps, FP8 on parts without FP8 units)."""
 from __future__ import annotations
 
 from pagedkv.planner.hardware import Device
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import ModelConfig, head_spans
 from pagedkv.planner.units import fmt_bytes
 
 
@@ -40,6 +40,10 @@ def _layout_notes(r, m: ModelConfig) -> list[str]:
     elif not m.mla and r.tp > m.num_key_value_heads:
         out.append(f"--tp {r.tp} exceeds the {m.num_key_value_heads} KV heads: each device holds 1 head, "
                    f"so the cache is replicated {r.tp // m.num_key_value_heads}x across the group")
+    elif not m.mla and m.num_key_value_heads % r.tp:
+        shares = ", ".join(str(b - a) for _, (a, b) in head_spans(m.num_attention_heads, m.num_key_value_heads, r.tp))
+        out.append(f"--tp {r.tp} splits the {m.num_key_value_heads} KV heads unevenly ({shares} per device; pagedkv's "
+                   "engine does, vLLM and SGLang do not): the per-device figures are the most loaded device's")
     if m.attention in ("GQA", "MQA"):
         mha = r.bytes_per_token * m.num_attention_heads // m.num_key_value_heads
         out.append(f"with MHA (--kv-heads {m.num_attention_heads}) it would take {mha:,} B/token, "

@@ -49,9 +49,10 @@ def _kv(r: PlanResult) -> list[str]:
         lines.append(_row("  in whole blocks (paged)", fmt_bytes(r.paged_bytes_per_request)))
     lines.append(_row(f"batch of {r.batch:,}", fmt_bytes(r.batch_bytes)))
     if r.tp > 1:
-        share = "the whole latent" if r.attention == "MLA" else \
-            f"{r.kv_heads_per_device} of {r.num_kv_heads} KV heads"
-        lines.append(_row("per device, per token", f"{r.bytes_per_token_per_device:,} B ({share} on each device)"))
+        share = "the whole latent on each device" if r.attention == "MLA" else \
+            f"{r.kv_heads_per_device} of {r.num_kv_heads} KV heads on " + \
+            ("each device" if r.num_kv_heads % r.tp == 0 or r.tp > r.num_kv_heads else "the most loaded device")
+        lines.append(_row("per device, per token", f"{r.bytes_per_token_per_device:,} B ({share})"))
     if r.draft_model is not None:
         lines.append(_row("draft model's, per token", f"{r.draft_bytes_per_token:,} B ({r.draft_model}; "
                           "in the same pages: capacity counts both)"))

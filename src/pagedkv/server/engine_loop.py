@@ -124,7 +124,16 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        """The loop runs, no step failed, and the engine can step (its tensor-parallel ranks live)."""
+        if self._thread is None or not self._thread.is_alive() or self.error is not None:
+            return False
+        check = getattr(self.engine, "check_health", None)  # (a stand-in engine may have none)
+        try:
+            if check is not None:
+                check()
+        except Exception:  # noqa: BLE001 - any reason: unhealthy
+            return False
+        return True
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored). Never blocks."""
