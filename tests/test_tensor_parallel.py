@@ -198,3 +198,12 @@ def test_server_health_goes_503_when_a_worker_dies(uneven_dir):
         assert r.status_code >= 500 and time.monotonic() - t0 < 10
     finally:
         srv.stop()
+
+
+def test_tp2_on_the_real_model_equals_tp1(smollm):
+    """SmolLM2-135M (its GGUF's Q4_1 blocks, 9 query and 3 KV heads: ranks hold 2 and 1 KV
+    heads) split over two processes gives the one-process greedy tokens."""
+    prompts = ["Write a haiku about the sea.", "Explain paged attention in one sentence."]
+    ref = _greedy(smollm, prompts, n=16)
+    with LLM(num_blocks=64, tensor_parallel_size=2) as llm:
+        assert_same_greedy(ref, _greedy(llm, prompts, n=16))

@@ -15,6 +15,7 @@ cannot be trusted after a rank is lost, so there is no recovery short of a new e
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 from pathlib import Path
@@ -46,6 +47,7 @@ class TPExecutor:
         self._threads = threads
         self.runner = None
         self.dead: str | None = None
+        atexit.register(self.close)  # a process that ends without closing the engine still stops its workers
 
     @classmethod
     def start(cls, config: EngineConfig) -> "TPExecutor":
@@ -131,6 +133,7 @@ class TPExecutor:
                 pass
         self.dead = self.dead or "the engine was closed"
         self._stop()
+        atexit.unregister(self.close)
 
     # ---- failure ---------------------------------------------------------------------
     def _fail(self, error: BaseException | None) -> TPGroupError:
