@@ -63,10 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv.info_cmd import add_parser as add_info
     from pagedkv.planner.cli import add_parser as add_plan
     from pagedkv.server.cli import add_parser as add_serve
+    from pagedkv.server.proxy import add_parser as add_proxy
     from pagedkv.sim.cli import add_parser as add_simulate
 
     add_plan(sub)
     add_serve(sub)
+    add_proxy(sub)
     add_bench(sub)
     add_simulate(sub)
     add_eval(sub)

@@ -147,6 +147,12 @@ class EngineConfig:
             a KV tier.
         distributed_timeout: seconds a tensor-parallel collective may wait before the engine
             fails the step and stops (a dead rank is noticed at once; a hung one within this).
+        kv_transfer_config: disaggregated prefill/decode, as vLLM's flag: a dict or JSON text
+            such as ``{"kv_connector": "TorchDistConnector", "kv_role": "kv_producer",
+            "kv_ip": "127.0.0.1", "kv_port": 14579}`` (the consumer: ``kv_consumer``), also
+            ``kv_lease_s``, ``kv_timeout_s``, ``kv_load_failure_policy`` recompute|fail
+            (:mod:`pagedkv.distributed.kv_transfer_config`; default: off). Put ``pagedkv
+            proxy`` in front of the two servers.
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """
@@ -181,6 +187,7 @@ class EngineConfig:
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
     distributed_timeout: float = 60.0
+    kv_transfer_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -289,6 +296,10 @@ class EngineConfig:
         t = self.distributed_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
             raise ValueError(f"distributed_timeout must be a number of seconds in (0, 1e6), got {t!r}")
+        from pagedkv.distributed.kv_transfer_config import KVTransferConfig
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is not None and self.kv_offload_memory:
+            raise ValueError("kv_transfer_config and kv_offload_memory cannot be combined (one KV connector per engine)")
         if self.tensor_parallel_size == 1:
             return
         sc = self.speculative_config
@@ -296,7 +307,8 @@ class EngineConfig:
                            sc is not None and sc.method == "draft_model"),
                           (f"kv_eviction {self.kv_eviction} (its scores need every head)",
                            self.kv_eviction in SCORED_EVICTIONS),
-                          ("a KV tier (kv_offload_memory)", bool(self.kv_offload_memory))):
+                          ("a KV tier (kv_offload_memory)", bool(self.kv_offload_memory)),
+                          ("kv_transfer_config", self.kv_transfer_config is not None)):
             if on:
                 raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} cannot be combined with {clash} yet")
 

@@ -29,6 +29,7 @@ from pagedkv.engine.setup import EngineParts, build_parts, check_fits_in_ram, st
 from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.attention.dispatch import copy_pages
 from pagedkv.distributed.executor import TPExecutor
+from pagedkv.distributed.pd_connectors import transfer_connector
 from pagedkv.kv.connector import KVConnector
 from pagedkv.kv.cpu_offload import cpu_offload_connector
 from pagedkv.reprs import brief
@@ -76,6 +77,8 @@ class LLMEngine:
         self.parts = parts
         self.model, self.tokenizer, self.kv = parts.model, parts.tokenizer, parts.kv
         self.max_model_len, self.eos_token_ids = parts.max_model_len, parts.eos_token_ids
+        if self.config.kv_transfer_config is not None:
+            kv_connector = transfer_connector(self.config.kv_transfer_config, parts, kv_connector)
         if self.config.kv_offload_memory:
             if kv_connector is not None:
                 raise ValueError("kv_offload_memory and a kv_connector cannot be combined (one connector per engine)")

@@ -41,6 +41,10 @@ class SamplingParams:
         kv_budget_tokens: tokens this request keeps in an engine with snapkv or h2o eviction
             (``--kv-eviction snapkv|h2o``), instead of the engine's ``kv_budget_tokens``;
             ``None`` = the engine's.
+        kv_transfer_params: disaggregated prefill/decode (vLLM's name): ``{"do_remote_decode":
+            true, "transfer_id": T}`` on the prefill leg keeps the prompt's KV for the decode
+            instance; ``{"do_remote_prefill": true, "transfer_id": T}`` on the decode leg pulls
+            it (:mod:`pagedkv.distributed`); ``None`` = neither.
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """
@@ -57,6 +61,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     kv_budget_tokens: int | None = None
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -94,6 +99,8 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {brief(self.prompt_logprobs)}")
         if self.kv_budget_tokens is not None and (not _is_int(self.kv_budget_tokens) or self.kv_budget_tokens < 1):
             raise ValueError(f"kv_budget_tokens must be a positive integer, got {brief(self.kv_budget_tokens)}")
+        if self.kv_transfer_params is not None:
+            _check_kv_transfer_params(self.kv_transfer_params)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -102,6 +109,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+
+KV_TRANSFER_KEYS = {"do_remote_decode": bool, "do_remote_prefill": bool, "transfer_id": str, "fault": str}
+
+
+def _check_kv_transfer_params(p) -> None:
+    """Raises ValueError unless ``p`` holds known keys of the right types and, when it asks
+    for a transfer, a transfer id of 1..128 characters."""
+    if not isinstance(p, dict):
+        raise ValueError(f"kv_transfer_params must be an object, got {brief(p)}")
+    for key, value in p.items():
+        if key not in KV_TRANSFER_KEYS or not isinstance(value, KV_TRANSFER_KEYS[key]):
+            raise ValueError(f"kv_transfer_params: {key!r} is not one of {sorted(KV_TRANSFER_KEYS)} "
+                             "or has the wrong type")
+    if p.get("do_remote_decode") and p.get("do_remote_prefill"):
+        raise ValueError("kv_transfer_params: a request is either the prefill leg or the decode leg, not both")
+    if (p.get("do_remote_decode") or p.get("do_remote_prefill")) and not 0 < len(p.get("transfer_id", "")) <= 128:
+        raise ValueError("kv_transfer_params: a transfer needs a 'transfer_id' of 1 to 128 characters")
 
 
 def _is_int(x) -> bool:

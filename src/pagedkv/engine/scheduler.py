@@ -283,6 +283,10 @@ class Scheduler:
             if req is None or req.is_finished:  # ended while the step ran
                 continue
             if result.invalid_block_ids and self._roll_back(req, result.invalid_block_ids):
+                if getattr(self.connector, "load_failure_policy", "recompute") == "fail":
+                    req.error = "loading the prompt's KV from the prefill instance failed (kv_load_failure_policy fail)"
+                    self.finish(rid, "abort")
+                    outputs.append(EngineCoreOutput.of(req, [], []))
                 continue
             drafts = sched.scheduled_spec_decode_tokens.get(rid, ())
             sampled = result.sampled.get(rid)

@@ -225,13 +225,22 @@ def _common(body: dict, max_tokens_names: tuple[str, ...], default_max_tokens: i
                      stop=_stop(body), stop_token_ids=_token_ids(body, "stop_token_ids"),
                      ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
                      prompt_logprobs=prompt_logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True),
-                     kv_budget_tokens=_int(body, "kv_budget_tokens", None, lo=1))
+                     kv_budget_tokens=_int(body, "kv_budget_tokens", None, lo=1),
+                     kv_transfer_params=_kv_transfer_params(body))
     return dict(model=model, params=params, n=n,
                 stream=_bool(body, "stream", False),
                 include_usage=_bool(stream_options or {}, "include_usage", False),
                 user=_str(body, "user"), cache_salt=_str(body, "cache_salt"),
                 priority=_int(body, "priority", 0, *PRIORITY_RANGE),
                 return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False))
+
+
+def _kv_transfer_params(body: dict) -> dict | None:
+    """vLLM's ``kv_transfer_params`` (disaggregated prefill/decode; checked by SamplingParams)."""
+    value = body.get("kv_transfer_params")
+    if value is not None and not isinstance(value, dict):
+        raise bad("kv_transfer_params", "'kv_transfer_params' must be an object", "invalid_type")
+    return value
 
 
 def _seed(body: dict, n: int) -> int | None:

@@ -1,0 +1,67 @@
+"""Pages as bytes: what a KV transfer moves, and the check that it arrived whole.
+
+A page's bytes are, layer by layer, its K, its V and (int8/fp8 per-token-head pages) their
+scales: every tensor :meth:`~pagedkv.kv.storage.KVCacheStorage.page_tensors` indexes by page,
+so quantized pages travel with their scales. Static (per-head, per-tensor) scales are the
+layer's, not the page's: both ends calibrate them on the same text, and the link's
+:func:`fingerprint` makes sure they hold the same ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+
+import torch
+
+
+def _tensors(storage) -> list[torch.Tensor]:
+    """Each page-indexed tensor once (layers sharing page tensors give them once)."""
+    unique = {id(t): t for layer in range(storage.num_layers) for t in storage.page_tensors(layer)}
+    return list(unique.values())
+
+
+def read_pages(storage, page_ids: list[int]) -> torch.Tensor:
+    """The bytes of ``page_ids``, uint8 ``[len(page_ids) * storage.page_size_bytes]`` (a copy)."""
+    idx = torch.tensor(page_ids, dtype=torch.int64)
+    return torch.cat([t.index_select(0, idx).reshape(-1).view(torch.uint8) for t in _tensors(storage)])
+
+
+def write_pages(storage, page_ids: list[int], data: torch.Tensor) -> None:
+    """Store bytes made by :func:`read_pages` (of a storage of the same layout) into ``page_ids``.
+
+    Raises:
+        ValueError: ``data`` is not exactly that many pages' bytes.
+    """
+    idx, n, off = torch.tensor(page_ids, dtype=torch.int64), len(page_ids), 0
+    tensors = _tensors(storage)
+    need = sum(n * t[0].numel() * t.element_size() for t in tensors)
+    if data.numel() != need:
+        raise ValueError(f"{data.numel()} bytes do not hold {n} pages of this cache ({need} bytes)")
+    for t in tensors:
+        size = n * t[0].numel() * t.element_size()
+        t.index_copy_(0, idx, data[off:off + size].view(t.dtype).view(n, *t.shape[1:]))
+        off += size
+
+
+def checksum(data: torch.Tensor) -> int:
+    """CRC-32 of a uint8 tensor's bytes."""
+    return zlib.crc32(data.numpy())
+
+
+def tokens_hash(token_ids: list[int]) -> str:
+    """A short hash of token ids: both ends check they speak of the same prompt."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:32]
+
+
+def fingerprint(storage, keys: tuple) -> str:
+    """What must match for one engine's pages to mean the same in another's: the KV hash
+    keys (model, weights, dtypes, block size, scale kind, ...), every page tensor's shape
+    and dtype, and the static scales' bytes."""
+    shapes = [(tuple(t.shape[1:]), str(t.dtype)) for t in _tensors(storage)]
+    static = hashlib.sha256()
+    for scales in (storage.k_scale, storage.v_scale):
+        for s in scales:
+            if s.dim() < 3:
+                static.update(s.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return hashlib.sha256(repr((keys, shapes, static.hexdigest())).encode()).hexdigest()[:32]

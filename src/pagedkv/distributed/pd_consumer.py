@@ -1,0 +1,138 @@
+"""The decode instance's KV connector: a prompt's pages pulled from the prefill instance.
+
+A request whose ``kv_transfer_params`` say ``do_remote_prefill`` (with the proxy's
+``transfer_id``) is offered its prompt's KV beyond the local prefix hit: the scheduler
+allocates pages for it as for a hit, and before the step's forward the worker pulls the
+producer's pages for those blocks only (blocks this instance had cached are not sent),
+checks their CRC-32, writes them in, and releases the producer's lease. The last prompt
+token is always computed here, so the first output token comes from this instance's own
+forward. A pull that fails (no link, an unknown or mismatched lease, a timeout, a bad
+checksum) marks the pages as failed: under ``recompute`` the scheduler computes those
+tokens here (correct, slower); under ``fail`` the request ends with the reason.
+A request is offered the transfer once: after a preemption it computes its prompt here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from pagedkv.distributed.kv_link import KVLink, LinkError, REQUEST_TAG
+from pagedkv.distributed.kv_transfer_config import KVTransferConfig
+from pagedkv.distributed.pages import checksum, tokens_hash, write_pages
+from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+
+log = logging.getLogger("pagedkv.kv_transfer")
+
+
+class ConsumerScheduler(KVConnectorScheduler):
+    def __init__(self, cfg: KVTransferConfig, block_size: int, link: KVLink) -> None:
+        self.block_size, self.link = block_size, link
+        self.load_failure_policy = cfg.kv_load_failure_policy
+        self.offered: set[str] = set()  # requests offered the transfer (once each)
+        self.local: dict[str, int] = {}  # their local hit, in tokens
+        self.pulls: dict[str, dict] = {}  # this step's pulls, by request id
+        self.releases: list[str] = []  # transfer ids to release without a pull
+
+    @staticmethod
+    def _params(request) -> dict | None:
+        p = request.sampling_params.kv_transfer_params
+        return p if p and p.get("do_remote_prefill") and p.get("transfer_id") else None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        if self._params(request) is None or request.request_id in self.offered:
+            return 0
+        self.local[request.request_id] = num_computed_tokens
+        return max(0, request.num_prompt_tokens - num_computed_tokens) if self.link.connected.is_set() else 0
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
+        p, rid = self._params(request), request.request_id
+        if p is None or rid in self.offered:
+            return
+        self.offered.add(rid)
+        local = self.local.pop(rid, 0)
+        if num_external_tokens <= 0:  # nothing to pull (a local hit, a one-token prompt, no link)
+            self.releases.append(str(p["transfer_id"]))
+            return
+        bs, end = self.block_size, local + num_external_tokens
+        first, last = local // bs, (end + bs - 1) // bs
+        self.pulls[rid] = {"transfer_id": str(p["transfer_id"]), "first_block": first, "num_blocks": last - first,
+                           "num_tokens": end, "tokens_hash": tokens_hash(request.all_token_ids[:end]),
+                           "dst": list(block_ids[0][first:last])}
+
+    def request_finished(self, request, block_ids) -> bool:
+        p = self._params(request)
+        if p is not None and request.request_id not in self.offered:  # never scheduled: let the producer free now
+            self.releases.append(str(p["transfer_id"]))
+        self.offered.discard(request.request_id)
+        self.local.pop(request.request_id, None)
+        self.pulls.pop(request.request_id, None)
+        return False
+
+    def build_connector_meta(self, scheduler_output) -> object | None:
+        scheduled = set(scheduler_output.num_scheduled_tokens)
+        pulls = [dict(v, req_id=k) for k, v in self.pulls.items() if k in scheduled]
+        for pull in pulls:
+            del self.pulls[pull["req_id"]]
+        releases, self.releases = self.releases, []
+        return {"pulls": pulls, "releases": releases}
+
+
+class ConsumerWorker(KVConnectorWorker):
+    def __init__(self, cfg: KVTransferConfig, link: KVLink) -> None:
+        self.cfg, self.link = cfg, link
+        self.metadata, self.errors = None, set()
+        self.seq = itertools.count(16)  # answer tags: 0 carries requests, 1 the handshake
+        self.num_pulled_blocks = self.num_failed_pulls = 0
+        self.pulled_bytes, self.pull_seconds = 0, 0.0
+
+    def bind_connector_metadata(self, metadata) -> None:
+        self.metadata, self.errors = metadata, set()
+
+    def start_load_kv(self, storage) -> None:
+        meta = self.metadata or {}
+        for pull in meta.get("pulls", ()):
+            try:
+                self._pull(storage, pull)
+            except (LinkError, ValueError) as e:
+                self.errors.update(pull["dst"])
+                self.num_failed_pulls += 1
+                log.warning("KV pull of %s failed (%s): the prompt is computed here" if
+                            self.cfg.kv_load_failure_policy == "recompute" else "KV pull of %s failed (%s)",
+                            pull["req_id"], e)
+            self._release(pull["transfer_id"])
+        for tid in meta.get("releases", ()):
+            self._release(tid)
+
+    def _pull(self, storage, pull: dict) -> None:
+        t0, seq = time.perf_counter(), next(self.seq)
+        ask = {k: pull[k] for k in ("transfer_id", "first_block", "num_blocks", "num_tokens", "tokens_hash")}
+        self.link.send(REQUEST_TAG, {"op": "pull", "seq": seq, **ask})
+        meta, data = self.link.recv(seq)
+        if meta.get("status") != "ok" or data is None:
+            raise LinkError(f"the prefill instance has no such KV ({meta.get('status')}: released, expired, "
+                            "or another prompt)")
+        if checksum(data) != meta.get("checksum"):
+            raise LinkError("the transferred KV failed its checksum")
+        write_pages(storage, pull["dst"], data)
+        self.num_pulled_blocks += len(pull["dst"])
+        self.pulled_bytes += data.numel()
+        self.pull_seconds += time.perf_counter() - t0
+
+    def _release(self, transfer_id: str) -> None:
+        try:
+            self.link.send(REQUEST_TAG, {"op": "release", "transfer_id": transfer_id})
+        except LinkError:
+            pass  # no link: the producer's lease frees the pages
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self.errors)
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def consumer_connector(cfg: KVTransferConfig, block_size: int, fingerprint: str) -> KVConnector:
+    link = KVLink(cfg, fingerprint).start()
+    return KVConnector(ConsumerScheduler(cfg, block_size, link), ConsumerWorker(cfg, link))

@@ -1,0 +1,150 @@
+"""The prefill instance's KV connector: finished prompts' pages kept under a lease.
+
+A request whose ``kv_transfer_params`` say ``do_remote_decode`` (with the proxy's
+``transfer_id``) keeps its pages when it ends normally: the scheduler's delayed free, held
+by a lease of ``kv_lease_s`` seconds. The consumer pulls them over the :class:`KVLink`
+(the lease's token ids must match its prompt's) and then releases them; a lease that ends
+unreleased, a lost link, or a request aborted here frees them too. So every page comes back
+within ``kv_lease_s`` (plus one step) whatever the consumer does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pagedkv.distributed.kv_link import KVLink, LinkError
+from pagedkv.distributed.kv_transfer_config import KVTransferConfig
+from pagedkv.distributed.pages import checksum, read_pages, tokens_hash
+from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+
+IDLE_WAIT_S = 0.05  # an idle engine step waits this long for a lease to end (no busy loop)
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: list[int]
+    token_ids: list[int]  # the tokens whose KV the pages hold
+    expires: float
+    fault: str | None = None
+    done: bool = False
+
+
+@dataclass
+class LeaseTable:
+    """Leases by transfer id; shared by the engine thread and the link's thread."""
+    lease_s: float
+    leases: dict[str, Lease] = field(default_factory=dict)
+    ended: list[str] = field(default_factory=list)  # request ids whose pages may be freed
+    lock: threading.Condition = field(default_factory=threading.Condition)
+
+    def add(self, transfer_id: str, lease: Lease) -> bool:
+        with self.lock:
+            if transfer_id in self.leases:
+                return False  # a transfer id in use: these pages are freed at once
+            self.leases[transfer_id] = lease
+            return True
+
+    def end(self, transfer_id: str) -> None:
+        with self.lock:
+            lease = self.leases.pop(transfer_id, None)
+            if lease is not None:
+                self.ended.append(lease.request_id)
+                self.lock.notify_all()
+
+    def end_all(self) -> None:
+        with self.lock:
+            for tid in list(self.leases):
+                self.end(tid)
+
+    def take_ended(self, wait_s: float) -> set[str]:
+        """Request ids whose leases ended (released, expired), waiting up to ``wait_s`` for one."""
+        with self.lock:
+            now = time.monotonic()
+            for tid, lease in list(self.leases.items()):
+                if lease.expires <= now:
+                    self.end(tid)
+            if not self.ended and wait_s > 0 and self.leases:
+                self.lock.wait(min(wait_s, max(0.0, min(x.expires for x in self.leases.values()) - now)))
+            out, self.ended = set(self.ended), []
+            return out
+
+
+class ProducerScheduler(KVConnectorScheduler):
+    def __init__(self, leases: LeaseTable) -> None:
+        self.leases = leases
+
+    def request_finished(self, request, block_ids) -> bool:
+        p = request.sampling_params.kv_transfer_params or {}
+        if not p.get("do_remote_decode") or request.finish_reason == "abort" or not request.num_computed_tokens:
+            return False
+        n = request.num_computed_tokens
+        lease = Lease(request.request_id, list(block_ids[0]), list(request.all_token_ids[:n]),
+                      time.monotonic() + self.leases.lease_s, p.get("fault"))
+        return self.leases.add(str(p["transfer_id"]), lease)
+
+    def build_connector_meta(self, scheduler_output) -> object | None:
+        return {"idle": not scheduler_output.num_scheduled_tokens}
+
+
+class ProducerWorker(KVConnectorWorker):
+    """Answers the consumer's pulls (in the link's thread) and reports ended leases."""
+
+    def __init__(self, cfg: KVTransferConfig, leases: LeaseTable, storage, fingerprint: str) -> None:
+        self.cfg, self.leases, self.storage = cfg, leases, storage
+        self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all).start()
+        self.metadata = None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        idle = bool(self.metadata and self.metadata.get("idle"))
+        return self.leases.take_ended(IDLE_WAIT_S if idle else 0.0), set()
+
+    def close(self) -> None:
+        self.link.close()
+
+    # ---- the link's thread --------------------------------------------------------------
+    def _on_request(self, link: KVLink, meta: dict) -> None:
+        if meta.get("op") == "release":
+            self.leases.end(str(meta.get("transfer_id")))
+        elif meta.get("op") == "pull":
+            self._pull(link, meta)
+
+    def _pull(self, link: KVLink, meta: dict) -> None:
+        tid, seq = str(meta.get("transfer_id")), int(meta["seq"])
+        first, count = int(meta["first_block"]), int(meta["num_blocks"])
+        with self.leases.lock:
+            lease = self.leases.leases.get(tid)
+            fault = lease.fault if lease is not None and self.cfg.kv_fault_injection else None
+            status, data = self._check(lease, meta, first, count)
+            if status == "ok" and fault != "delay":  # copied under the lock: the pages cannot be freed meanwhile
+                data = read_pages(self.storage, lease.block_ids[first:first + count])
+        if fault == "drop":
+            return
+        if fault == "delay":  # answer only once the lease has ended: the consumer finds it gone
+            time.sleep(max(0.0, lease.expires - time.monotonic()) + 0.1)
+            status, data = "unknown", None
+        crc = checksum(data) if data is not None else 0
+        if fault == "corrupt" and data is not None:
+            data[data.numel() // 2] ^= 0xFF
+        try:
+            link.send(seq, {"status": status, "checksum": crc}, data)
+        except LinkError:
+            pass  # the consumer gave up or is gone: its release or the lease frees the pages
+
+    @staticmethod
+    def _check(lease: Lease | None, meta: dict, first: int, count: int) -> tuple[str, None]:
+        if lease is None:
+            return "unknown", None  # released, expired, or never here
+        end = int(meta["num_tokens"])
+        if first < 0 or count < 1 or end > len(lease.token_ids) or first + count > len(lease.block_ids):
+            return "out of range", None
+        if tokens_hash(lease.token_ids[:end]) != meta.get("tokens_hash"):
+            return "prompt mismatch", None
+        return "ok", None
+
+
+def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str) -> KVConnector:
+    leases = LeaseTable(cfg.kv_lease_s)
+    return KVConnector(ProducerScheduler(leases), ProducerWorker(cfg, leases, storage, fingerprint))

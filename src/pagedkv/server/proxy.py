@@ -1,0 +1,156 @@
+"""``pagedkv proxy``: one OpenAI endpoint in front of a prefill and a decode instance.
+
+For each completion or chat request it makes a transfer id, sends the *prefill leg* to the
+producer (``max_tokens`` 1, not streamed, ``kv_transfer_params`` ``do_remote_decode``), then
+the *decode leg* to the consumer (the client's own body plus ``do_remote_prefill``), which
+pulls the prompt's KV instead of computing it, and answers the client with the decode
+leg's response, streamed or not. The client never waits on a dead instance:
+
+- a prefill leg the producer refuses (4xx) goes back to the client as it is;
+- a producer that is down, fails (5xx) or does not answer in ``--timeout`` seconds is
+  skipped: the decode leg goes without a transfer and the consumer computes the prompt;
+- a consumer that is down or fails answers 502 (its own 4xx go back as they are);
+- a client that disconnects closes the decode leg (the consumer aborts the request and
+  frees its pages; an unpulled lease on the producer ends within its ``kv_lease_s``).
+
+``/health`` is 200 when both instances say so, else 503; ``/v1/models`` is the decode
+instance's. The ``Authorization`` header is passed on to both.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+log = logging.getLogger("pagedkv.proxy")
+LEG_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
+                        status_code=status)
+
+
+def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> FastAPI:
+    """The proxy app over the two instances' base URLs (``http://host:port``)."""
+    app = FastAPI(title="pagedkv proxy")
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+    prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+
+    def headers(request: Request) -> dict:
+        auth = request.headers.get("authorization")
+        return {"authorization": auth} if auth else {}
+
+    async def prefill_leg(path: str, body: dict, hdrs: dict, transfer_id: str) -> Response | None:
+        """The producer's answer when the client must see it (a 4xx), else None."""
+        leg = {**body, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True,
+                                                                      "transfer_id": transfer_id}}
+        leg.pop("stream_options", None)
+        for key in ("max_tokens", "max_completion_tokens"):
+            leg.pop(key, None)
+        leg["max_tokens"] = 1
+        try:
+            r = await client.post(prefill_url + path, json=leg, headers=hdrs)
+        except httpx.HTTPError as e:
+            log.warning("prefill instance unreachable (%s): the decode instance computes the prompt", type(e).__name__)
+            return None
+        if 400 <= r.status_code < 500:
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        if r.status_code != 200:
+            log.warning("prefill instance answered %d: the decode instance computes the prompt", r.status_code)
+        return None
+
+    async def forward(path: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the body is not JSON", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_json")
+        hdrs, transfer_id = headers(request), uuid.uuid4().hex
+        refused = await prefill_leg(path, body, hdrs, transfer_id)
+        if refused is not None:
+            return refused
+        leg = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
+        try:
+            upstream = await client.send(client.build_request("POST", decode_url + path, json=leg, headers=hdrs),
+                                         stream=True)
+        except httpx.HTTPError as e:
+            return _error(502, f"the decode instance is unavailable ({type(e).__name__})", "decode_unavailable")
+        if upstream.status_code >= 500:
+            await upstream.aclose()
+            return _error(502, f"the decode instance failed (HTTP {upstream.status_code})", "decode_failed")
+        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
+                                 media_type=upstream.headers.get("content-type"),
+                                 background=BackgroundTask(upstream.aclose))
+
+    def route(path: str):
+        async def handler(request: Request) -> Response:
+            return await forward(path, request)
+        return handler
+
+    for path in LEG_PATHS:
+        app.add_api_route(path, route(path), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        for url in (prefill_url, decode_url):
+            try:
+                if (await client.get(url + "/health", timeout=5.0)).status_code != 200:
+                    return JSONResponse({"status": "unavailable", "instance": url}, status_code=503)
+            except httpx.HTTPError:
+                return JSONResponse({"status": "unavailable", "instance": url}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            r = await client.get(decode_url + "/v1/models", headers=headers(request))
+        except httpx.HTTPError as e:
+            return _error(502, f"the decode instance is unavailable ({type(e).__name__})", "decode_unavailable")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    app.router.on_shutdown.append(client.aclose)
+    return app
+
+
+PROXY_EXAMPLES = """example (one machine: a prefill and a decode instance, then the proxy):
+  pagedkv serve --port 8100 --kv-transfer-config '{"kv_connector": "TorchDistConnector", "kv_role": "kv_producer"}'
+  pagedkv serve --port 8200 --kv-transfer-config '{"kv_connector": "TorchDistConnector", "kv_role": "kv_consumer"}'
+  pagedkv proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+"""
+
+
+def add_parser(subparsers):
+    """Register ``proxy``; ``func`` returns an exit code."""
+    import argparse
+
+    p = subparsers.add_parser("proxy", help="one OpenAI endpoint over a prefill and a decode instance",
+                              description="One OpenAI endpoint in front of a prefill and a decode instance (disaggregated prefill/decode).", epilog=PROXY_EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefill", required=True, help="the prefill instance's base URL (http://host:port)")
+    p.add_argument("--decode", required=True, help="the decode instance's base URL")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds either leg may take before the proxy gives up on it (default: %(default)s)")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args) -> int:
+    import uvicorn
+
+    for name in ("prefill", "decode"):
+        if not getattr(args, name).startswith(("http://", "https://")):
+            raise ValueError(f"--{name} must be a URL such as http://127.0.0.1:8100, got {getattr(args, name)!r}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    uvicorn.run(build_proxy(args.prefill, args.decode, args.timeout), host=args.host, port=args.port,
+                log_level="warning")
+    return 0
