@@ -56,7 +56,15 @@ class KVLink:
         return self
 
     def close(self) -> None:
+        """Stop: the group is aborted, so a thread blocked on it returns (idempotent)."""
         self.closed = True
+        self.connected.clear()
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
 
     # ---- messages ---------------------------------------------------------------------
     def send(self, tag: int, meta: dict, data: torch.Tensor | None = None) -> None:

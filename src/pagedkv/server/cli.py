@@ -139,14 +139,17 @@ def _serve(a: argparse.Namespace) -> int:
 
 
 def uvicorn_server(app, drain_s: float, limits, **config):
-    """The uvicorn Server for ``app`` (built by ``build_app``): ``limits`` (an
+    """The uvicorn Server for ``app`` (built by ``build_app``, or the proxy's): ``limits`` (an
     :class:`~pagedkv.server.http_limits.HTTPLimits`) on every connection, and the graceful
     shutdown of :func:`graceful_server`. ``config``: more ``uvicorn.Config`` keywords."""
     import uvicorn
 
     config = uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=drain_s + HARD_STOP_MARGIN_S,
                             **limits.uvicorn_kwargs(), **config)
-    loop = app.state.server.loop
+    server = getattr(app.state, "server", None)
+    if server is None:  # an app without an engine (the proxy): uvicorn's own shutdown
+        return uvicorn.Server(config)
+    loop = server.loop
     return graceful_server(config, loop.abort_all, drain_s, on_begin=loop.begin_drain)
 
 

@@ -144,13 +144,15 @@ def add_parser(subparsers):
 
 
 def _run(args) -> int:
-    import uvicorn
+    from pagedkv.server.cli import bind_socket, uvicorn_server
+    from pagedkv.server.http_limits import HTTPLimits
 
     for name in ("prefill", "decode"):
         if not getattr(args, name).startswith(("http://", "https://")):
             raise ValueError(f"--{name} must be a URL such as http://127.0.0.1:8100, got {getattr(args, name)!r}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
-    uvicorn.run(build_proxy(args.prefill, args.decode, args.timeout), host=args.host, port=args.port,
-                log_level="warning")
+    sock = bind_socket(args.host, args.port)
+    uvicorn_server(build_proxy(args.prefill, args.decode, args.timeout), 5.0, HTTPLimits(),
+                   log_level="warning").run(sockets=[sock])
     return 0

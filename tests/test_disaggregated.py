@@ -1,0 +1,222 @@
+"""Disaggregated prefill/decode (issue 16): a producer and a consumer engine joined by the
+TorchDistConnector's gloo link (two engines in this process, the link's threads between
+them), against one colocated engine: token-identical greedy output for prompt lengths
+around block edges with prefix caching on and off, and a fault matrix where every case ends
+correctly (or with a clear error under ``fail``) and both sides have every page back."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from pagedkv import SamplingParams
+from pagedkv.config import EngineConfig
+from pagedkv.engine.engine import LLMEngine
+
+PORTS = itertools.count(14700)
+LENGTHS = (1, 15, 16, 17, 33, 200)  # block size 16: around its edges, and a long one
+
+
+def _cfg(role: str, port: int, **kw) -> dict:
+    return {"kv_connector": "TorchDistConnector", "kv_role": role, "kv_port": port, **kw}
+
+
+def make_pair(model_dir, prefix_caching=True, producer_kw=None, consumer_kw=None, **engine_kw):
+    port = next(PORTS)
+    kw = dict(model=str(model_dir), num_blocks=64, enable_prefix_caching=prefix_caching, debug_invariants=True,
+              **engine_kw)
+    p = LLMEngine(**kw, kv_transfer_config=_cfg("kv_producer", port, **(producer_kw or {})))
+    d = LLMEngine(**kw, kv_transfer_config=_cfg("kv_consumer", port, **(consumer_kw or {})))
+    assert d.runner.connector.link.connected.wait(30)
+    return p, d
+
+
+def close(*engines) -> None:
+    for e in engines:
+        e.close()
+
+
+def run(engine, prompt, params, rid):
+    engine.add_request(prompt, params, rid)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+def drain(engine, timeout=10.0) -> None:
+    """Step until no request and no lease holds pages (bounded)."""
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "pages still held"
+        engine.step()
+
+
+def prefill(p, prompt, tid, fault=None):
+    params = {"do_remote_decode": True, "transfer_id": tid} | ({"fault": fault} if fault else {})
+    return run(p, prompt, SamplingParams(max_tokens=1, temperature=0, kv_transfer_params=params), f"p-{tid}")
+
+
+def decode(d, prompt, tid, n=8):
+    return run(d, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                         kv_transfer_params={"do_remote_prefill": True, "transfer_id": tid}),
+               f"d-{tid}")
+
+
+def colocated(engine, prompt, n=8):
+    return run(engine, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), f"c-{next(PORTS)}")
+
+
+def prompt_of(n: int, base: int = 1000) -> dict:
+    return {"prompt_token_ids": list(range(base, base + n))}
+
+
+def all_free(*engines) -> bool:
+    return all(e.kv.pool.num_used == 0 for e in engines)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    e = LLMEngine(model=str(tiny_model_dir), num_blocks=64, enable_prefix_caching=False)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_disaggregated_greedy_equals_colocated(tiny_model_dir, reference, prefix_caching):
+    p, d = make_pair(tiny_model_dir, prefix_caching)
+    try:
+        for n in LENGTHS:
+            prompt, tid = prompt_of(n), f"len{n}-{prefix_caching}"
+            first = prefill(p, prompt, tid)
+            out = decode(d, prompt, tid)
+            drain(p)
+            ref = colocated(reference, prompt)
+            assert out.error is None and out.token_ids == ref.token_ids, n
+            assert first.token_ids == ref.token_ids[:1]
+            assert all_free(p, d)
+        pulled = d.runner.connector.num_pulled_blocks
+        assert d.runner.connector.num_failed_pulls == 0
+        # prompts share their leading tokens: with prefix caching the consumer pulls only blocks it lacks
+        assert pulled < sum((n - 1 + 15) // 16 for n in LENGTHS) if prefix_caching else pulled == 1 + 1 + 1 + 2 + 13
+    finally:
+        close(p, d)
+
+
+@pytest.mark.parametrize("fault", ["drop", "delay", "corrupt"])
+def test_a_failed_transfer_is_recomputed_and_frees_both_sides(tiny_model_dir, reference, fault):
+    p, d = make_pair(tiny_model_dir, producer_kw={"kv_fault_injection": True, "kv_lease_s": 1.0},
+                     consumer_kw={"kv_timeout_s": 1.0})
+    try:
+        prompt = prompt_of(40, base=2000)
+        prefill(p, prompt, "t", fault)
+        t0 = time.monotonic()
+        out = decode(d, prompt, "t")
+        assert time.monotonic() - t0 < 5  # bounded by the pull timeout / the lease
+        assert out.error is None and out.token_ids == colocated(reference, prompt).token_ids
+        assert d.runner.connector.num_failed_pulls == 1 and d.scheduler.num_kv_load_failures == 1
+        drain(p)
+        assert all_free(p, d)
+    finally:
+        close(p, d)
+
+
+def test_fail_policy_ends_the_request_with_a_clear_error(tiny_model_dir):
+    p, d = make_pair(tiny_model_dir, producer_kw={"kv_fault_injection": True},
+                     consumer_kw={"kv_load_failure_policy": "fail"})
+    try:
+        prompt = prompt_of(40, base=3000)
+        prefill(p, prompt, "t", "corrupt")
+        out = decode(d, prompt, "t")
+        assert out.finish_reason == "abort" and "kv_load_failure_policy fail" in out.error
+        drain(p)
+        assert all_free(p, d)
+    finally:
+        close(p, d)
+
+
+def test_duplicated_decode_leg_and_unknown_transfer_are_computed_locally(tiny_model_dir, reference):
+    p, d = make_pair(tiny_model_dir, prefix_caching=False)
+    try:
+        prompt = prompt_of(40, base=4000)
+        ref = colocated(reference, prompt).token_ids
+        prefill(p, prompt, "t")
+        assert decode(d, prompt, "t").token_ids == ref
+        assert decode(d, prompt, "t").token_ids == ref  # the lease was released: computed here
+        assert decode(d, prompt, "never-prefilled").token_ids == ref
+        assert d.runner.connector.num_failed_pulls == 2
+        drain(p)
+        assert all_free(p, d)
+    finally:
+        close(p, d)
+
+
+def test_a_decode_leg_for_another_prompt_gets_nothing(tiny_model_dir, reference):
+    p, d = make_pair(tiny_model_dir, prefix_caching=False)
+    try:
+        prefill(p, prompt_of(40, base=5000), "t")
+        other = prompt_of(40, base=6000)
+        assert decode(d, other, "t").token_ids == colocated(reference, other).token_ids
+        assert d.runner.connector.num_failed_pulls == 1  # the producer checked the prompt's hash
+        drain(p)
+        assert all_free(p, d)
+    finally:
+        close(p, d)
+
+
+def test_rejected_or_aborted_decode_legs_free_the_producer(tiny_model_dir):
+    p, d = make_pair(tiny_model_dir, producer_kw={"kv_lease_s": 1.0}, max_model_len=64)
+    try:
+        long = prompt_of(60, base=7000)
+        prefill(p, long, "rejected")
+        with pytest.raises(ValueError):  # 60 prompt + 8 output > 64: the consumer rejects at once
+            d.add_request(long, SamplingParams(max_tokens=8, kv_transfer_params={"do_remote_prefill": True,
+                                                                                  "transfer_id": "rejected"}))
+        t0 = time.monotonic()
+        drain(p)  # nobody pulls: the lease ends
+        assert 0.5 < time.monotonic() - t0 < 5 and all_free(p)
+        prompt = prompt_of(40, base=8000)
+        prefill(p, prompt, "aborted")
+        d.add_request(prompt, SamplingParams(max_tokens=8, kv_transfer_params={"do_remote_prefill": True,
+                                                                              "transfer_id": "aborted"}), "r")
+        d.abort_request("r")  # before it was scheduled: the consumer releases the lease at its next step
+        d.step()
+        t0 = time.monotonic()
+        drain(p)
+        assert time.monotonic() - t0 < 0.9 and all_free(p, d)  # released, not expired
+    finally:
+        close(p, d)
+
+
+def test_aborted_prefill_keeps_nothing(tiny_model_dir):
+    p, d = make_pair(tiny_model_dir, max_num_batched_tokens=64)
+    try:
+        p.add_request(prompt_of(200, base=9000), SamplingParams(
+            max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t"}), "r")
+        p.step()  # a first chunk of 64 tokens
+        assert p.kv.pool.num_used == 4
+        p.abort_request("r")
+        assert not p.has_unfinished_requests() and all_free(p)
+    finally:
+        close(p, d)
+
+
+def test_kv_transfer_config_is_checked():
+    for bad, match in (('{"kv_role": "kv_producer"}', "needs 'kv_connector'"),
+                       ('{"kv_connector": "Nope", "kv_role": "kv_producer"}', "kv_connector must be"),
+                       ('{"kv_connector": "TorchDistConnector", "kv_role": "kv_both"}', "kv_role must be"),
+                       ('{"kv_connector": "TorchDistConnector", "kv_role": "kv_consumer", "kv_port": 0}', "kv_port"),
+                       ('{"kv_connector": "TorchDistConnector", "kv_role": "kv_consumer", "lease": 1}', "unknown key"),
+                       ("not json", "not valid JSON")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(kv_transfer_config=bad)
+    with pytest.raises(ValueError, match="one KV connector"):
+        EngineConfig(kv_transfer_config=_cfg("kv_producer", 1), kv_offload_memory="1MiB")
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        EngineConfig(kv_transfer_config=_cfg("kv_producer", 1), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="transfer_id"):
+        SamplingParams(kv_transfer_params={"do_remote_prefill": True})
+    with pytest.raises(ValueError, match="not one of"):
+        SamplingParams(kv_transfer_params={"transfer_id": 3})

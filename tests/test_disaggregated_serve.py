@@ -1,0 +1,163 @@
+"""Disaggregated prefill/decode through ``pagedkv serve`` and ``pagedkv proxy`` (issue 16):
+the proxy's answer equals a colocated server's, streamed or not, and a killed prefill or
+decode process ends every request correctly or with a clear error in bounded time, with
+the surviving instance's pages all free afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.server.app import ServerConfig, build_app
+from pagedkv.server.live import LiveServer
+from pagedkv.server.proxy import build_proxy
+
+PROMPT = "The quick brown fox jumps over the lazy dog and then runs far away into the dark forest"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_cfg(role: str, port: int) -> dict:
+    return {"kv_connector": "TorchDistConnector", "kv_role": role, "kv_port": port, "kv_lease_s": 3.0,
+            "kv_timeout_s": 3.0}
+
+
+def serve_process(model_dir, role: str, kv_port: int) -> tuple[subprocess.Popen, str]:
+    """``pagedkv serve`` in a process of its own; returns it and its URL once healthy."""
+    import json
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; from pagedkv.cli import main; sys.exit(main())", "serve",
+           "--model", str(model_dir), "--port", str(port), "--num-blocks", "64", "--served-model-name", "tiny",
+           "--kv-transfer-config", json.dumps(kv_cfg(role, kv_port))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
+def serve_here(model_dir, role: str | None = None, kv_port: int = 0):
+    engine = LLMEngine(model=str(model_dir), num_blocks=64,
+                       kv_transfer_config=kv_cfg(role, kv_port) if role else None)
+    return engine, LiveServer(build_app(engine, ServerConfig(["tiny"]))).start()
+
+
+def complete(url: str, stream=False, **extra) -> httpx.Response:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": stream, **extra}
+    return httpx.post(url + "/v1/completions", json=body, timeout=30)
+
+
+def text_of(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    if r.headers["content-type"].startswith("text/event-stream"):
+        import json
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        return "".join(c["choices"][0]["text"] for c in chunks)
+    return r.json()["choices"][0]["text"]
+
+
+def wait_free(engine, timeout: float) -> float:
+    t0 = time.monotonic()
+    while engine.kv.pool.num_used:
+        assert time.monotonic() - t0 < timeout, f"{engine.kv.pool.num_used} pages still held"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    engine, srv = serve_here(tiny_model_dir)
+    try:
+        yield text_of(complete(srv.url))
+    finally:
+        srv.stop()
+
+
+def test_proxy_answers_as_a_colocated_server_and_survives_a_killed_prefill(tiny_model_dir, expected):
+    kv_port = free_port()
+    prefill, p_url = serve_process(tiny_model_dir, "kv_producer", kv_port)
+    decode, d_srv = serve_here(tiny_model_dir, "kv_consumer", kv_port)
+    proxy = LiveServer(build_proxy(p_url, d_srv.url, timeout=30)).start()
+    try:
+        assert decode.runner.connector.link.connected.wait(30)
+        assert text_of(complete(proxy.url)) == expected
+        assert text_of(complete(proxy.url, stream=True)) == expected
+        assert decode.runner.connector.num_pulled_blocks > 0 and decode.runner.connector.num_failed_pulls == 0
+        assert httpx.get(proxy.url + "/health").status_code == 200
+        # the prefill leg done, then the prefill process dies before the decode leg pulls
+        leg = complete(p_url, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "k"})
+        assert leg.status_code == 200
+        prefill.send_signal(signal.SIGKILL)
+        prefill.wait(10)
+        t0 = time.monotonic()
+        r = complete(d_srv.url, kv_transfer_params={"do_remote_prefill": True, "transfer_id": "k"})
+        assert text_of(r) == expected and time.monotonic() - t0 < 10  # computed here
+        assert text_of(complete(proxy.url)) == expected  # the proxy skips the dead prefill instance
+        assert httpx.get(proxy.url + "/health").status_code == 503
+        wait_free(decode, 5)
+    finally:
+        proxy.stop()
+        d_srv.stop()
+        if prefill.poll() is None:
+            prefill.kill()
+
+
+def test_a_killed_decode_process_frees_the_producer_and_the_client_gets_an_error(tiny_model_dir):
+    kv_port = free_port()
+    prefill, p_srv = serve_here(tiny_model_dir, "kv_producer", kv_port)
+    decode, d_url = serve_process(tiny_model_dir, "kv_consumer", kv_port)
+    proxy = LiveServer(build_proxy(p_srv.url, d_url, timeout=30)).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not prefill.runner.connector.link.connected.is_set():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        leg = complete(p_srv.url, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "k"})
+        assert leg.status_code == 200 and prefill.kv.pool.num_used > 0  # leased for the decode instance
+        decode.send_signal(signal.SIGKILL)
+        decode.wait(10)
+        assert wait_free(prefill, 5) < 3  # the lost link ends every lease at once, not after kv_lease_s
+        t0 = time.monotonic()
+        r = complete(proxy.url)
+        assert r.status_code == 502 and "decode instance" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        wait_free(prefill, 5)
+    finally:
+        proxy.stop()
+        p_srv.stop()
+        if decode.poll() is None:
+            decode.kill()
+
+
+def test_proxy_passes_a_refused_prefill_leg_back(tiny_model_dir):
+    kv_port = free_port()
+    prefill, p_srv = serve_here(tiny_model_dir, "kv_producer", kv_port)
+    decode, d_srv = serve_here(tiny_model_dir, "kv_consumer", kv_port)
+    proxy = LiveServer(build_proxy(p_srv.url, d_srv.url)).start()
+    try:
+        r = httpx.post(proxy.url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+        assert r.status_code == 404 or r.status_code == 400
+        assert r.json()["error"]["param"] == "model"
+        r = httpx.post(proxy.url + "/v1/completions", content=b"[1, 2]", timeout=30)
+        assert r.status_code == 400
+        assert prefill.kv.pool.num_used == 0 and decode.kv.pool.num_used == 0
+    finally:
+        for s in (proxy, d_srv, p_srv):
+            s.stop()
