@@ -79,6 +79,18 @@ class KVLink:
         except RuntimeError as e:
             raise self._lost(e) from None
 
+    def send_raw(self, tag: int, t: torch.Tensor) -> None:
+        """Send one tensor as it is (the receiver knows its size)."""
+        pg = self._pg()
+        try:
+            pg.send([t], 1 - self.rank, tag).wait(self.timeout)
+        except RuntimeError as e:
+            raise self._lost(e) from None
+
+    def recv_raw(self, tag: int, t: torch.Tensor) -> None:
+        """Receive one tensor of a known size into ``t``, within ``kv_timeout_s``."""
+        self._wait(self._pg().recv([t], 1 - self.rank, tag), self.timeout)
+
     def recv(self, tag: int, timeout: datetime.timedelta | None = None) -> tuple[dict, torch.Tensor | None]:
         """Receive one message on ``tag``, each part within ``timeout`` (default ``kv_timeout_s``)."""
         pg, timeout = self._pg(), timeout or self.timeout

@@ -21,27 +21,57 @@ def _tensors(storage) -> list[torch.Tensor]:
     return list(unique.values())
 
 
+class PageLayout:
+    """Reads and writes whole pages of one storage as bytes, through caller-owned buffers
+    (a transfer reuses one staging buffer instead of allocating per request)."""
+
+    def __init__(self, storage) -> None:
+        self.tensors = _tensors(storage)
+        self.page_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
+
+    def _views(self, n: int, buf: torch.Tensor):
+        off = 0
+        for t in self.tensors:
+            size = n * t[0].numel() * t.element_size()
+            yield t, buf[off:off + size].view(t.dtype).view(n, *t.shape[1:])
+            off += size
+
+    def read(self, page_ids: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Copy ``page_ids``' bytes into ``out`` (uint8, at least ``len(page_ids) * page_bytes``);
+        returns the part used."""
+        n, idx = len(page_ids), torch.tensor(page_ids, dtype=torch.int64)
+        out = out[:n * self.page_bytes]
+        for t, view in self._views(n, out):
+            torch.index_select(t, 0, idx, out=view)
+        return out
+
+    def write(self, page_ids: list[int], data: torch.Tensor) -> None:
+        """Store bytes made by :meth:`read` (of a storage of the same layout) into ``page_ids``.
+
+        Raises:
+            ValueError: ``data`` is not exactly that many pages' bytes.
+        """
+        n, idx = len(page_ids), torch.tensor(page_ids, dtype=torch.int64)
+        if data.numel() != n * self.page_bytes:
+            raise ValueError(f"{data.numel()} bytes do not hold {n} pages of this cache ({n * self.page_bytes} bytes)")
+        for t, view in self._views(n, data):
+            t.index_copy_(0, idx, view)
+
+
 def read_pages(storage, page_ids: list[int]) -> torch.Tensor:
-    """The bytes of ``page_ids``, uint8 ``[len(page_ids) * storage.page_size_bytes]`` (a copy)."""
-    idx = torch.tensor(page_ids, dtype=torch.int64)
-    return torch.cat([t.index_select(0, idx).reshape(-1).view(torch.uint8) for t in _tensors(storage)])
+    """The bytes of ``page_ids``, uint8 ``[len(page_ids) * page bytes]`` (a new tensor)."""
+    layout = PageLayout(storage)
+    return layout.read(page_ids, torch.empty(len(page_ids) * layout.page_bytes, dtype=torch.uint8))
 
 
 def write_pages(storage, page_ids: list[int], data: torch.Tensor) -> None:
-    """Store bytes made by :func:`read_pages` (of a storage of the same layout) into ``page_ids``.
+    """:meth:`PageLayout.write` on ``storage``."""
+    PageLayout(storage).write(page_ids, data)
 
-    Raises:
-        ValueError: ``data`` is not exactly that many pages' bytes.
-    """
-    idx, n, off = torch.tensor(page_ids, dtype=torch.int64), len(page_ids), 0
-    tensors = _tensors(storage)
-    need = sum(n * t[0].numel() * t.element_size() for t in tensors)
-    if data.numel() != need:
-        raise ValueError(f"{data.numel()} bytes do not hold {n} pages of this cache ({need} bytes)")
-    for t in tensors:
-        size = n * t[0].numel() * t.element_size()
-        t.index_copy_(0, idx, data[off:off + size].view(t.dtype).view(n, *t.shape[1:]))
-        off += size
+
+def staging(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    """``buf`` if it holds ``nbytes``, else a new uint8 buffer of that size."""
+    return buf if buf is not None and buf.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
 
 
 def checksum(data: torch.Tensor) -> int:

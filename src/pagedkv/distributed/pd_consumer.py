@@ -18,9 +18,11 @@ import itertools
 import logging
 import time
 
+import torch
+
 from pagedkv.distributed.kv_link import KVLink, LinkError, REQUEST_TAG
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
-from pagedkv.distributed.pages import checksum, tokens_hash, write_pages
+from pagedkv.distributed.pages import PageLayout, checksum, staging, tokens_hash
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 
 log = logging.getLogger("pagedkv.kv_transfer")
@@ -83,6 +85,7 @@ class ConsumerWorker(KVConnectorWorker):
     def __init__(self, cfg: KVTransferConfig, link: KVLink) -> None:
         self.cfg, self.link = cfg, link
         self.metadata, self.errors = None, set()
+        self.layout, self.buf = None, None  # the storage's page layout; the staging buffer, reused
         self.seq = itertools.count(16)  # answer tags: 0 carries requests, 1 the handshake
         self.num_pulled_blocks = self.num_failed_pulls = 0
         self.pulled_bytes, self.pull_seconds = 0, 0.0
@@ -106,18 +109,33 @@ class ConsumerWorker(KVConnectorWorker):
             self._release(tid)
 
     def _pull(self, storage, pull: dict) -> None:
+        """Ask for the pages, then take each chunk: check its CRC-32 and store it (all chunks
+        are read even after a bad one, so the producer is never left waiting)."""
         t0, seq = time.perf_counter(), next(self.seq)
         ask = {k: pull[k] for k in ("transfer_id", "first_block", "num_blocks", "num_tokens", "tokens_hash")}
         self.link.send(REQUEST_TAG, {"op": "pull", "seq": seq, **ask})
-        meta, data = self.link.recv(seq)
-        if meta.get("status") != "ok" or data is None:
+        meta, _ = self.link.recv(seq)
+        chunks = meta.get("chunks")
+        if meta.get("status") != "ok" or not isinstance(chunks, list) or sum(chunks) != len(pull["dst"]):
             raise LinkError(f"the prefill instance has no such KV ({meta.get('status')}: released, expired, "
                             "or another prompt)")
-        if checksum(data) != meta.get("checksum"):
+        if self.layout is None or self.layout.tensors[0] is not storage.page_tensors(0)[0]:
+            self.layout = PageLayout(storage)
+        dst, bad, crc = list(pull["dst"]), False, torch.zeros(1, dtype=torch.int64)
+        for n in chunks:
+            pages, dst = dst[:n], dst[n:]
+            self.buf = staging(self.buf, n * self.layout.page_bytes)
+            data = self.buf[:n * self.layout.page_bytes]
+            self.link.recv_raw(seq, crc)
+            self.link.recv_raw(seq, data)
+            if checksum(data) != int(crc[0]):
+                bad = True
+            elif not bad:
+                self.layout.write(pages, data)
+        if bad:
             raise LinkError("the transferred KV failed its checksum")
-        write_pages(storage, pull["dst"], data)
         self.num_pulled_blocks += len(pull["dst"])
-        self.pulled_bytes += data.numel()
+        self.pulled_bytes += len(pull["dst"]) * self.layout.page_bytes
         self.pull_seconds += time.perf_counter() - t0
 
     def _release(self, transfer_id: str) -> None:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import threading
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from pagedkv.distributed.kv_link import KVLink, LinkError
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
-from pagedkv.distributed.pages import checksum, read_pages, tokens_hash
+from pagedkv.distributed.pages import PageLayout, checksum, staging, tokens_hash
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 
+CHUNK_PAGES = 16  # pages per message: the consumer stores one chunk while the next is read
 IDLE_WAIT_S = 0.05  # an idle engine step waits this long for a lease to end (no busy loop)
 
 
@@ -29,7 +32,7 @@ class Lease:
     token_ids: list[int]  # the tokens whose KV the pages hold
     expires: float
     fault: str | None = None
-    done: bool = False
+    busy: bool = False  # pages being sent: the lease does not end under the copy
 
 
 @dataclass
@@ -48,7 +51,13 @@ class LeaseTable:
             return True
 
     def end(self, transfer_id: str) -> None:
+        """End a lease (its pages may be freed), unless it is being sent (the link's own
+        thread, which ends it after)."""
         with self.lock:
+            lease = self.leases.get(transfer_id)
+            if lease is not None and lease.busy:
+                lease.expires = 0.0  # ends at the next check once the copy is done
+                return
             lease = self.leases.pop(transfer_id, None)
             if lease is not None:
                 self.ended.append(lease.request_id)
@@ -64,7 +73,7 @@ class LeaseTable:
         with self.lock:
             now = time.monotonic()
             for tid, lease in list(self.leases.items()):
-                if lease.expires <= now:
+                if lease.expires <= now and not lease.busy:
                     self.end(tid)
             if not self.ended and wait_s > 0 and self.leases:
                 self.lock.wait(min(wait_s, max(0.0, min(x.expires for x in self.leases.values()) - now)))
@@ -94,6 +103,7 @@ class ProducerWorker(KVConnectorWorker):
 
     def __init__(self, cfg: KVTransferConfig, leases: LeaseTable, storage, fingerprint: str) -> None:
         self.cfg, self.leases, self.storage = cfg, leases, storage
+        self.layout, self.buf = PageLayout(storage), None
         self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all).start()
         self.metadata = None
 
@@ -112,37 +122,56 @@ class ProducerWorker(KVConnectorWorker):
             self._pull(link, meta)
 
     def _pull(self, link: KVLink, meta: dict) -> None:
+        """Answer a pull: a header naming the chunks, then each chunk's CRC-32 and bytes (the
+        consumer checks and stores one while the next is read here). The lease is marked busy
+        meanwhile, so it cannot end under the copy."""
         tid, seq = str(meta.get("transfer_id")), int(meta["seq"])
         first, count = int(meta["first_block"]), int(meta["num_blocks"])
         with self.leases.lock:
             lease = self.leases.leases.get(tid)
             fault = lease.fault if lease is not None and self.cfg.kv_fault_injection else None
-            status, data = self._check(lease, meta, first, count)
-            if status == "ok" and fault != "delay":  # copied under the lock: the pages cannot be freed meanwhile
-                data = read_pages(self.storage, lease.block_ids[first:first + count])
-        if fault == "drop":
-            return
-        if fault == "delay":  # answer only once the lease has ended: the consumer finds it gone
-            time.sleep(max(0.0, lease.expires - time.monotonic()) + 0.1)
-            status, data = "unknown", None
-        crc = checksum(data) if data is not None else 0
-        if fault == "corrupt" and data is not None:
-            data[data.numel() // 2] ^= 0xFF
+            status = self._check(lease, meta, first, count)
+            if status == "ok" and fault in (None, "corrupt"):
+                lease.busy = True
         try:
-            link.send(seq, {"status": status, "checksum": crc}, data)
+            if fault == "drop":
+                return
+            if fault == "delay":  # answer only once the lease has ended: the consumer finds it gone
+                time.sleep(max(0.0, lease.expires - time.monotonic()) + 0.1)
+                status = "unknown"
+            if status != "ok":
+                link.send(seq, {"status": status})
+                return
+            self._send_pages(link, seq, lease.block_ids[first:first + count], fault == "corrupt")
         except LinkError:
-            pass  # the consumer gave up or is gone: its release or the lease frees the pages
+            pass  # the consumer is gone: the lost link ends every lease
+        finally:
+            with self.leases.lock:
+                if lease is not None:
+                    lease.busy = False
+
+    def _send_pages(self, link: KVLink, seq: int, block_ids: list[int], corrupt: bool) -> None:
+        chunks = [block_ids[i:i + CHUNK_PAGES] for i in range(0, len(block_ids), CHUNK_PAGES)]
+        link.send(seq, {"status": "ok", "chunks": [len(c) for c in chunks]})
+        for chunk in chunks:
+            self.buf = staging(self.buf, len(chunk) * self.layout.page_bytes)
+            data = self.layout.read(chunk, self.buf)
+            crc = checksum(data)
+            if corrupt:
+                data[data.numel() // 2] ^= 0xFF
+            link.send_raw(seq, torch.tensor([crc], dtype=torch.int64))
+            link.send_raw(seq, data)
 
     @staticmethod
-    def _check(lease: Lease | None, meta: dict, first: int, count: int) -> tuple[str, None]:
+    def _check(lease: Lease | None, meta: dict, first: int, count: int) -> str:
         if lease is None:
-            return "unknown", None  # released, expired, or never here
+            return "unknown"  # released, expired, or never here
         end = int(meta["num_tokens"])
         if first < 0 or count < 1 or end > len(lease.token_ids) or first + count > len(lease.block_ids):
-            return "out of range", None
+            return "out of range"
         if tokens_hash(lease.token_ids[:end]) != meta.get("tokens_hash"):
-            return "prompt mismatch", None
-        return "ok", None
+            return "prompt mismatch"
+        return "ok"
 
 
 def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str) -> KVConnector:
