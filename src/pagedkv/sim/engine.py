@@ -71,7 +71,8 @@ class SimEngine:
     """
 
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int, cost: ModelCost,
-                 runner: SimRunner, clock: VirtualClock, tier: tuple[int, float] | None = None) -> None:
+                 runner: SimRunner, clock: VirtualClock, tier: tuple[int, float] | None = None,
+                 connector=None) -> None:
         check_simulated(config)
         check_streaming(config, model)
         self.config, self.model_config, self.clock = config, model, clock
@@ -85,7 +86,7 @@ class SimEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
                                  kv_groups(config, model, spec is not None and spec.method == "draft_model"))
         self.max_model_len = cache_max_model_len(config, self.kv, max_len)
-        connector = self.connector = None
+        self.connector = connector  # e.g. a decode instance's remote prefill (pagedkv.sim.disagg)
         if config.kv_offload_memory is not None:
             if tier is None:
                 raise ValueError("a simulated CPU tier needs its page bytes and host link (SimSetup passes them)")

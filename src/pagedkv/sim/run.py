@@ -72,7 +72,9 @@ class SimSetup:
     seed: int = 0
     tier: tuple[int, float] | None = None      # CPU KV tier: (page bytes, host link bytes/s)
 
-    def engine(self) -> SimEngine:
+    def engine(self, connector=None) -> SimEngine:
+        """A fresh simulated engine (``connector``: a KV connector for it, e.g. a decode
+        instance's remote prefill)."""
         clock = VirtualClock()
         m = sim_model(self.model_name)
         sc = self.config.speculative_config
@@ -80,7 +82,7 @@ class SimSetup:
                 if sc is not None and self.spec_acceptance_rate is not None else None)
         runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config), spec=spec,
                            eviction=eviction_policy(self.config))
-        return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock, self.tier)
+        return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock, self.tier, connector)
 
 
 def sim_model(name: str) -> ModelConfig:
