@@ -87,7 +87,7 @@ def main() -> None:
     prod = LLMEngine(**kw, kv_transfer_config={**cfg, "kv_role": "kv_producer"})
     cons = LLMEngine(**kw, kv_transfer_config={**cfg, "kv_role": "kv_consumer"})
     worker = cons.runner.connector
-    assert worker.link.connected.wait(60)
+    assert worker.link.ready.wait(60) and prod.runner.connector.link.ready.wait(60)
     rows = []
     for n in map(int, a.lengths.split(",")):
         secs, gbps = [], []

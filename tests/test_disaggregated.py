@@ -29,7 +29,7 @@ def make_pair(model_dir, prefix_caching=True, producer_kw=None, consumer_kw=None
               **engine_kw)
     p = LLMEngine(**kw, kv_transfer_config=_cfg("kv_producer", port, **(producer_kw or {})))
     d = LLMEngine(**kw, kv_transfer_config=_cfg("kv_consumer", port, **(consumer_kw or {})))
-    assert d.runner.connector.link.connected.wait(30)
+    assert d.runner.connector.link.ready.wait(30) and p.runner.connector.link.ready.wait(30)
     return p, d
 
 
@@ -175,7 +175,11 @@ def test_rejected_or_aborted_decode_legs_free_the_producer(tiny_model_dir):
             d.add_request(long, SamplingParams(max_tokens=8, kv_transfer_params={"do_remote_prefill": True,
                                                                                   "transfer_id": "rejected"}))
         t0 = time.monotonic()
-        drain(p)  # nobody pulls: the lease ends
+        drain(p)  # the consumer told the producer at once
+        assert time.monotonic() - t0 < 0.9 and all_free(p)
+        prefill(p, long, "orphan")  # a decode leg that never comes: the lease runs out
+        t0 = time.monotonic()
+        drain(p)
         assert 0.5 < time.monotonic() - t0 < 5 and all_free(p)
         prompt = prompt_of(40, base=8000)
         prefill(p, prompt, "aborted")

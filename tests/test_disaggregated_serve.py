@@ -96,7 +96,7 @@ def test_proxy_answers_as_a_colocated_server_and_survives_a_killed_prefill(tiny_
     decode, d_srv = serve_here(tiny_model_dir, "kv_consumer", kv_port)
     proxy = LiveServer(build_proxy(p_url, d_srv.url, timeout=30)).start()
     try:
-        assert decode.runner.connector.link.connected.wait(30)
+        assert decode.runner.connector.link.ready.wait(30)
         assert text_of(complete(proxy.url)) == expected
         assert text_of(complete(proxy.url, stream=True)) == expected
         assert decode.runner.connector.num_pulled_blocks > 0 and decode.runner.connector.num_failed_pulls == 0
@@ -126,7 +126,7 @@ def test_a_killed_decode_process_frees_the_producer_and_the_client_gets_an_error
     proxy = LiveServer(build_proxy(p_srv.url, d_url, timeout=30)).start()
     try:
         deadline = time.monotonic() + 30
-        while not prefill.runner.connector.link.connected.is_set():
+        while not prefill.runner.connector.link.ready.is_set():
             assert time.monotonic() < deadline
             time.sleep(0.1)
         leg = complete(p_srv.url, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "k"})
@@ -158,6 +158,38 @@ def test_proxy_passes_a_refused_prefill_leg_back(tiny_model_dir):
         r = httpx.post(proxy.url + "/v1/completions", content=b"[1, 2]", timeout=30)
         assert r.status_code == 400
         assert prefill.kv.pool.num_used == 0 and decode.kv.pool.num_used == 0
+    finally:
+        for s in (proxy, d_srv, p_srv):
+            s.stop()
+
+
+def test_choices_and_prompt_lists_each_get_their_transfer_and_a_leaving_client_aborts(tiny_model_dir):
+    """n > 1 and a list of prompts under the fail policy (a missed transfer would be an
+    error); then a client that leaves a non-streamed request: the decode leg is aborted."""
+    import json
+    kv_port = free_port()
+    cfg = kv_cfg("kv_consumer", kv_port) | {"kv_load_failure_policy": "fail"}
+    prefill, p_srv = serve_here(tiny_model_dir, "kv_producer", kv_port)
+    decode = LLMEngine(model=str(tiny_model_dir), num_blocks=64, kv_transfer_config=cfg)
+    d_srv = LiveServer(build_app(decode, ServerConfig(["tiny"]))).start()
+    proxy = LiveServer(build_proxy(p_srv.url, d_srv.url)).start()
+    try:
+        assert decode.runner.connector.link.ready.wait(30) and prefill.runner.connector.link.ready.wait(30)
+        r = complete(proxy.url, n=2, temperature=0.8, seed=1)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        r = complete(proxy.url, prompt=[PROMPT, PROMPT + " again"])
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        assert decode.runner.connector.num_failed_pulls == 0 and decode.runner.connector.num_pulled_blocks >= 3
+        body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 450, "ignore_eos": True}).encode()
+        with socket.create_connection((proxy.host, proxy.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.monotonic() + 10
+            while not decode.scheduler.running:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        wait_free(decode, 5)  # the client left: the decode leg was closed and its request aborted
+        wait_free(prefill, 5)
     finally:
         for s in (proxy, d_srv, p_srv):
             s.stop()

@@ -157,7 +157,7 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                     (dict(workload="no-such-workload"), "unknown workload"),
                                     (dict(model="llama-3-70b", gpu="a100-40gb"), "no room for a KV cache"),
                                     (dict(tp=3), "tp"),
-                                    (dict(model="qwen2.5-7b", tp=8), "28 attention heads"),
+                                    (dict(model="qwen2.5-7b", tp=8), "does not split 4 KV heads"),
                                     (dict(kv_cache_memory="1MiB"), "holds no block"),
                                     (dict(preemption_mode="swap"), "set kv_offload_memory"),
                                     (dict(workload="arena-hard", num_prompts=501), "has 500 prompts"),

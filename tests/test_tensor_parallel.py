@@ -104,7 +104,8 @@ def test_each_rank_allocates_the_planners_per_device_bytes(uneven_dir):
 def test_config_refuses_what_tp_does_not_cover(uneven_dir, tiny_model_dir):
     for bad in ({"tensor_parallel_size": 0}, {"tensor_parallel_size": 2, "distributed_timeout": 0},
                 {"tensor_parallel_size": 2, "kv_eviction": "snapkv", "kv_budget_tokens": 64},
-                {"tensor_parallel_size": 2, "kv_offload_memory": "1MiB"}):
+                {"tensor_parallel_size": 2, "kv_offload_memory": "1MiB"},
+                {"tensor_parallel_size": 2, "kv_cache_dtype": "int8", "kv_cache_scale": "per-tensor"}):
         with pytest.raises(ValueError, match="tensor_parallel_size|distributed_timeout"):
             EngineConfig(model=str(uneven_dir), **bad)
     before = set(multiprocessing.active_children())
@@ -131,9 +132,9 @@ def test_tp2_greedy_equals_tp1_with_chunked_prefill_and_prefix_hits(uneven_dir, 
 
 def test_tp2_with_replicated_kv_heads_and_static_int8_scales(tmp_path, default_model_files):
     """One KV head on two ranks (replicated, each rank half the query heads), int8 pages with
-    per-tensor scales: the calibration's forward runs the all-reduce on every rank."""
+    static per-head scales: the calibration's forward runs the all-reduce on every rank."""
     d = make_hf_folder(tmp_path / "mqa", tokenizer_from=default_model_files.folder, num_key_value_heads=1)
-    kw = dict(model=str(d), num_blocks=64, kv_cache_dtype="int8", kv_cache_scale="per-tensor")
+    kw = dict(model=str(d), num_blocks=64, kv_cache_dtype="int8", kv_cache_scale="per-head")
     with LLM(**kw) as one:
         ref = _greedy(one, PROMPTS[:2])
     with LLM(**kw, tensor_parallel_size=2) as two:
@@ -207,3 +208,28 @@ def test_tp2_on_the_real_model_equals_tp1(smollm):
     ref = _greedy(smollm, prompts, n=16)
     with LLM(num_blocks=64, tensor_parallel_size=2) as llm:
         assert_same_greedy(ref, _greedy(llm, prompts, n=16))
+
+
+def test_the_timeout_flag_and_one_engine_per_process(uneven_dir):
+    from pagedkv.cli_common import OneLineErrorParser, add_engine_args
+    p = OneLineErrorParser()
+    add_engine_args(p)
+    assert p.parse_args(["--distributed-timeout", "2.5"]).distributed_timeout == 2.5
+    with LLM(model=str(uneven_dir), num_blocks=16, tensor_parallel_size=2, distributed_timeout=2.5):
+        with pytest.raises(ValueError, match="one tensor-parallel engine per process"):
+            LLM(model=str(uneven_dir), num_blocks=16, tensor_parallel_size=2)
+
+
+def test_a_worker_that_dies_while_starting_is_reported_at_once(uneven_dir, monkeypatch):
+    """The worker runs a function that exits before it joins (as a script without a main
+    guard does under spawn): rank 0 says so at once instead of waiting out the rendezvous."""
+    import pagedkv.distributed.executor as ex
+    monkeypatch.setattr(ex, "worker_main", _exit_at_once)
+    t0 = time.monotonic()
+    with pytest.raises(TPGroupError, match="rank 1 exited while starting"):
+        LLM(model=str(uneven_dir), num_blocks=16, tensor_parallel_size=2, distributed_timeout=30)
+    assert time.monotonic() - t0 < 15
+
+
+def _exit_at_once(*args) -> None:
+    os._exit(3)

@@ -76,9 +76,10 @@ def help_text(doc: str, field_names: set[str], default) -> str:
 
 
 def _argparse_type(hint) -> type | None:
-    """``int`` for int and ``int | None`` fields; ``None`` (text) for the rest (``int | str``: a size)."""
+    """``int`` / ``float`` for such fields (``| None`` too); ``None`` (text) for the rest
+    (``int | str``: a size)."""
     args = set(typing.get_args(hint)) - {type(None)} or {hint}
-    return int if args == {int} else None
+    return int if args == {int} else float if args == {float} else None
 
 
 def engine_fields() -> list[dataclasses.Field]:
@@ -96,7 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if hints[f.name] is bool:
             kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         elif _argparse_type(hints[f.name]) is not None:
-            kw["type"] = int
+            kw["type"] = _argparse_type(hints[f.name])
         g.add_argument(flag(f.name), **kw)
 
 

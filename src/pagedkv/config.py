@@ -300,6 +300,9 @@ class EngineConfig:
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if self.kv_transfer_config is not None and self.kv_offload_memory:
             raise ValueError("kv_transfer_config and kv_offload_memory cannot be combined (one KV connector per engine)")
+        if self.kv_transfer_config is not None and self.kv_eviction in SCORED_EVICTIONS:
+            raise ValueError(f"kv_transfer_config cannot be combined with kv_eviction {self.kv_eviction} yet "
+                             "(a transferred prompt is never scored, so its budget would not hold)")
         if self.tensor_parallel_size == 1:
             return
         sc = self.speculative_config
@@ -308,7 +311,10 @@ class EngineConfig:
                           (f"kv_eviction {self.kv_eviction} (its scores need every head)",
                            self.kv_eviction in SCORED_EVICTIONS),
                           ("a KV tier (kv_offload_memory)", bool(self.kv_offload_memory)),
-                          ("kv_transfer_config", self.kv_transfer_config is not None)):
+                          ("kv_transfer_config", self.kv_transfer_config is not None),
+                          ("kv_cache_scale per-tensor (each rank would calibrate over its own KV heads only)",
+                           self.kv_cache_scale == "per-tensor" and self.kv_cache_dtype not in ("auto", "float32",
+                                                                                                 "float16", "bfloat16"))):
             if on:
                 raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} cannot be combined with {clash} yet")
 

@@ -16,11 +16,14 @@ cannot be trusted after a rank is lost, so there is no recovery short of a new e
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedkv.config import EngineConfig
@@ -61,8 +64,14 @@ class TPExecutor:
         """
         world = config.tensor_parallel_size
         partition(resolve_model(config.model).config, 0, world)  # a split that cannot work fails here, no process started
+        if dist.is_initialized():
+            raise ValueError("this process already holds a tensor-parallel engine (or another torch.distributed "
+                             "group): close() it first; one tensor-parallel engine per process")
         env_rank = tp_env_rank()
         if env_rank is not None:
+            if int(os.environ["WORLD_SIZE"]) != world:
+                raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but tensor_parallel_size is "
+                                 f"{world}: they must be equal")
             if env_rank != 0:
                 torchrun_worker(config)  # never returns
             threads = share_threads(world)
@@ -79,12 +88,29 @@ class TPExecutor:
             procs.append(p)
             pipes.append(recv)
         threads = share_threads(world)
+        ex = cls(config, None, procs, pipes, tmpdir, threads)
         try:
-            group = TPGroup(0, world, init, config.distributed_timeout)
+            ex._wait_started(config.distributed_timeout)
+            ex.group = TPGroup(0, world, init, config.distributed_timeout)
         except Exception as e:  # noqa: BLE001
-            ex = cls(config, None, procs, pipes, tmpdir, threads)
             raise ex._fail(e) from None
-        return cls(config, group, procs, pipes, tmpdir, threads)
+        return ex
+
+    def _wait_started(self, timeout_s: float) -> None:
+        """Until every worker says it is joining (a worker that dies while starting, e.g. a
+        script without ``if __name__ == "__main__":`` under spawn, is reported at once)."""
+        deadline = time.monotonic() + timeout_s
+        for i, (p, pipe) in enumerate(zip(self.procs, self.pipes)):
+            while not pipe.poll(0.05):
+                if not p.is_alive():
+                    hint = (" (a script that starts a tensor-parallel engine needs `if __name__ == \"__main__\":` "
+                            "around it: the workers import it)")
+                    raise RuntimeError(f"rank {i + 1} exited while starting (code {p.exitcode}){hint}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {i + 1} did not start within {timeout_s:g} s")
+            msg = pipe.recv()
+            if msg != "joining":
+                raise RuntimeError(msg)
 
     def attach(self, runner) -> "TPExecutor":
         """Rank 0's runner; waits until every rank is built.
@@ -97,6 +123,9 @@ class TPExecutor:
             self.group.ready(load_timeout(self.config))
         except Exception as e:  # noqa: BLE001
             raise self._fail(e) from None
+        if self.tmpdir is not None:  # every rank is past the store: the rendezvous file is done with
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
         return self
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -114,6 +143,9 @@ class TPExecutor:
             return self.runner.execute(out)
         except Exception as e:  # noqa: BLE001 - any rank-0 failure leaves the workers mid-collective
             raise self._fail(e) from None
+        except BaseException as e:  # Ctrl-C mid-step: the group cannot go on either; say so now, not at the next step
+            self._fail(e)
+            raise
 
     def check_health(self) -> None:
         """Raise :class:`TPGroupError` if the group failed or a worker process has exited
@@ -151,8 +183,10 @@ class TPExecutor:
     def _report(self, i: int) -> str | None:
         pipe, p = self.pipes[i], self.procs[i]
         try:
-            if pipe.poll():
-                return pipe.recv()
+            while pipe.poll():
+                msg = pipe.recv()
+                if msg != "joining":
+                    return msg
         except (EOFError, OSError):
             pass
         if not p.is_alive():

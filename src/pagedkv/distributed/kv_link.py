@@ -1,17 +1,21 @@
 """KVLink: the prefill instance's and the decode instance's two-rank gloo group.
 
 torch.distributed's gloo backend (``ProcessGroupGloo`` over a ``TCPStore``), its own group
-beside any tensor-parallel one. The producer (rank 0) hosts the store on ``kv_ip:kv_port``;
-the consumer (rank 1) connects, reads the store's current *generation* and both build that
-generation's group. A message is a header (two int64: JSON bytes, data bytes), JSON, then raw
-data, all on one tag: the consumer's requests on tag 0, each answer on the request's own
-sequence number, so an answer that comes too late is never taken for another's.
+beside any tensor-parallel one. The producer (rank 0) hosts the store on ``kv_port`` (torch's
+store listens on every interface; the pair itself binds to the address the host name
+resolves to); the consumer (rank 1) connects to ``kv_ip:kv_port``, reads the store's current
+*generation* and both build that generation's group. A message is a header (two int64: JSON
+bytes, data bytes), JSON, then raw data, all on one tag and sent whole under a lock: the
+consumer's requests on tag 0, each answer on the request's own sequence number, so an answer
+that comes too late is never taken for another's.
 
-A link that fails (a peer that dies closes its sockets; one that does not answer in
-``kv_timeout_s``) is dropped and built again in the background: the producer opens the next
-generation and waits for a consumer; the consumer retries every second. Peers whose pages
-would mean something else (:func:`~pagedkv.distributed.pages.fingerprint`) are refused at the
-handshake. Trusted networks only, as vLLM's connectors: the port accepts any consumer.
+The link is *ready* once the handshake has passed: peers whose pages would mean something
+else (:func:`~pagedkv.distributed.pages.fingerprint`) are refused. The consumer sends a
+heartbeat every ``PING_S`` seconds; a producer that hears nothing for ``SILENT_S`` seconds
+(a consumer that hung or lost its network) drops the link. A link that fails (a peer that
+dies closes its sockets) is rebuilt in the background: the producer opens the next
+generation, the consumer retries every second. Trusted networks only, as vLLM's connectors:
+the port accepts any consumer.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import datetime
 import json
 import logging
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,8 +31,10 @@ import torch.distributed as dist
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
 
 log = logging.getLogger("pagedkv.kv_link")
-IDLE = datetime.timedelta(days=1)  # the producer waits this long for the next request
-REQUEST_TAG = 0
+REQUEST_TAG, HELLO_TAG = 0, 1
+PING_S = 2.0     # the consumer's heartbeat
+SILENT_S = 10.0  # the producer drops a consumer it has not heard from for this long
+JOIN_S = 5.0     # the producer waits this long for a consumer per generation, then opens the next
 
 
 class LinkError(RuntimeError):
@@ -45,55 +50,59 @@ class KVLink:
         self.timeout = datetime.timedelta(seconds=cfg.kv_timeout_s)
         self.on_request, self.on_lost = on_request, on_lost  # producer: handle a request; both: the peer is gone
         self.pg = None
-        self.connected = threading.Event()
+        self.ready = threading.Event()  # connected and the handshake passed
         self.refused: str | None = None  # a peer with other pages: never retried
         self.generation = 0
         self.closed = False
+        self._stop = threading.Event()  # set by close(): wakes the thread's waits
+        self._send_lock = threading.Lock()
         self._late: list = []  # answers given up on, kept until the group is rebuilt
+        self._thread: threading.Thread | None = None
+        self._last_error = ""
 
     def start(self) -> "KVLink":
-        threading.Thread(target=self._run, name=f"pagedkv-kv-link-{self.cfg.kv_role}", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=f"pagedkv-kv-link-{self.cfg.kv_role}", daemon=True)
+        self._thread.start()
         return self
 
     def close(self) -> None:
-        """Stop: the group is aborted, so a thread blocked on it returns (idempotent)."""
+        """Stop: the group is aborted so a thread blocked on it returns, and the thread is
+        joined (idempotent)."""
         self.closed = True
-        self.connected.clear()
+        self._stop.set()
+        self.ready.clear()
         pg, self.pg = self.pg, None
         if pg is not None:
             try:
                 pg.abort()
             except Exception:  # noqa: BLE001 - closing anyway
                 pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S + self.cfg.kv_timeout_s + 1.0)
 
     # ---- messages ---------------------------------------------------------------------
     def send(self, tag: int, meta: dict, data: torch.Tensor | None = None) -> None:
-        """Send one message; waits at most ``kv_timeout_s`` for the peer to take it."""
-        pg = self._pg()
+        """Send one message whole; waits at most ``kv_timeout_s`` per part for the peer to take it."""
         body = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         n = 0 if data is None else data.numel()
-        parts = [torch.tensor([body.numel(), n], dtype=torch.int64), body] + ([data] if n else [])
-        try:
-            for t in parts:
-                pg.send([t], 1 - self.rank, tag).wait(self.timeout)
-        except RuntimeError as e:
-            raise self._lost(e) from None
+        self._send_parts(tag, [torch.tensor([body.numel(), n], dtype=torch.int64), body] + ([data] if n else []))
 
-    def send_raw(self, tag: int, t: torch.Tensor) -> None:
-        """Send one tensor as it is (the receiver knows its size)."""
-        pg = self._pg()
-        try:
-            pg.send([t], 1 - self.rank, tag).wait(self.timeout)
-        except RuntimeError as e:
-            raise self._lost(e) from None
+    def send_raw(self, tag: int, *tensors: torch.Tensor) -> None:
+        """Send tensors as they are, back to back (the receiver knows their sizes)."""
+        self._send_parts(tag, list(tensors))
 
-    def recv_raw(self, tag: int, t: torch.Tensor) -> None:
-        """Receive one tensor of a known size into ``t``, within ``kv_timeout_s``."""
-        self._wait(self._pg().recv([t], 1 - self.rank, tag), self.timeout)
+    def _send_parts(self, tag: int, parts: list[torch.Tensor], pg=None) -> None:
+        pg = pg or self._pg()
+        with self._send_lock:
+            try:
+                for t in parts:
+                    pg.send([t], 1 - self.rank, tag).wait(self.timeout)
+            except RuntimeError as e:
+                raise self._lost(e) from None
 
-    def recv(self, tag: int, timeout: datetime.timedelta | None = None) -> tuple[dict, torch.Tensor | None]:
+    def recv(self, tag: int, timeout: datetime.timedelta | None = None, pg=None) -> tuple[dict, torch.Tensor | None]:
         """Receive one message on ``tag``, each part within ``timeout`` (default ``kv_timeout_s``)."""
-        pg, timeout = self._pg(), timeout or self.timeout
+        pg, timeout = pg or self._pg(), timeout or self.timeout
         head = torch.zeros(2, dtype=torch.int64)
         self._wait(pg.recv([head], 1 - self.rank, tag), timeout)
         body = torch.empty(int(head[0]), dtype=torch.uint8)
@@ -103,6 +112,10 @@ class KVLink:
             data = torch.empty(int(head[1]), dtype=torch.uint8)
             self._wait(pg.recv([data], 1 - self.rank, tag), timeout)
         return json.loads(body.numpy().tobytes()), data
+
+    def recv_raw(self, tag: int, t: torch.Tensor) -> None:
+        """Receive one tensor of a known size into ``t``, within ``kv_timeout_s``."""
+        self._wait(self._pg().recv([t], 1 - self.rank, tag), self.timeout)
 
     def _wait(self, work, timeout) -> None:
         try:
@@ -115,16 +128,16 @@ class KVLink:
 
     def _pg(self):
         pg = self.pg
-        if pg is None or not self.connected.is_set():
+        if pg is None or not self.ready.is_set():
             raise LinkError(self.refused or "not connected to the "
                             + ("decode instance" if self.rank == 0 else "prefill instance"))
         return pg
 
     def _lost(self, e: BaseException) -> LinkError:
         """The peer is gone: drop the group (the background thread builds the next)."""
-        if self.connected.is_set():
+        if self.ready.is_set():
             log.warning("KV link to the peer lost: %s", str(e).splitlines()[0])
-            self.connected.clear()
+            self.ready.clear()
             if self.on_lost is not None:
                 self.on_lost()
         return LinkError(f"the link to the peer failed: {str(e).splitlines()[0]}")
@@ -135,20 +148,30 @@ class KVLink:
         while not self.closed and self.refused is None:
             try:
                 store = store or self._store()
-                self._connect(store)
-                self._serve() if self.rank == 0 else self._idle()
-            except Exception as e:  # noqa: BLE001 - log, wait, try again
-                if self.connected.is_set():
+                if self._connect(store):
+                    self._serve() if self.rank == 0 else self._heartbeat()
+            except Exception as e:  # noqa: BLE001 - say why once, wait, try again
+                if self.ready.is_set():
                     self._lost(e)
+                elif str(e) != self._last_error and not self.closed:
+                    log.warning("KV link (%s) not up yet: %s", self.cfg.kv_role, str(e).splitlines()[0])
+                self._last_error = str(e)
                 if self.rank == 1:
                     store = None  # the producer may have restarted: a new store
-                time.sleep(1.0)
+                    self._stop.wait(1.0)
+            old, self.pg = self.pg, None
+            if old is not None:  # its pending receives end here, before the next generation
+                try:
+                    old.abort()
+                except Exception:  # noqa: BLE001
+                    pass
 
     def _store(self):
         return dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, self.rank == 0,
                              timeout=datetime.timedelta(seconds=self.cfg.kv_timeout_s), wait_for_workers=False)
 
-    def _connect(self, store) -> None:
+    def _connect(self, store) -> bool:
+        """Build this generation's group and shake hands; False when no consumer came."""
         if self.rank == 0:
             self.generation += 1
             store.set("generation", str(self.generation))
@@ -156,31 +179,48 @@ class KVLink:
             self.generation = int(store.get("generation"))
         self._late = []
         prefix = dist.PrefixStore(f"kv-link-{self.generation}", store)
-        # the producer waits for a consumer as long as it takes; a consumer gives up after kv_timeout_s
-        self.pg = dist.ProcessGroupGloo(prefix, self.rank, 2, IDLE if self.rank == 0 else self.timeout)
-        self.connected.set()
+        wait = datetime.timedelta(seconds=JOIN_S if self.rank == 0 else self.cfg.kv_timeout_s)
+        try:
+            pg = dist.ProcessGroupGloo(prefix, self.rank, 2, wait)
+        except RuntimeError:
+            if self.rank == 0:
+                return False  # nobody joined: the next generation
+            raise
         if self.rank == 1:  # the handshake: the same pages on both ends, or no link
-            self.send(REQUEST_TAG, {"op": "hello", "fingerprint": self.fingerprint})
-            meta, _ = self.recv(1)
+            self._send_parts(HELLO_TAG, self._message({"op": "hello", "fingerprint": self.fingerprint}), pg)
+            meta, _ = self.recv(HELLO_TAG, pg=pg)
             if not meta.get("ok"):
                 self.refused = ("the prefill instance's KV pages differ from this instance's (model, weights, dtypes, "
                                 "block size or scales): no KV is transferred")
-                self.connected.clear()
                 log.error("KV link refused: %s", self.refused)
+                return False
+        else:
+            meta, _ = self.recv(HELLO_TAG, datetime.timedelta(seconds=SILENT_S), pg=pg)
+            ok = meta.get("op") == "hello" and meta.get("fingerprint") == self.fingerprint
+            self._send_parts(HELLO_TAG, self._message({"ok": ok}), pg)
+            if not ok:
+                log.error("KV link: a consumer with other KV pages connected; refused")
+                return False
+        self.pg = pg
+        self.ready.set()
+        log.info("KV link up (generation %d)", self.generation)
+        return True
+
+    @staticmethod
+    def _message(meta: dict) -> list[torch.Tensor]:
+        body = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+        return [torch.tensor([body.numel(), 0], dtype=torch.int64), body]
 
     def _serve(self) -> None:
-        """Producer: answer requests until the link fails."""
-        while self.connected.is_set() and not self.closed:
-            meta, _ = self.recv(REQUEST_TAG, IDLE)
-            if meta.get("op") == "hello":
-                ok = meta.get("fingerprint") == self.fingerprint
-                if not ok:
-                    log.error("KV link: a consumer with other KV pages connected; refused")
-                self.send(1, {"ok": ok})
-            elif self.on_request is not None:
+        """Producer: answer requests until the link fails or the consumer falls silent."""
+        silent = datetime.timedelta(seconds=SILENT_S)
+        while self.ready.is_set() and not self.closed:
+            meta, _ = self.recv(REQUEST_TAG, silent)
+            if meta.get("op") != "ping" and self.on_request is not None:
                 self.on_request(self, meta)
 
-    def _idle(self) -> None:
-        """Consumer: the engine thread uses the link; wait here until it fails."""
-        while self.connected.is_set() and not self.closed:
-            time.sleep(0.2)
+    def _heartbeat(self) -> None:
+        """Consumer: the engine thread pulls over the link; this thread says it is alive."""
+        while self.ready.is_set() and not self.closed:
+            self.send(REQUEST_TAG, {"op": "ping"})
+            self._stop.wait(PING_S)

@@ -30,9 +30,13 @@ class PageLayout:
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
 
     def _views(self, n: int, buf: torch.Tensor):
+        """Each page tensor beside its part of ``buf``, both of one dtype: one-byte dtypes
+        (int8, fp8) as bytes, since CPU index_copy_ has no fp8 kernel."""
         off = 0
         for t in self.tensors:
             size = n * t[0].numel() * t.element_size()
+            if t.element_size() == 1:
+                t = t.view(torch.uint8)
             yield t, buf[off:off + size].view(t.dtype).view(n, *t.shape[1:])
             off += size
 

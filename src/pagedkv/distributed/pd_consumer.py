@@ -46,7 +46,7 @@ class ConsumerScheduler(KVConnectorScheduler):
         if self._params(request) is None or request.request_id in self.offered:
             return 0
         self.local[request.request_id] = num_computed_tokens
-        return max(0, request.num_prompt_tokens - num_computed_tokens) if self.link.connected.is_set() else 0
+        return max(0, request.num_prompt_tokens - num_computed_tokens) if self.link.ready.is_set() else 0
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
         p, rid = self._params(request), request.request_id
@@ -62,6 +62,12 @@ class ConsumerScheduler(KVConnectorScheduler):
         self.pulls[rid] = {"transfer_id": str(p["transfer_id"]), "first_block": first, "num_blocks": last - first,
                            "num_tokens": end, "tokens_hash": tokens_hash(request.all_token_ids[:end]),
                            "dst": list(block_ids[0][first:last])}
+
+    def reject(self, params: dict | None) -> None:
+        """A request this instance refused at once (it never reaches the scheduler): let the
+        producer free its lease now, not when it runs out."""
+        if params and params.get("do_remote_prefill") and params.get("transfer_id"):
+            self.releases.append(str(params["transfer_id"]))
 
     def request_finished(self, request, block_ids) -> bool:
         p = self._params(request)
@@ -94,18 +100,23 @@ class ConsumerWorker(KVConnectorWorker):
         self.metadata, self.errors = metadata, set()
 
     def start_load_kv(self, storage) -> None:
+        """This step's pulls, then one release per transfer (several choices of one prompt
+        pull the same lease in the same step before it is released)."""
         meta = self.metadata or {}
+        done = list(meta.get("releases", ()))
         for pull in meta.get("pulls", ()):
             try:
                 self._pull(storage, pull)
-            except (LinkError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - a failed pull fails its pages, never the step
                 self.errors.update(pull["dst"])
                 self.num_failed_pulls += 1
+                if not isinstance(e, (LinkError, ValueError)):
+                    log.exception("KV pull of %s failed", pull["req_id"])
                 log.warning("KV pull of %s failed (%s): the prompt is computed here" if
                             self.cfg.kv_load_failure_policy == "recompute" else "KV pull of %s failed (%s)",
                             pull["req_id"], e)
-            self._release(pull["transfer_id"])
-        for tid in meta.get("releases", ()):
+            done.append(pull["transfer_id"])
+        for tid in dict.fromkeys(done):
             self._release(tid)
 
     def _pull(self, storage, pull: dict) -> None:

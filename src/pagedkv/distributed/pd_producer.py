@@ -82,12 +82,16 @@ class LeaseTable:
 
 
 class ProducerScheduler(KVConnectorScheduler):
-    def __init__(self, leases: LeaseTable) -> None:
-        self.leases = leases
+    def __init__(self, leases: LeaseTable, link: KVLink) -> None:
+        self.leases, self.link = leases, link
 
     def request_finished(self, request, block_ids) -> bool:
+        """Keep the pages of a finished prefill leg under a lease, when a consumer is linked
+        (no consumer: nothing could pull them; it computes the prompt itself)."""
         p = request.sampling_params.kv_transfer_params or {}
         if not p.get("do_remote_decode") or request.finish_reason == "abort" or not request.num_computed_tokens:
+            return False
+        if not self.link.ready.is_set():
             return False
         n = request.num_computed_tokens
         lease = Lease(request.request_id, list(block_ids[0]), list(request.all_token_ids[:n]),
@@ -101,10 +105,11 @@ class ProducerScheduler(KVConnectorScheduler):
 class ProducerWorker(KVConnectorWorker):
     """Answers the consumer's pulls (in the link's thread) and reports ended leases."""
 
-    def __init__(self, cfg: KVTransferConfig, leases: LeaseTable, storage, fingerprint: str) -> None:
-        self.cfg, self.leases, self.storage = cfg, leases, storage
+    def __init__(self, cfg: KVTransferConfig, leases: LeaseTable, storage, fingerprint: str,
+                 block_size: int) -> None:
+        self.cfg, self.leases, self.storage, self.block_size = cfg, leases, storage, block_size
         self.layout, self.buf = PageLayout(storage), None
-        self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all).start()
+        self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all)
         self.metadata = None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -162,18 +167,22 @@ class ProducerWorker(KVConnectorWorker):
             link.send_raw(seq, torch.tensor([crc], dtype=torch.int64))
             link.send_raw(seq, data)
 
-    @staticmethod
-    def _check(lease: Lease | None, meta: dict, first: int, count: int) -> str:
+    def _check(self, lease: Lease | None, meta: dict, first: int, count: int) -> str:
+        """Serve only blocks of the tokens the consumer proved it holds (their hash)."""
         if lease is None:
             return "unknown"  # released, expired, or never here
-        end = int(meta["num_tokens"])
-        if first < 0 or count < 1 or end > len(lease.token_ids) or first + count > len(lease.block_ids):
+        end, bs = int(meta["num_tokens"]), self.block_size
+        if first < 0 or count < 1 or end > len(lease.token_ids) or first + count > min(len(lease.block_ids),
+                                                                                      -(-end // bs)):
             return "out of range"
         if tokens_hash(lease.token_ids[:end]) != meta.get("tokens_hash"):
             return "prompt mismatch"
         return "ok"
 
 
-def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str) -> KVConnector:
+def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str, block_size: int) -> KVConnector:
     leases = LeaseTable(cfg.kv_lease_s)
-    return KVConnector(ProducerScheduler(leases), ProducerWorker(cfg, leases, storage, fingerprint))
+    worker = ProducerWorker(cfg, leases, storage, fingerprint, block_size)
+    scheduler = ProducerScheduler(leases, worker.link)
+    worker.link.start()
+    return KVConnector(scheduler, worker)

@@ -48,6 +48,7 @@ def worker_main(config: EngineConfig, rank: int, world: int, init_method: str, e
     one line if it fails. Never returns normally: exits 0 when told to stop, else 1."""
     share_threads(world)
     try:
+        errors.send("joining")
         serve_steps(config, TPGroup(rank, world, init_method, config.distributed_timeout))
     except BaseException as e:  # noqa: BLE001 - reported, then this rank leaves
         traceback.print_exc(file=sys.stderr)

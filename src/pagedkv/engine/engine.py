@@ -158,12 +158,21 @@ class LLMEngine:
             max_tokens = self._resolve_max_tokens(len(ids), params)
         except ValueError:
             self.num_rejected += 1
+            self._reject_transfer(params)
             raise
         req = Request(rid, ids, params, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
                       priority=priority)
         self.core.add_request(req)
         self._texts[rid] = TextRequest(rid, text, ids, params, req.arrival_time, self.tokenizer)
         return req
+
+    def _reject_transfer(self, params) -> None:
+        """A refused decode leg (disaggregated prefill/decode): the producer frees its lease
+        now (a step that computes nothing carries the release)."""
+        reject = getattr(self.scheduler.connector, "reject", None)
+        if reject is not None and isinstance(params, SamplingParams):
+            reject(params.kv_transfer_params)
+            self.core.connector_step()
 
     def _new_id(self) -> str:
         """``req-N`` for the next N not in use (a caller may have used such an id itself)."""

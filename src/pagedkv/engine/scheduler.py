@@ -331,6 +331,7 @@ class Scheduler:
         if not bad:
             return False
         req.num_computed_tokens = min(req.num_computed_tokens, min(bad) * self.kv.block_size)
+        req.num_cached_tokens = min(req.num_cached_tokens, req.num_computed_tokens)  # what was not loaded is computed
         self.num_kv_load_failures += 1
         return True
 

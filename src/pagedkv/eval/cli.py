@@ -182,6 +182,9 @@ def run_attn_error(a) -> int:
     from pagedkv.eval.ppl import windows
     from pagedkv.eval.settings import KVSetting, parse_settings
 
+    if getattr(a, "tensor_parallel_size", 1) > 1:
+        raise ValueError("eval attn-error runs the model's layers itself, in this process: it does not take "
+                         "--tensor-parallel-size")
     settings = parse_settings(a.kv_cache_dtype, a.kv_cache_scale)
     llm = _llm(a, KVSetting("float32"), max_model_len=a.window + 1)
     wins = windows(_text_ids(a, llm.get_tokenizer()), a.num_tokens, a.window)

@@ -234,4 +234,7 @@ def for_engine(cfg: ModelConfig) -> ModelConfig:
         raise ValueError(f"unsupported architecture {arch!r}; pagedkv runs {SUPPORTED_ARCHITECTURES}")
     if cfg.hidden_act not in ENGINE_ACTIVATIONS:
         raise ValueError(f"unsupported MLP activation {cfg.hidden_act!r}; pagedkv runs {ENGINE_ACTIVATIONS}")
+    if cfg.attention_bias or cfg.mlp_bias:  # (q/k/v biases, Qwen2's, are run)
+        raise ValueError("this model has biases on its attention output projection or MLP (attention_bias / "
+                         "mlp_bias): the engine does not apply them yet, so it refuses the model")
     return replace(cfg, architecture=arch, max_position_embeddings=cfg.max_position_embeddings or ENGINE_MAX_POSITIONS)

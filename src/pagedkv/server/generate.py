@@ -63,9 +63,9 @@ async def start(loop: EngineLoop, req: GenerateRequest, prompts: list[dict], mod
     """Add the engine requests. Raises APIError 400 (never fits) or 503 (engine down)."""
     rid = f"{'chatcmpl' if isinstance(req, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex}"
     new = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         for j in range(req.n):
-            params = req.params
+            params = _transfer_params(req.params, i, len(prompts))
             if params.max_tokens is None:  # chat without max_tokens; completions default to 16
                 params = replace(params, max_tokens=default_max_tokens(len(p["prompt_token_ids"])))
             if req.n > 1 and params.seed is not None:
@@ -84,6 +84,16 @@ async def start(loop: EngineLoop, req: GenerateRequest, prompts: list[dict], mod
         loop.abort([r.request_id for r in new])  # cancelled while adding: the add may still land
         raise
     return Job(rid, int(time.time()), model, req, [r.request_id for r in new], sink, token_text)
+
+
+def _transfer_params(params, prompt_index: int, num_prompts: int):
+    """With several prompts in one body, prompt ``i``'s KV transfer gets its own id
+    (``T.i``: the producer's and the consumer's servers derive the same); the ``n`` choices
+    of one prompt share it (the consumer pulls it once per step for all of them)."""
+    kv = params.kv_transfer_params
+    if not kv or not kv.get("transfer_id") or num_prompts == 1:
+        return params
+    return replace(params, kv_transfer_params={**kv, "transfer_id": f"{kv['transfer_id']}.{prompt_index}"})
 
 
 # ---- non-streaming -------------------------------------------------------------------

@@ -19,6 +19,7 @@ instance's. The ``Authorization`` header is passed on to both.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -36,18 +37,34 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
                         status_code=status)
 
 
+async def until_disconnect(request: Request, leg):
+    """Await ``leg`` (a coroutine) unless the client disconnects first: then cancel it (its
+    connection closes, which aborts the request upstream) and return None. A non-streamed
+    leg sends nothing until it is done, so nothing else would notice the client leaving."""
+    task = asyncio.ensure_future(leg)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return None
+
+
 def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> FastAPI:
     """The proxy app over the two instances' base URLs (``http://host:port``)."""
     app = FastAPI(title="pagedkv proxy")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),  # as many legs as clients
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
 
     def headers(request: Request) -> dict:
         auth = request.headers.get("authorization")
         return {"authorization": auth} if auth else {}
 
-    async def prefill_leg(path: str, body: dict, hdrs: dict, transfer_id: str) -> Response | None:
-        """The producer's answer when the client must see it (a 4xx), else None."""
+    async def prefill_leg(path: str, body: dict, hdrs: dict, transfer_id: str) -> Response | bool:
+        """The producer's answer when the client must see it (a 4xx), else whether the prompt's
+        KV waits there for the decode leg."""
         leg = {**body, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True,
                                                                       "transfer_id": transfer_id}}
         leg.pop("stream_options", None)
@@ -58,12 +75,12 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
             r = await client.post(prefill_url + path, json=leg, headers=hdrs)
         except httpx.HTTPError as e:
             log.warning("prefill instance unreachable (%s): the decode instance computes the prompt", type(e).__name__)
-            return None
+            return False
         if 400 <= r.status_code < 500:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         if r.status_code != 200:
             log.warning("prefill instance answered %d: the decode instance computes the prompt", r.status_code)
-        return None
+        return r.status_code == 200
 
     async def forward(path: str, request: Request) -> Response:
         try:
@@ -73,15 +90,19 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_json")
         hdrs, transfer_id = headers(request), uuid.uuid4().hex
-        refused = await prefill_leg(path, body, hdrs, transfer_id)
-        if refused is not None:
-            return refused
-        leg = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
+        prefilled = await prefill_leg(path, body, hdrs, transfer_id)
+        if isinstance(prefilled, Response):
+            return prefilled
+        leg = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        if prefilled:  # else the decode instance computes the prompt: no transfer to wait for
+            leg["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": transfer_id}
         try:
-            upstream = await client.send(client.build_request("POST", decode_url + path, json=leg, headers=hdrs),
-                                         stream=True)
+            upstream = await until_disconnect(request, client.send(
+                client.build_request("POST", decode_url + path, json=leg, headers=hdrs), stream=True))
         except httpx.HTTPError as e:
             return _error(502, f"the decode instance is unavailable ({type(e).__name__})", "decode_unavailable")
+        if upstream is None:  # the client left before the decode leg answered: closing it aborts the request
+            return Response(status_code=499)
         if upstream.status_code >= 500:
             await upstream.aclose()
             return _error(502, f"the decode instance failed (HTTP {upstream.status_code})", "decode_failed")
@@ -148,11 +169,19 @@ def _run(args) -> int:
     from pagedkv.server.http_limits import HTTPLimits
 
     for name in ("prefill", "decode"):
-        if not getattr(args, name).startswith(("http://", "https://")):
-            raise ValueError(f"--{name} must be a URL such as http://127.0.0.1:8100, got {getattr(args, name)!r}")
+        url = getattr(args, name)
+        try:
+            host = httpx.URL(url).host if url.startswith(("http://", "https://")) else ""
+        except httpx.InvalidURL:
+            host = ""
+        if not host:
+            raise ValueError(f"--{name} must be a URL such as http://127.0.0.1:8100, got {url!r}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
-    sock = bind_socket(args.host, args.port)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        raise ValueError(str(e)) from None
     uvicorn_server(build_proxy(args.prefill, args.decode, args.timeout), 5.0, HTTPLimits(),
                    log_level="warning").run(sockets=[sock])
     return 0
