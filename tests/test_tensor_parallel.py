@@ -215,7 +215,7 @@ def test_the_timeout_flag_and_one_engine_per_process(uneven_dir):
     p = OneLineErrorParser()
     add_engine_args(p)
     assert p.parse_args(["--distributed-timeout", "2.5"]).distributed_timeout == 2.5
-    with LLM(model=str(uneven_dir), num_blocks=16, tensor_parallel_size=2, distributed_timeout=2.5):
+    with LLM(model=str(uneven_dir), num_blocks=16, tensor_parallel_size=2, distributed_timeout=20.0):
         with pytest.raises(ValueError, match="one tensor-parallel engine per process"):
             LLM(model=str(uneven_dir), num_blocks=16, tensor_parallel_size=2)
 

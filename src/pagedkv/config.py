@@ -146,13 +146,14 @@ class EngineConfig:
             (:mod:`pagedkv.distributed`). Not yet with a draft model, snapkv/h2o eviction or
             a KV tier.
         distributed_timeout: seconds a tensor-parallel collective may wait before the engine
-            fails the step and stops (a dead rank is noticed at once; a hung one within this).
+            fails the step and stops (a dead rank is noticed at once; a hung one within this;
+            loading the ranks may take ten times this).
         kv_transfer_config: disaggregated prefill/decode, as vLLM's flag: a dict or JSON text
             such as ``{"kv_connector": "TorchDistConnector", "kv_role": "kv_producer",
-            "kv_ip": "127.0.0.1", "kv_port": 14579}`` (the consumer: ``kv_consumer``), also
-            ``kv_lease_s``, ``kv_timeout_s``, ``kv_load_failure_policy`` recompute|fail
-            (:mod:`pagedkv.distributed.kv_transfer_config`; default: off). Put ``pagedkv
-            proxy`` in front of the two servers.
+            "kv_ip": "127.0.0.1", "kv_port": 14579}`` (the consumer: ``kv_consumer``; kv_ip:kv_port
+            is where the consumer finds the producer), also ``kv_lease_s`` and ``kv_timeout_s``
+            (seconds) and ``kv_load_failure_policy`` recompute|fail (default: off). Put ``pagedkv
+            proxy`` in front of the two servers; README, "Disaggregated prefill and decode".
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """

@@ -44,8 +44,9 @@ class LinkError(RuntimeError):
 class KVLink:
     """One end of the link; ``start()`` connects in a daemon thread (and reconnects)."""
 
-    def __init__(self, cfg: KVTransferConfig, fingerprint: str, on_request=None, on_lost=None) -> None:
-        self.cfg, self.fingerprint = cfg, fingerprint
+    def __init__(self, cfg: KVTransferConfig, fingerprint: str, on_request=None, on_lost=None,
+                 layout: dict | None = None) -> None:
+        self.cfg, self.fingerprint, self.layout = cfg, fingerprint, layout or {}
         self.rank = 0 if cfg.is_producer else 1
         self.timeout = datetime.timedelta(seconds=cfg.kv_timeout_s)
         self.on_request, self.on_lost = on_request, on_lost  # producer: handle a request; both: the peer is gone
@@ -61,6 +62,15 @@ class KVLink:
         self._last_error = ""
 
     def start(self) -> "KVLink":
+        """Start the background thread; a producer first opens its store, so a port in use
+        fails here (ValueError), not silently later."""
+        self._store_obj = None
+        if self.rank == 0:
+            try:
+                self._store_obj = self._store()
+            except Exception as e:  # noqa: BLE001 - torch raises several kinds
+                raise ValueError(f"kv_transfer_config: cannot listen on kv_port {self.cfg.kv_port}: "
+                                 f"{str(e).splitlines()[0]}") from None
         self._thread = threading.Thread(target=self._run, name=f"pagedkv-kv-link-{self.cfg.kv_role}", daemon=True)
         self._thread.start()
         return self
@@ -144,7 +154,7 @@ class KVLink:
 
     # ---- connecting ---------------------------------------------------------------------
     def _run(self) -> None:
-        store = None
+        store = self._store_obj
         while not self.closed and self.refused is None:
             try:
                 store = store or self._store()
@@ -187,23 +197,28 @@ class KVLink:
                 return False  # nobody joined: the next generation
             raise
         if self.rank == 1:  # the handshake: the same pages on both ends, or no link
-            self._send_parts(HELLO_TAG, self._message({"op": "hello", "fingerprint": self.fingerprint}), pg)
+            self._send_parts(HELLO_TAG, self._message({"op": "hello", "fingerprint": self.fingerprint,
+                                                       "layout": self.layout}), pg)
             meta, _ = self.recv(HELLO_TAG, pg=pg)
             if not meta.get("ok"):
-                self.refused = ("the prefill instance's KV pages differ from this instance's (model, weights, dtypes, "
-                                "block size or scales): no KV is transferred")
+                self.refused = ("the prefill instance's KV pages differ from this instance's ("
+                                + (", ".join(meta.get("differ") or []) or "static scales") + "): no KV is transferred")
                 log.error("KV link refused: %s", self.refused)
                 return False
         else:
             meta, _ = self.recv(HELLO_TAG, datetime.timedelta(seconds=SILENT_S), pg=pg)
             ok = meta.get("op") == "hello" and meta.get("fingerprint") == self.fingerprint
-            self._send_parts(HELLO_TAG, self._message({"ok": ok}), pg)
+            theirs = meta.get("layout") or {}
+            differ = sorted(k for k in set(theirs) | set(self.layout) if theirs.get(k) != self.layout.get(k))
+            self._send_parts(HELLO_TAG, self._message({"ok": ok, "differ": differ}), pg)
             if not ok:
-                log.error("KV link: a consumer with other KV pages connected; refused")
+                log.error("KV link: a consumer with other KV pages connected (%s); refused",
+                          ", ".join(differ) or "static scales")
                 return False
         self.pg = pg
         self.ready.set()
-        log.info("KV link up (generation %d)", self.generation)
+        log.warning("KV link up: %s (generation %d)", "consumer connected" if self.rank == 0 else
+                    f"linked to the prefill instance at {self.cfg.kv_ip}:{self.cfg.kv_port}", self.generation)
         return True
 
     @staticmethod

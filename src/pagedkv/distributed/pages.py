@@ -99,3 +99,10 @@ def fingerprint(storage, keys: tuple) -> str:
             if s.dim() < 3:
                 static.update(s.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return hashlib.sha256(repr((keys, shapes, static.hexdigest())).encode()).hexdigest()[:32]
+
+
+def layout_summary(storage, keys: tuple) -> dict:
+    """The fingerprint's parts by name (what a refused handshake names as differing)."""
+    out = {k: str(v) for k, v in keys}
+    out["page_tensors"] = repr([(tuple(t.shape[1:]), str(t.dtype)) for t in _tensors(storage)])
+    return out

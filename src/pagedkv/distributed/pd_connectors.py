@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
-from pagedkv.distributed.pages import fingerprint
+from pagedkv.distributed.pages import fingerprint, layout_summary
 from pagedkv.distributed.pd_consumer import consumer_connector
 from pagedkv.distributed.pd_producer import producer_connector
 from pagedkv.kv.connector import KVConnector
@@ -21,7 +21,7 @@ def transfer_connector(cfg: KVTransferConfig, parts, given: KVConnector | None) 
     if len(parts.kv.kv_groups) != 1:
         raise ValueError("kv_transfer_config needs every layer in one KV cache group (this model mixes window and "
                          "full-attention layers)")
-    fp = fingerprint(parts.storage, parts.kv.extra_keys)
+    fp, layout = fingerprint(parts.storage, parts.kv.extra_keys), layout_summary(parts.storage, parts.kv.extra_keys)
     if cfg.is_producer:
-        return producer_connector(cfg, parts.storage, fp, parts.kv.block_size)
-    return consumer_connector(cfg, parts.kv.block_size, fp)
+        return producer_connector(cfg, parts.storage, fp, parts.kv.block_size, layout)
+    return consumer_connector(cfg, parts.kv.block_size, fp, layout)

@@ -162,6 +162,7 @@ class ConsumerWorker(KVConnectorWorker):
         self.link.close()
 
 
-def consumer_connector(cfg: KVTransferConfig, block_size: int, fingerprint: str) -> KVConnector:
-    link = KVLink(cfg, fingerprint).start()
+def consumer_connector(cfg: KVTransferConfig, block_size: int, fingerprint: str,
+                       layout: dict | None = None) -> KVConnector:
+    link = KVLink(cfg, fingerprint, layout=layout).start()
     return KVConnector(ConsumerScheduler(cfg, block_size, link), ConsumerWorker(cfg, link))

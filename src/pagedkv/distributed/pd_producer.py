@@ -106,10 +106,10 @@ class ProducerWorker(KVConnectorWorker):
     """Answers the consumer's pulls (in the link's thread) and reports ended leases."""
 
     def __init__(self, cfg: KVTransferConfig, leases: LeaseTable, storage, fingerprint: str,
-                 block_size: int) -> None:
+                 block_size: int, layout: dict | None = None) -> None:
         self.cfg, self.leases, self.storage, self.block_size = cfg, leases, storage, block_size
         self.layout, self.buf = PageLayout(storage), None
-        self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all)
+        self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all, layout=layout)
         self.metadata = None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -180,9 +180,10 @@ class ProducerWorker(KVConnectorWorker):
         return "ok"
 
 
-def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str, block_size: int) -> KVConnector:
+def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str, block_size: int,
+                       layout: dict | None = None) -> KVConnector:
     leases = LeaseTable(cfg.kv_lease_s)
-    worker = ProducerWorker(cfg, leases, storage, fingerprint, block_size)
+    worker = ProducerWorker(cfg, leases, storage, fingerprint, block_size, layout)
     scheduler = ProducerScheduler(leases, worker.link)
     worker.link.start()
     return KVConnector(scheduler, worker)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import warnings
 
 import torch
 
@@ -29,6 +30,7 @@ from pagedkv.engine.setup import EngineParts, build_parts, check_fits_in_ram, st
 from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.attention.dispatch import copy_pages
 from pagedkv.distributed.executor import TPExecutor
+from pagedkv.distributed.group import tp_env_rank
 from pagedkv.distributed.pd_connectors import transfer_connector
 from pagedkv.kv.connector import KVConnector
 from pagedkv.kv.cpu_offload import cpu_offload_connector
@@ -56,6 +58,10 @@ class LLMEngine:
         self.config = config or EngineConfig(**kwargs)
         if self.config.tensor_parallel_size > 1 and kv_connector is not None:
             raise ValueError("a kv_connector cannot be combined with tensor_parallel_size > 1 yet")
+        if self.config.tensor_parallel_size == 1 and tp_env_rank() is not None:
+            warnings.warn("pagedkv: torchrun started several ranks but tensor_parallel_size is 1: every rank runs "
+                          "an engine of its own (pass --tensor-parallel-size to split the model)", RuntimeWarning,
+                          stacklevel=2)
         tp = TPExecutor.start(self.config) if self.config.tensor_parallel_size > 1 else None
         try:
             self._build(kv_connector, tp)

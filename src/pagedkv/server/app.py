@@ -251,9 +251,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if server.loop.healthy:
+        reason = server.loop.unavailable_reason()
+        if reason is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -125,15 +125,21 @@ class EngineLoop:
     @property
     def healthy(self) -> bool:
         """The loop runs, no step failed, and the engine can step (its tensor-parallel ranks live)."""
-        if self._thread is None or not self._thread.is_alive() or self.error is not None:
-            return False
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
+        """Why the engine cannot serve (a failed step's error, a lost tensor-parallel rank), or None."""
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine is not running"
+        if self.error is not None:
+            return f"an engine step failed: {str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__}"
         check = getattr(self.engine, "check_health", None)  # (a stand-in engine may have none)
         try:
             if check is not None:
                 check()
-        except Exception:  # noqa: BLE001 - any reason: unhealthy
-            return False
-        return True
+        except Exception as e:  # noqa: BLE001 - any reason: unhealthy
+            return str(e).splitlines()[0] if str(e) else type(e).__name__
+        return None
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored). Never blocks."""
@@ -159,8 +165,9 @@ class EngineLoop:
                 are several); then none of them was added.
             EngineUnavailable: the loop is stopped or failed.
         """
-        if not self.healthy:
-            raise EngineUnavailable("the engine is not running")
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise EngineUnavailable(reason)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._cmds.put(_Add(requests, cache_salt, sink, loop, done))

@@ -165,6 +165,8 @@ def add_parser(subparsers):
 
 
 def _run(args) -> int:
+    import sys
+
     from pagedkv.server.cli import bind_socket, uvicorn_server
     from pagedkv.server.http_limits import HTTPLimits
 
@@ -182,6 +184,9 @@ def _run(args) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         raise ValueError(str(e)) from None
+    host, port = sock.getsockname()[:2]
+    print(f"pagedkv proxy on http://{host}:{port}: prefill {args.prefill}, decode {args.decode}", file=sys.stderr,
+          flush=True)
     uvicorn_server(build_proxy(args.prefill, args.decode, args.timeout), 5.0, HTTPLimits(),
                    log_level="warning").run(sockets=[sock])
     return 0
