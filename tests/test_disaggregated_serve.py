@@ -180,6 +180,9 @@ def test_choices_and_prompt_lists_each_get_their_transfer_and_a_leaving_client_a
         r = complete(proxy.url, prompt=[PROMPT, PROMPT + " again"])
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
         assert decode.runner.connector.num_failed_pulls == 0 and decode.runner.connector.num_pulled_blocks >= 3
+        r = complete(proxy.url, prompt=[PROMPT * 20, PROMPT], max_tokens=400)  # the first is too long for the consumer
+        assert r.status_code == 400
+        assert wait_free(prefill, 2.5) < 2.5  # both prompts' leases released, not left to run out (3 s)
         body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 450, "ignore_eos": True}).encode()
         with socket.create_connection((proxy.host, proxy.port)) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -104,3 +104,9 @@ def test_engine_refuses_what_the_planner_reads(tmp_path):
 def test_bad_sizes_name_the_field(edit, match):
     with pytest.raises(ValueError, match=match):
         parse(BASE | edit, "m")
+
+
+def test_engine_refuses_biases_it_does_not_apply():
+    for extra in (dict(attention_bias=True), dict(mlp_bias=True)):
+        with pytest.raises(ValueError, match="attention_bias / mlp_bias"):
+            for_engine(parse(BASE | extra))

@@ -35,6 +35,7 @@ REQUEST_TAG, HELLO_TAG = 0, 1
 PING_S = 2.0     # the consumer's heartbeat
 SILENT_S = 10.0  # the producer drops a consumer it has not heard from for this long
 JOIN_S = 5.0     # the producer waits this long for a consumer per generation, then opens the next
+CONNECT_S = 3.0  # a consumer's attempt to reach the producer's store
 
 
 class LinkError(RuntimeError):
@@ -88,7 +89,7 @@ class KVLink:
             except Exception:  # noqa: BLE001 - closing anyway
                 pass
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(JOIN_S + self.cfg.kv_timeout_s + 1.0)
+            self._thread.join(JOIN_S + 1.0)  # (a consumer's store attempt takes at most CONNECT_S)
 
     # ---- messages ---------------------------------------------------------------------
     def send(self, tag: int, meta: dict, data: torch.Tensor | None = None) -> None:
@@ -177,8 +178,9 @@ class KVLink:
                     pass
 
     def _store(self):
+        wait = self.cfg.kv_timeout_s if self.rank == 0 else min(self.cfg.kv_timeout_s, CONNECT_S)
         return dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, self.rank == 0,
-                             timeout=datetime.timedelta(seconds=self.cfg.kv_timeout_s), wait_for_workers=False)
+                             timeout=datetime.timedelta(seconds=wait), wait_for_workers=False)
 
     def _connect(self, store) -> bool:
         """Build this generation's group and shake hands; False when no consumer came."""
@@ -189,7 +191,7 @@ class KVLink:
             self.generation = int(store.get("generation"))
         self._late = []
         prefix = dist.PrefixStore(f"kv-link-{self.generation}", store)
-        wait = datetime.timedelta(seconds=JOIN_S if self.rank == 0 else self.cfg.kv_timeout_s)
+        wait = datetime.timedelta(seconds=JOIN_S if self.rank == 0 else min(self.cfg.kv_timeout_s, JOIN_S))
         try:
             pg = dist.ProcessGroupGloo(prefix, self.rank, 2, wait)
         except RuntimeError:

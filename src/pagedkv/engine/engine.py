@@ -164,7 +164,7 @@ class LLMEngine:
             max_tokens = self._resolve_max_tokens(len(ids), params)
         except ValueError:
             self.num_rejected += 1
-            self._reject_transfer(params)
+            self.release_transfer(params)
             raise
         req = Request(rid, ids, params, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
                       priority=priority)
@@ -172,12 +172,14 @@ class LLMEngine:
         self._texts[rid] = TextRequest(rid, text, ids, params, req.arrival_time, self.tokenizer)
         return req
 
-    def _reject_transfer(self, params) -> None:
-        """A refused decode leg (disaggregated prefill/decode): the producer frees its lease
-        now (a step that computes nothing carries the release)."""
+    def release_transfer(self, params) -> None:
+        """A decode leg that will not run (refused, or not added with its batch): the producer
+        frees its lease now (a step that computes nothing carries the release). No-op
+        without a consumer connector or transfer."""
         reject = getattr(self.scheduler.connector, "reject", None)
-        if reject is not None and isinstance(params, SamplingParams):
-            reject(params.kv_transfer_params)
+        if reject is not None:
+            if isinstance(params, SamplingParams):
+                reject(params.kv_transfer_params)
             self.core.connector_step()
 
     def _new_id(self) -> str:

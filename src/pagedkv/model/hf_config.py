@@ -157,7 +157,7 @@ def parse(cfg: dict, name: str = "", source: str = "") -> ModelConfig:
         quant_method=quant.get("quant_method") if isinstance(quant, dict) else None,
         qkv_bias=mt in _QKV_BIAS or bool(cfg.get("bias")) or bool(cfg.get("attention_bias")) or _opt_bias(cfg, mt),
         attention_bias=bool(cfg.get("attention_bias")) or bool(cfg.get("bias")) or _opt_bias(cfg, mt),
-        mlp_bias=_opt_bias(cfg, mt), position_embeddings=_learned_positions(cfg, mt),
+        mlp_bias=_opt_bias(cfg, mt) or bool(cfg.get("mlp_bias")), position_embeddings=_learned_positions(cfg, mt),
         gated_mlp=mt not in _NON_GATED_MLP,
         norms_per_layer=2 if cfg.get("new_decoder_architecture") else _NORMS_PER_LAYER.get(mt, 2),
         norm_bias=mt in _NORM_BIAS, mla=_mla(cfg), moe=_moe(cfg, sizes["intermediate_size"]),

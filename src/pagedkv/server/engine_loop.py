@@ -227,6 +227,11 @@ class EngineLoop:
             for rid in added:
                 self.engine.abort_request(rid)
                 self._routes.pop(rid, None)
+            release = getattr(self.engine, "release_transfer", None)
+            if release is not None:  # never added, or aborted: their prefill legs' leases go now
+                for r in cmd.requests[len(added) + 1:]:
+                    release(r.params)
+                release(None)  # (a step that carries the aborted ones' releases too)
             if not isinstance(e, ValueError):
                 log.exception("add_request failed")
             return _resolve(cmd.loop, cmd.done, e)
