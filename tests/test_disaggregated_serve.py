@@ -5,7 +5,6 @@ the surviving instance's pages all free afterwards."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess

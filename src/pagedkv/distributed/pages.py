@@ -62,17 +62,6 @@ class PageLayout:
             t.index_copy_(0, idx, view)
 
 
-def read_pages(storage, page_ids: list[int]) -> torch.Tensor:
-    """The bytes of ``page_ids``, uint8 ``[len(page_ids) * page bytes]`` (a new tensor)."""
-    layout = PageLayout(storage)
-    return layout.read(page_ids, torch.empty(len(page_ids) * layout.page_bytes, dtype=torch.uint8))
-
-
-def write_pages(storage, page_ids: list[int], data: torch.Tensor) -> None:
-    """:meth:`PageLayout.write` on ``storage``."""
-    PageLayout(storage).write(page_ids, data)
-
-
 def staging(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
     """``buf`` if it holds ``nbytes``, else a new uint8 buffer of that size."""
     return buf if buf is not None and buf.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)

@@ -54,11 +54,6 @@ def partition(cfg: ModelConfig, rank: int, world: int) -> Partition:
     return Partition(rank, world, q, kv, mlp)
 
 
-def kv_heads_per_rank(cfg: ModelConfig, world: int) -> list[int]:
-    """KV heads each rank holds (its pages' heads)."""
-    return [b - a for _, (a, b) in head_spans(cfg.num_attention_heads, cfg.num_key_value_heads, world)]
-
-
 def local_config(cfg: ModelConfig, part: Partition) -> ModelConfig:
     """``cfg`` as one rank runs it: its heads and MLP width (head size and scale unchanged)."""
     return replace(cfg, num_attention_heads=part.q_heads[1] - part.q_heads[0],
