@@ -94,9 +94,7 @@ class KVLink:
     # ---- messages ---------------------------------------------------------------------
     def send(self, tag: int, meta: dict, data: torch.Tensor | None = None) -> None:
         """Send one message whole; waits at most ``kv_timeout_s`` per part for the peer to take it."""
-        body = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-        n = 0 if data is None else data.numel()
-        self._send_parts(tag, [torch.tensor([body.numel(), n], dtype=torch.int64), body] + ([data] if n else []))
+        self._send_parts(tag, self._message(meta, data))
 
     def send_raw(self, tag: int, *tensors: torch.Tensor) -> None:
         """Send tensors as they are, back to back (the receiver knows their sizes)."""
@@ -224,9 +222,11 @@ class KVLink:
         return True
 
     @staticmethod
-    def _message(meta: dict) -> list[torch.Tensor]:
+    def _message(meta: dict, data: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """A message's parts: header (JSON bytes, data bytes), JSON, then the data if any."""
         body = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-        return [torch.tensor([body.numel(), 0], dtype=torch.int64), body]
+        n = 0 if data is None else data.numel()
+        return [torch.tensor([body.numel(), n], dtype=torch.int64), body] + ([data] if n else [])
 
     def _serve(self) -> None:
         """Producer: answer requests until the link fails or the consumer falls silent."""
