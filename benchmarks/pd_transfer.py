@@ -3,15 +3,21 @@
 Measures, in one run:
 
 1. the loopback ceiling: a plain TCP socket from a child process to this one over
-   127.0.0.1, ``--loopback-mib`` MiB, median of 3 (what any transport here can reach);
+   127.0.0.1, ``--loopback-mib`` MiB (what any transport here can reach), measured three
+   times at the start, once before each prompt length and three times at the end: this
+   machine's rate moves by 2x within minutes, so each row is also set against the
+   measurement taken just before it;
 2. per prompt length, the decode side's pull of the prompt's pages from the prefill side
-   (request, page copy out, CRC-32, send over the gloo link, CRC check, page copy in),
-   ``--repeats`` prompts each, the median seconds and GB/s (1e9 bytes), and the planner's
-   figure for the same move: the prompt's paged KV bytes (``KVCacheSpec``, the arithmetic
-   ``pagedkv plan`` prints) over the loopback rate just measured.
+   (request, status, the pages sent from and received into the caches with an XXH3 check
+   per chunk), ``--repeats`` fresh prompts each, the median seconds and GB/s (1e9 bytes),
+   and the planner's figure for the same move: the prompt's paged KV bytes
+   (``KVCacheSpec``, the arithmetic ``pagedkv plan`` prints) over the loopback rate.
 
-Both engines live in this process (their link is still TCP over loopback, served by the
-producer's thread); on a 2-core machine they share the cores.
+The prefill engine runs in a child process (as its own `pagedkv serve` would), the decode
+engine in this one, each with ``--threads`` torch threads (default 1: on this 2-core
+machine each engine gets one core, as if on its own host). The decode side's pages are
+touched once before the timed pulls (a running instance's steady state); the first pull
+into untouched pages (the OS's page faults) is reported apart as ``cold_pull``.
 
     python benchmarks/pd_transfer.py --json benchmarks/results/pd_transfer.json
 """
@@ -72,45 +78,92 @@ def run(engine, prompt, params, rid):
                 return out
 
 
+def _producer(conn, kw: dict, cfg: dict, threads: int) -> None:
+    """The prefill instance, in its own process (as `pagedkv serve` would be): prefills each
+    prompt it is sent with max_tokens 1 and keeps its pages under a lease until pulled."""
+    import torch
+    torch.set_num_threads(threads)
+    prod = LLMEngine(**kw, kv_transfer_config={**cfg, "kv_role": "kv_producer"})
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        prompt, tid = job
+        run(prod, prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True,
+                                                                           "transfer_id": tid}), "p" + tid)
+        conn.send("prefilled")
+        while prod.has_unfinished_requests():  # until the consumer releases the lease
+            prod.step()
+    prod.close()
+
+
+def pull_once(cons, conn, n: int, tag: str) -> tuple[int, float]:
+    """Prefill a fresh n-token prompt there, decode it here; the pull's bytes and seconds."""
+    worker = cons.runner.connector
+    prompt = {"prompt_token_ids": [(7 * i + 13 * len(tag) + n + hash(tag)) % 40000 + 100 for i in range(n)]}
+    conn.send((prompt, tag))
+    assert conn.recv() == "prefilled"
+    b0, s0 = worker.pulled_bytes, worker.pull_seconds
+    run(cons, prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_prefill": True,
+                                                                       "transfer_id": tag}), "d" + tag)
+    return worker.pulled_bytes - b0, worker.pull_seconds - s0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--lengths", default="256,1024,2048")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--loopback-mib", type=int, default=1024)
     p.add_argument("--kv-port", type=int, default=14900)
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1: each "
+                   "engine gets one of this machine's cores, as if on its own host)")
     p.add_argument("--json")
     a = p.parse_args()
-    loop = statistics.median(loopback_gbps(a.loopback_mib) for _ in range(3))
+    import torch
+    torch.set_num_threads(a.threads)
+    loops = [loopback_gbps(a.loopback_mib) for _ in range(3)]
     cfg = {"kv_connector": "TorchDistConnector", "kv_port": a.kv_port, "kv_timeout_s": 60}
-    kw = dict(model=a.model, num_blocks=512, enable_prefix_caching=False)
-    prod = LLMEngine(**kw, kv_transfer_config={**cfg, "kv_role": "kv_producer"})
+    kw = dict(model=a.model, num_blocks=a.num_blocks, enable_prefix_caching=False)
+    conn, child_conn = mp.get_context("spawn").Pipe()
+    child = mp.get_context("spawn").Process(target=_producer, args=(child_conn, kw, cfg, a.threads))
+    child.start()
+    assert conn.recv() == "ready"
     cons = LLMEngine(**kw, kv_transfer_config={**cfg, "kv_role": "kv_consumer"})
     worker = cons.runner.connector
-    assert worker.link.ready.wait(60) and prod.runner.connector.link.ready.wait(60)
+    assert worker.link.ready.wait(60)
+    # First touch: the consumer's pages are allocated uninitialized, so a page's first write
+    # takes the OS's page faults. Measured once, then every page is touched (a running
+    # decode instance's steady state) before the timed pulls.
+    cold_bytes, cold_s = pull_once(cons, conn, max(map(int, a.lengths.split(","))), "cold")
+    storage = cons.runner.storage  # nothing cached (prefix caching off): zeroing loses nothing
+    for t in {id(t): t for layer in range(storage.num_layers) for t in storage.page_tensors(layer)}.values():
+        t.zero_()
     rows = []
     for n in map(int, a.lengths.split(",")):
+        beside = loopback_gbps(a.loopback_mib)
+        loops.append(beside)
         secs, gbps = [], []
         for r in range(a.repeats):
-            prompt, tid = {"prompt_token_ids": [(7 * i + 13 * r + n) % 40000 + 100 for i in range(n)]}, f"{n}-{r}"
-            run(prod, prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True,
-                                                                               "transfer_id": tid}), "p" + tid)
-            b0, s0 = worker.pulled_bytes, worker.pull_seconds
-            run(cons, prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_prefill": True,
-                                                                               "transfer_id": tid}), "d" + tid)
-            while prod.has_unfinished_requests():
-                prod.step()
-            nbytes, dt = worker.pulled_bytes - b0, worker.pull_seconds - s0
+            nbytes, dt = pull_once(cons, conn, n, f"{n}-{r}")
             secs.append(dt)
             gbps.append(nbytes / dt / 1e9)
-        bound = cons.parts.spec.paged_bytes_for_tokens(n - 1) / (loop * 1e9)
         rows.append({"prompt_tokens": n, "bytes": nbytes, "pull_seconds_median": statistics.median(secs),
-                     "gbps_median": statistics.median(gbps), "fraction_of_loopback": statistics.median(gbps) / loop,
-                     "planner_seconds_at_loopback": bound})
+                     "gbps_median": statistics.median(gbps), "loopback_gbps_beside": beside,
+                     "fraction_of_loopback_beside": statistics.median(gbps) / beside,
+                     "planner_bytes": cons.parts.spec.paged_bytes_for_tokens(n - 1)})
     assert worker.num_failed_pulls == 0
-    prod.close()
+    conn.send(None)
+    child.join(60)
     cons.close()
-    doc = {"cpu": cpu_name(), "model": a.model, "kv_dtype": "float32", "loopback_gbps_median": loop,
+    loops += [loopback_gbps(a.loopback_mib) for _ in range(3)]
+    loop = statistics.median(loops)
+    for row in rows:
+        row["fraction_of_loopback"] = row["gbps_median"] / loop
+        row["planner_seconds_at_loopback"] = row.pop("planner_bytes") / (loop * 1e9)
+    doc = {"cpu": cpu_name(), "model": a.model, "kv_dtype": "float32", "threads_per_engine": a.threads,
+           "loopback_gbps_median": loop,
+           "loopback_gbps_all": loops, "cold_pull": {"bytes": cold_bytes, "seconds": cold_s,
+                                                       "gbps": cold_bytes / cold_s / 1e9},
            "rows": rows, "command": "python benchmarks/pd_transfer.py " + " ".join(sys.argv[1:])}
     print(json.dumps(doc, indent=2))
     if a.json:

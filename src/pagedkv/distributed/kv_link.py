@@ -7,7 +7,9 @@ resolves to); the consumer (rank 1) connects to ``kv_ip:kv_port``, reads the sto
 *generation* and both build that generation's group. A message is a header (two int64: JSON
 bytes, data bytes), JSON, then raw data, all on one tag and sent whole under a lock: the
 consumer's requests on tag 0, each answer on the request's own sequence number, so an answer
-that comes too late is never taken for another's.
+that comes too late is never taken for another's. A pull's pages travel as raw tensors
+posted without waiting (:meth:`isend_raw`, :meth:`irecv_raw`, then :meth:`wait`; see
+:mod:`~pagedkv.distributed.pd_chunks`).
 
 The link is *ready* once the handshake has passed: peers whose pages would mean something
 else (:func:`~pagedkv.distributed.pages.fingerprint`) are refused. The consumer sends a
@@ -96,9 +98,49 @@ class KVLink:
         """Send one message whole; waits at most ``kv_timeout_s`` per part for the peer to take it."""
         self._send_parts(tag, self._message(meta, data))
 
-    def send_raw(self, tag: int, *tensors: torch.Tensor) -> None:
-        """Send tensors as they are, back to back (the receiver knows their sizes)."""
-        self._send_parts(tag, list(tensors))
+    def isend_raw(self, tag: int, *tensors: torch.Tensor) -> list:
+        """Post tensors for sending without waiting (the caller keeps them unchanged until
+        :meth:`wait` on the returned works): a transfer prepares its next chunk meanwhile."""
+        pg = self._pg()
+        with self._send_lock:
+            try:
+                return [pg.send([t], 1 - self.rank, tag) for t in tensors]
+            except RuntimeError as e:
+                raise self._lost(e) from None
+
+    def irecv_raw(self, tag: int, *tensors: torch.Tensor) -> list:
+        """Post receives of known sizes into ``tensors`` without waiting (see :meth:`wait`)."""
+        pg = self._pg()
+        try:
+            return [pg.recv([t], 1 - self.rank, tag) for t in tensors]
+        except RuntimeError as e:
+            raise self._lost(e) from None
+
+    def wait(self, works: list) -> None:
+        """Wait for posted sends or receives, each within ``kv_timeout_s``; on a failure the
+        rest are kept (see :meth:`abandon`)."""
+        for i, w in enumerate(works):
+            try:
+                self._wait(w, self.timeout)
+            except LinkError:
+                self.abandon(works[i + 1:])
+                raise
+
+    def reset(self, reason: str) -> None:
+        """Drop the link now (its group aborted, so no posted receive writes anything later);
+        the background thread builds the next generation."""
+        self._lost(RuntimeError(reason))
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - dropping it anyway
+                pass
+
+    def abandon(self, works: list) -> None:
+        """Posted works given up on: kept alive (their buffers may still be used) until the
+        group is rebuilt."""
+        self._late.extend(works)
 
     def _send_parts(self, tag: int, parts: list[torch.Tensor], pg=None) -> None:
         pg = pg or self._pg()
@@ -121,10 +163,6 @@ class KVLink:
             data = torch.empty(int(head[1]), dtype=torch.uint8)
             self._wait(pg.recv([data], 1 - self.rank, tag), timeout)
         return json.loads(body.numpy().tobytes()), data
-
-    def recv_raw(self, tag: int, t: torch.Tensor) -> None:
-        """Receive one tensor of a known size into ``t``, within ``kv_timeout_s``."""
-        self._wait(self._pg().recv([t], 1 - self.rank, tag), self.timeout)
 
     def _wait(self, work, timeout) -> None:
         try:

@@ -14,7 +14,8 @@ instance) connects there. Keys:
 - ``kv_load_failure_policy``: ``recompute`` (the consumer computes what it could not load:
   correct, slower) or ``fail`` (the request ends with an error naming why);
 - ``kv_fault_injection``: tests only: lets a request's ``kv_transfer_params["fault"]``
-  drop, delay, corrupt or duplicate its transfer.
+  drop, delay, corrupt, stall (send part of the pages, then nothing for longer than the
+  consumer waits) or duplicate its transfer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 KV_CONNECTORS = ("TorchDistConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-FAULTS = ("drop", "delay", "corrupt", "duplicate")
+FAULTS = ("drop", "delay", "corrupt", "stall", "duplicate")
 
 
 @dataclass(frozen=True)

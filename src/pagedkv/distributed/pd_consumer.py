@@ -4,7 +4,7 @@ A request whose ``kv_transfer_params`` say ``do_remote_prefill`` (with the proxy
 ``transfer_id``) is offered its prompt's KV beyond the local prefix hit: the scheduler
 allocates pages for it as for a hit, and before the step's forward the worker pulls the
 producer's pages for those blocks only (blocks this instance had cached are not sent),
-checks their CRC-32, writes them in, and releases the producer's lease. The last prompt
+checks their checksums, writes them in, and releases the producer's lease. The last prompt
 token is always computed here, so the first output token comes from this instance's own
 forward. A pull that fails (no link, an unknown or mismatched lease, a timeout, a bad
 checksum) marks the pages as failed: under ``recompute`` the scheduler computes those
@@ -22,7 +22,8 @@ import torch
 
 from pagedkv.distributed.kv_link import KVLink, LinkError, REQUEST_TAG
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
-from pagedkv.distributed.pages import PageLayout, checksum, staging, tokens_hash
+from pagedkv.distributed.pages import PageLayout, tokens_hash
+from pagedkv.distributed.pd_chunks import ChunkReceiver, plan_chunks
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 
 log = logging.getLogger("pagedkv.kv_transfer")
@@ -91,8 +92,8 @@ class ConsumerWorker(KVConnectorWorker):
     def __init__(self, cfg: KVTransferConfig, link: KVLink) -> None:
         self.cfg, self.link = cfg, link
         self.metadata, self.errors = None, set()
-        self.layout, self.buf = None, None  # the storage's page layout; the staging buffer, reused
-        self.seq = itertools.count(16)  # answer tags: 0 carries requests, 1 the handshake
+        self.rx: ChunkReceiver | None = None  # the storage's page layout and staging buffers, reused
+        self.seq = itertools.count(16, 2)  # answer tags (even; data on the next): 0 carries requests, 1 the handshake
         self.num_pulled_blocks = self.num_failed_pulls = 0
         self.pulled_bytes, self.pull_seconds = 0, 0.0
 
@@ -120,33 +121,28 @@ class ConsumerWorker(KVConnectorWorker):
             self._release(tid)
 
     def _pull(self, storage, pull: dict) -> None:
-        """Ask for the pages, then take each chunk: check its CRC-32 and store it (all chunks
-        are read even after a bad one, so the producer is never left waiting)."""
+        """Ask for the pages (in the order and chunks of :func:`plan_chunks`), post their
+        receives, then take the status and the chunks (each checked, then stored)."""
         t0, seq = time.perf_counter(), next(self.seq)
+        if self.rx is None or self.rx.layout.tensors[0].data_ptr() != storage.page_tensors(0)[0].data_ptr():
+            self.rx = ChunkReceiver(PageLayout(storage))
+        order, chunks = plan_chunks(pull["dst"], self.rx.layout)
         ask = {k: pull[k] for k in ("transfer_id", "first_block", "num_blocks", "num_tokens", "tokens_hash")}
-        self.link.send(REQUEST_TAG, {"op": "pull", "seq": seq, **ask})
-        meta, _ = self.link.recv(seq)
-        chunks = meta.get("chunks")
-        if meta.get("status") != "ok" or not isinstance(chunks, list) or sum(chunks) != len(pull["dst"]):
+        self.link.send(REQUEST_TAG, {"op": "pull", "seq": seq, **ask, "order": order, "chunks": chunks})
+        self.rx.post(self.link, seq, chunks, [pull["dst"][k] for k in order])
+        try:
+            meta, _ = self.link.recv(seq)
+        except LinkError as e:
+            self.rx.drop(f"no answer to a KV pull ({e})")  # an answer may still come, and its data
+            raise
+        if meta.get("status") != "ok":
+            self.rx.abandon()
             raise LinkError(f"the prefill instance has no such KV ({meta.get('status')}: released, expired, "
                             "or another prompt)")
-        if self.layout is None or self.layout.tensors[0] is not storage.page_tensors(0)[0]:
-            self.layout = PageLayout(storage)
-        dst, bad, crc = list(pull["dst"]), False, torch.zeros(1, dtype=torch.int64)
-        for n in chunks:
-            pages, dst = dst[:n], dst[n:]
-            self.buf = staging(self.buf, n * self.layout.page_bytes)
-            data = self.buf[:n * self.layout.page_bytes]
-            self.link.recv_raw(seq, crc)
-            self.link.recv_raw(seq, data)
-            if checksum(data) != int(crc[0]):
-                bad = True
-            elif not bad:
-                self.layout.write(pages, data)
-        if bad:
+        if self.rx.take():
             raise LinkError("the transferred KV failed its checksum")
         self.num_pulled_blocks += len(pull["dst"])
-        self.pulled_bytes += len(pull["dst"]) * self.layout.page_bytes
+        self.pulled_bytes += len(pull["dst"]) * self.rx.layout.page_bytes
         self.pull_seconds += time.perf_counter() - t0
 
     def _release(self, transfer_id: str) -> None:

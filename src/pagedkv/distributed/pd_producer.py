@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from pagedkv.distributed.kv_link import KVLink, LinkError
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
-from pagedkv.distributed.pages import PageLayout, checksum, staging, tokens_hash
+from pagedkv.distributed.pages import PageLayout, tokens_hash
+from pagedkv.distributed.pd_chunks import ChunkSender, valid_plan
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 
-CHUNK_PAGES = 16  # pages per message: the consumer stores one chunk while the next is read
 IDLE_WAIT_S = 0.05  # an idle engine step waits this long for a lease to end (no busy loop)
 
 
@@ -108,7 +108,7 @@ class ProducerWorker(KVConnectorWorker):
     def __init__(self, cfg: KVTransferConfig, leases: LeaseTable, storage, fingerprint: str,
                  block_size: int, layout: dict | None = None) -> None:
         self.cfg, self.leases, self.storage, self.block_size = cfg, leases, storage, block_size
-        self.layout, self.buf = PageLayout(storage), None
+        self.sender = ChunkSender(PageLayout(storage))
         self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all, layout=layout)
         self.metadata = None
 
@@ -127,16 +127,16 @@ class ProducerWorker(KVConnectorWorker):
             self._pull(link, meta)
 
     def _pull(self, link: KVLink, meta: dict) -> None:
-        """Answer a pull: a header naming the chunks, then each chunk's CRC-32 and bytes (the
-        consumer checks and stores one while the next is read here). The lease is marked busy
-        meanwhile, so it cannot end under the copy."""
+        """Answer a pull: its status, then (``ok``) the pages in the consumer's order and
+        chunks (:mod:`~pagedkv.distributed.pd_chunks`). The lease is marked busy meanwhile,
+        so it cannot end under the send."""
         tid, seq = str(meta.get("transfer_id")), int(meta["seq"])
         first, count = int(meta["first_block"]), int(meta["num_blocks"])
         with self.leases.lock:
             lease = self.leases.leases.get(tid)
             fault = lease.fault if lease is not None and self.cfg.kv_fault_injection else None
             status = self._check(lease, meta, first, count)
-            if status == "ok" and fault in (None, "corrupt"):
+            if status == "ok" and fault in (None, "corrupt", "stall"):
                 lease.busy = True
         try:
             if fault == "drop":
@@ -147,25 +147,15 @@ class ProducerWorker(KVConnectorWorker):
             if status != "ok":
                 link.send(seq, {"status": status})
                 return
-            self._send_pages(link, seq, lease.block_ids[first:first + count], fault == "corrupt")
+            link.send(seq, {"status": "ok"})
+            src = [lease.block_ids[first + k] for k in meta["order"]]
+            self.sender.send(link, seq, src, meta["chunks"], fault)
         except LinkError:
             pass  # the consumer is gone: the lost link ends every lease
         finally:
             with self.leases.lock:
                 if lease is not None:
                     lease.busy = False
-
-    def _send_pages(self, link: KVLink, seq: int, block_ids: list[int], corrupt: bool) -> None:
-        chunks = [block_ids[i:i + CHUNK_PAGES] for i in range(0, len(block_ids), CHUNK_PAGES)]
-        link.send(seq, {"status": "ok", "chunks": [len(c) for c in chunks]})
-        for chunk in chunks:
-            self.buf = staging(self.buf, len(chunk) * self.layout.page_bytes)
-            data = self.layout.read(chunk, self.buf)
-            crc = checksum(data)
-            if corrupt:
-                data[data.numel() // 2] ^= 0xFF
-            link.send_raw(seq, torch.tensor([crc], dtype=torch.int64))
-            link.send_raw(seq, data)
 
     def _check(self, lease: Lease | None, meta: dict, first: int, count: int) -> str:
         """Serve only blocks of the tokens the consumer proved it holds (their hash)."""
@@ -177,6 +167,8 @@ class ProducerWorker(KVConnectorWorker):
             return "out of range"
         if tokens_hash(lease.token_ids[:end]) != meta.get("tokens_hash"):
             return "prompt mismatch"
+        if not valid_plan(meta.get("order"), meta.get("chunks"), count, self.sender.layout):
+            return "bad chunk plan"
         return "ok"
 
 
