@@ -147,7 +147,9 @@ def main() -> None:
             nbytes, dt = pull_once(cons, conn, n, f"{n}-{r}")
             secs.append(dt)
             gbps.append(nbytes / dt / 1e9)
+            print(f"pull of {n} tokens: {dt * 1e3:.1f} ms", file=sys.stderr)
         rows.append({"prompt_tokens": n, "bytes": nbytes, "pull_seconds_median": statistics.median(secs),
+                     "pull_seconds_all": secs,
                      "gbps_median": statistics.median(gbps), "loopback_gbps_beside": beside,
                      "fraction_of_loopback_beside": statistics.median(gbps) / beside,
                      "planner_bytes": cons.parts.spec.paged_bytes_for_tokens(n - 1)})
