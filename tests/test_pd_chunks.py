@@ -133,3 +133,27 @@ def test_a_producer_stalling_part_way_drops_the_link_and_the_prompt_is_recompute
         assert all_free(p, d)
     finally:
         close(p, d)
+
+
+def test_both_ends_count_their_transfers_in_metrics(tiny_model_dir, reference):
+    from pagedkv.server.metrics import ServerMetrics
+
+    p, d = make_pair(tiny_model_dir, prefix_caching=False, producer_kw={"kv_fault_injection": True},
+                     consumer_kw={"kv_timeout_s": 2.0})
+    try:
+        for i, fault in enumerate((None, "corrupt")):
+            prompt = prompt_of(40, base=7000 + 100 * i)
+            prefill(p, prompt, f"m{i}", fault)
+            assert p.stats().kv_transfer["leases"] == 1
+            decode(d, prompt, f"m{i}")
+            drain(p)
+        sp, sd = p.stats().kv_transfer, d.stats().kv_transfer
+        assert (sp["role"], sd["role"]) == ("producer", "consumer") and sp["link_up"] and sd["link_up"]
+        assert sp["leases"] == 0 and sp["pulls_ok"] == 2 and sd["pulls_ok"] == 1 and sd["pulls_failed"] == 1
+        assert sp["blocks"] == 2 * 3 and sd["blocks"] == 3 and sd["bytes"] == sp["bytes"] // 2 > 0
+        text = ServerMetrics(d.stats).render().decode()
+        assert 'pagedkv_kv_transfer_pulls_total{outcome="failed",role="consumer"} 1.0' in text
+        assert 'pagedkv_kv_transfer_link_up{role="consumer"} 1.0' in text
+        assert "pagedkv_kv_transfer" not in ServerMetrics(reference.stats).render().decode()
+    finally:
+        close(p, d)

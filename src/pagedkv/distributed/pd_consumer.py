@@ -94,7 +94,7 @@ class ConsumerWorker(KVConnectorWorker):
         self.metadata, self.errors = None, set()
         self.rx: ChunkReceiver | None = None  # the storage's page layout and staging buffers, reused
         self.seq = itertools.count(16, 2)  # answer tags (even; data on the next): 0 carries requests, 1 the handshake
-        self.num_pulled_blocks = self.num_failed_pulls = 0
+        self.num_pulls = self.num_pulled_blocks = self.num_failed_pulls = 0
         self.pulled_bytes, self.pull_seconds = 0, 0.0
 
     def bind_connector_metadata(self, metadata) -> None:
@@ -141,6 +141,7 @@ class ConsumerWorker(KVConnectorWorker):
                             "or another prompt)")
         if self.rx.take():
             raise LinkError("the transferred KV failed its checksum")
+        self.num_pulls += 1
         self.num_pulled_blocks += len(pull["dst"])
         self.pulled_bytes += len(pull["dst"]) * self.rx.layout.page_bytes
         self.pull_seconds += time.perf_counter() - t0
@@ -150,6 +151,13 @@ class ConsumerWorker(KVConnectorWorker):
             self.link.send(REQUEST_TAG, {"op": "release", "transfer_id": transfer_id})
         except LinkError:
             pass  # no link: the producer's lease frees the pages
+
+    def transfer_stats(self) -> dict:
+        """Pulls done (ok / failed), blocks and bytes pulled, seconds spent pulling (the
+        engine step waits for them), whether the link is up."""
+        return {"role": "consumer", "link_up": self.link.ready.is_set(), "leases": 0,
+                "pulls_ok": self.num_pulls, "pulls_failed": self.num_failed_pulls, "blocks": self.num_pulled_blocks,
+                "bytes": self.pulled_bytes, "seconds": self.pull_seconds}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.errors)

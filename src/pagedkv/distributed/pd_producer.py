@@ -109,6 +109,7 @@ class ProducerWorker(KVConnectorWorker):
                  block_size: int, layout: dict | None = None) -> None:
         self.cfg, self.leases, self.storage, self.block_size = cfg, leases, storage, block_size
         self.sender = ChunkSender(PageLayout(storage))
+        self.counts = dict.fromkeys(("pulls_ok", "pulls_failed", "blocks", "bytes"), 0) | {"seconds": 0.0}
         self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all, layout=layout)
         self.metadata = None
 
@@ -118,6 +119,13 @@ class ProducerWorker(KVConnectorWorker):
 
     def close(self) -> None:
         self.link.close()
+
+    def transfer_stats(self) -> dict:
+        """Pulls answered (ok / failed, a fault or refusal included), blocks and bytes sent,
+        seconds spent sending, leases held now, whether a consumer is linked."""
+        with self.leases.lock:
+            held = len(self.leases.leases)
+        return {"role": "producer", "link_up": self.link.ready.is_set(), "leases": held, **self.counts}
 
     # ---- the link's thread --------------------------------------------------------------
     def _on_request(self, link: KVLink, meta: dict) -> None:
@@ -138,6 +146,7 @@ class ProducerWorker(KVConnectorWorker):
             status = self._check(lease, meta, first, count)
             if status == "ok" and fault in (None, "corrupt", "stall"):
                 lease.busy = True
+        t0, outcome = time.perf_counter(), "failed"
         try:
             if fault == "drop":
                 return
@@ -150,9 +159,14 @@ class ProducerWorker(KVConnectorWorker):
             link.send(seq, {"status": "ok"})
             src = [lease.block_ids[first + k] for k in meta["order"]]
             self.sender.send(link, seq, src, meta["chunks"], fault)
+            outcome = "ok"
+            self.counts["blocks"] += len(src)
+            self.counts["bytes"] += len(src) * self.sender.layout.page_bytes
+            self.counts["seconds"] += time.perf_counter() - t0
         except LinkError:
             pass  # the consumer is gone: the lost link ends every lease
         finally:
+            self.counts["pulls_" + outcome] += 1
             with self.leases.lock:
                 if lease is not None:
                     lease.busy = False

@@ -31,6 +31,7 @@ class EngineStats:
     blocks_freed_by_window: int = 0  # pages a sliding window gave back before their request ended
     tokens_evicted: int = 0            # tokens score-based eviction (snapkv) dropped from caches
     blocks_freed_by_eviction: int = 0  # pages its compactions gave back on net
+    kv_transfer: dict | None = None  # the P/D connector's counters (``transfer_stats()``), if any
 
     @property
     def kv_usage(self) -> float:
@@ -54,7 +55,13 @@ def collect_stats(engine) -> EngineStats:
         kv_offload=_offload_stats(sched.connector), preemptions_by_mode=dict(sched.preemptions_by_mode),
         spec_decode=sched.spec_stats.to_dict() if sched.spec_stats is not None else None,
         blocks_freed_by_window=sum(getattr(g, "blocks_given_back", 0) for g in kv.groups),
-        tokens_evicted=sched.num_tokens_evicted, blocks_freed_by_eviction=sched.blocks_freed_by_eviction)
+        tokens_evicted=sched.num_tokens_evicted, blocks_freed_by_eviction=sched.blocks_freed_by_eviction,
+        kv_transfer=_transfer_stats(getattr(engine.runner, "connector", None)))
+
+
+def _transfer_stats(worker) -> dict | None:
+    get = getattr(worker, "transfer_stats", None)
+    return get() if get is not None else None
 
 
 def _offload_stats(connector) -> dict | None:

@@ -76,6 +76,7 @@ class _StatsCollector:
         yield from _offload_metrics(s.kv_offload)
         yield from _swap_metrics(s.kv_offload, s.preemptions_by_mode)
         yield from _spec_metrics(s.spec_decode)
+        yield from _transfer_metrics(s.kv_transfer)
         yield CounterMetricFamily("pagedkv_generation_tokens", "tokens generated", value=s.num_generated_tokens)
         rej = CounterMetricFamily("pagedkv_requests_rejected", "requests rejected", labels=["reason"])
         rej.add_metric(["never_fits"], s.num_rejected)
@@ -149,6 +150,26 @@ def _spec_metrics(d: dict | None):
     for i, n in enumerate(d["num_accepted_tokens_per_pos"]):
         per_pos.add_metric([str(i)], n)
     yield per_pos
+
+
+def _transfer_metrics(t: dict | None):
+    """``pagedkv_kv_transfer_*``: a prefill (producer) or decode (consumer) instance's KV
+    link, with ``--kv-transfer-config``."""
+    if not t:
+        return
+    role = [t["role"]]
+    for name, help_text, kind in (("link_up", "1 while the KV link to the peer is up", GaugeMetricFamily),
+                                  ("leases", "finished prompts whose pages wait to be pulled", GaugeMetricFamily),
+                                  ("blocks", "KV blocks transferred", CounterMetricFamily),
+                                  ("bytes", "KV bytes transferred", CounterMetricFamily),
+                                  ("seconds", "seconds spent in transfers", CounterMetricFamily)):
+        m = kind(f"pagedkv_kv_transfer_{name}", help_text, labels=["role"])
+        m.add_metric(role, float(t[name]))
+        yield m
+    pulls = CounterMetricFamily("pagedkv_kv_transfer_pulls", "pulls by outcome", labels=["role", "outcome"])
+    for outcome in ("ok", "failed"):
+        pulls.add_metric(role + [outcome], t["pulls_" + outcome])
+    yield pulls
 
 
 class ServerMetrics:
