@@ -67,3 +67,37 @@ def test_bad_arguments():
         run_disagg(setup, reqs, 1, 1, 0.0, page, bs, 1.0, 0.05)
     with pytest.raises(ValueError):  # a request that can never fit is refused, as the engine does
         run_disagg(setup, [BenchRequest(tuple(range(10**6)), 8, 8)], 1, 1, 50e9, page, bs, 1.0, 0.05)
+
+
+@pytest.mark.parametrize("spec, expect", [("2P1D", (2, 1)), ("1p3d", (1, 3)), (" 10P2D ", (10, 2))])
+def test_parse_disagg(spec, expect):
+    from pagedkv.sim.disagg import parse_disagg
+
+    assert parse_disagg(spec) == expect
+
+
+@pytest.mark.parametrize("spec", ["2P0D", "0P1D", "2X", "", "P1D", "2P1"])
+def test_parse_disagg_refuses(spec):
+    from pagedkv.sim.disagg import parse_disagg
+
+    with pytest.raises(ValueError, match="XPYD"):
+        parse_disagg(spec)
+
+
+def test_simulate_cli_compares_disaggregated_with_colocated(capsys):
+    import json
+
+    from pagedkv.cli import main
+
+    args = ["simulate", "--model", MODEL, "--gpu", GPU, "--workload", "random", "--random-input-len", "1000",
+            "--random-output-len", "32", "--num-prompts", "30", "--request-rate", "4"]
+    assert main(args + ["--disagg", "1P1D", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["setup"]: r for r in doc["rows"]}
+    assert set(rows) == {"1P1D", "colocated x2"}
+    setup, reqs, page, bs = setup_and_requests(rate=4.0, n=30)
+    want = run_disagg(setup, reqs, 1, 1, 400e9 / 8, page, bs, 1.0, 0.05).metrics
+    assert rows["1P1D"]["ttft_p50_s"] == pytest.approx(want["ttft_s"]["p50"])
+    assert rows["1P1D"]["slo_attainment"] == want["slo_attainment"]
+    assert main(args + ["--disagg", "1P1D", "--sweep"]) == 2 and "not with --disagg" in capsys.readouterr().err
+    assert main(args + ["--disagg", "3P"]) == 2 and "XPYD" in capsys.readouterr().err

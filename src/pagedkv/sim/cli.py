@@ -27,6 +27,9 @@ EXAMPLES = """examples:
   # this CPU: fit the cost model to the real engine once, then simulate it
   pagedkv simulate --calibrate
   pagedkv simulate --gpu cpu --workload arena-hard --num-prompts 32 --request-rate 1
+  # does splitting prefill and decode pay? 2 prefill + 1 decode instances vs 3 colocated
+  pagedkv simulate --model llama-3-70b --gpu h100-sxm --tp 4 --workload random --random-input-len 2048 \
+      --max-prompt-tokens 4096 --num-prompts 600 --request-rate 8 --disagg 2P1D
   # a trace: one {"arrival": s, "prompt_len": n, "output_len": m} per line
   pagedkv simulate --model llama-3-8b --gpu l40s --trace requests.jsonl --json
 """
@@ -70,6 +73,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="find the highest Poisson request rate meeting --target for these --num-prompts requests")
     s.add_argument("--target", default="normalized_latency=0.2",
                    help=f"METRIC=SECONDS for --sweep; metrics: {', '.join(TARGETS)} (default: normalized_latency=0.2)")
+    s.add_argument("--disagg", metavar="XPYD", help="disaggregated prefill/decode, e.g. 2P1D: X prefill and Y decode "
+                   "instances of --tp devices each, beside X+Y colocated instances on the same requests")
+    s.add_argument("--kv-link-gbps", type=float, default=400.0,
+                   help="with --disagg: KV link per device, Gbit/s (default: 400, one ConnectX-7 port per GPU)")
+    s.add_argument("--ttft-slo", type=float, default=1.0, help="with --disagg: TTFT target, seconds (default: 1)")
+    s.add_argument("--tpot-slo", type=float, default=0.05, help="with --disagg: TPOT target, seconds (default: 0.05)")
     s.add_argument("--calibrate", action="store_true",
                    help="profile the real engine on this CPU (the engine flags apply), fit the cost model, cache it")
     s.add_argument("--json", action="store_true", help="print the result as JSON (without the timelines)")
@@ -116,6 +125,11 @@ def _run(a) -> int:
               f"+{1e3 * r['efficiency']['step_overhead_s']:.2f} ms/step, "
               f"+{1e3 * r['efficiency']['request_overhead_s']:.3f} ms/request; cached for {r['key']}")
         return 0
+    if a.disagg:
+        given = [f for f, v in (("--sweep", a.sweep), ("--output", a.output), ("--plot", a.plot)) if v]
+        if given:
+            raise ValueError(f"not with --disagg: {', '.join(given)}")
+        return _run_disagg(a, flags, weight)
     if a.sweep:
         given = [f for f, v in (("--output", a.output), ("--plot", a.plot), ("--trace", a.trace),
                                 ("--request-rate", a.request_rate)) if v is not None]
@@ -155,6 +169,28 @@ def _run_one(a, flags: dict, weight: str) -> int:
     for what, path in (("result", a.output), ("plot", a.plot)):
         if path and not a.json:
             print(f"{what} written to {path}")
+    return 0
+
+
+def _run_disagg(a, flags: dict, weight: str) -> int:
+    from pagedkv.sim.disagg import compare_disagg, parse_disagg
+
+    num_prefill, num_decode = parse_disagg(a.disagg)
+    if not (a.kv_link_gbps > 0 and a.ttft_slo > 0 and a.tpot_slo > 0):
+        raise ValueError("--kv-link-gbps, --ttft-slo and --tpot-slo must be positive")
+    setup, reqs = _setup_and_requests(a, flags, weight, a.request_rate)
+    rows = compare_disagg(setup, reqs, a.model, a.tp, num_prefill, num_decode, a.kv_link_gbps * 1e9 / 8,
+                          a.ttft_slo, a.tpot_slo)
+    if a.json:
+        print(json.dumps({"settings": setup.settings, "request_rate": a.request_rate, "kv_link_gbps": a.kv_link_gbps,
+                          "ttft_slo_s": a.ttft_slo, "tpot_slo_s": a.tpot_slo, "rows": rows}, indent=2))
+        return 0
+    print(f"{len(reqs)} requests, {a.tp} device(s) per instance, KV link {a.kv_link_gbps:g} Gbit/s per device; "
+          f"SLO: TTFT <= {a.ttft_slo:g} s and TPOT <= {a.tpot_slo:g} s")
+    print(f"{'setup':>14} {'in SLO':>7} {'TTFT p50/p90 (s)':>17} {'TPOT p50/p90 (ms)':>18} {'output tok/s':>13}")
+    for r in rows:
+        print(f"{r['setup']:>14} {r['slo_attainment']:7.1%} {r['ttft_p50_s']:8.3f}/{r['ttft_p90_s']:<8.3f} "
+              f"{1e3 * r['tpot_p50_s']:8.2f}/{1e3 * r['tpot_p90_s']:<9.2f} {r['output_tokens_per_s']:13.1f}")
     return 0
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from dataclasses import dataclass
 
 from pagedkv.bench.metrics import RequestRecord, summarize_requests
@@ -129,3 +130,34 @@ def _admit(inst: _Instance, requests: list[BenchRequest], full: bool) -> dict:
         params = SamplingParams(max_tokens=r.max_tokens if full else 1, temperature=0.0, ignore_eos=True)
         added[i] = eng.add_request({"prompt_token_ids": list(r.prompt_token_ids)}, params, str(i), arrival_time=when)
     return added
+
+
+def parse_disagg(spec: str) -> tuple[int, int]:
+    """``"2P1D"`` -> (2, 1): prefill and decode instances.
+
+    Raises:
+        ValueError: not of the form XPYD with X, Y >= 1.
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*[pP]\s*(\d+)\s*[dD]\s*", spec or "")
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"--disagg is XPYD with X, Y >= 1 (e.g. 2P1D), got {spec!r}")
+    return int(m[1]), int(m[2])
+
+
+def compare_disagg(setup, requests: list[BenchRequest], model: str, tp: int, num_prefill: int, num_decode: int,
+                   link_bytes_per_s: float, ttft_slo_s: float, tpot_slo_s: float) -> list[dict]:
+    """The same requests on ``num_prefill`` + ``num_decode`` disaggregated instances and on as
+    many colocated ones: SLO attainment, TTFT and TPOT p50/p90 (seconds), output tokens/s."""
+    from pagedkv.sim.run import sim_model
+
+    s = setup.settings
+    page = sim_model(model).kv_spec(s["kv_cache_dtype"], s["block_size"], tp).page_size_bytes
+    rows = []
+    for name, n_p, n_d in ((f"{num_prefill}P{num_decode}D", num_prefill, num_decode),
+                           (f"colocated x{num_prefill + num_decode}", num_prefill + num_decode, 0)):
+        m = run_disagg(setup, requests, n_p, n_d, link_bytes_per_s, page, s["block_size"], ttft_slo_s,
+                       tpot_slo_s).metrics
+        rows.append({"setup": name, "slo_attainment": m["slo_attainment"], "ttft_p50_s": m["ttft_s"]["p50"],
+                     "ttft_p90_s": m["ttft_s"]["p90"], "tpot_p50_s": m["tpot_s"]["p50"],
+                     "tpot_p90_s": m["tpot_s"]["p90"], "output_tokens_per_s": m["output_tokens_per_s"]})
+    return rows
