@@ -109,15 +109,15 @@ def pull_once(cons, conn, n: int, tag: str) -> tuple[int, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--lengths", default="256,1024,2048")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--loopback-mib", type=int, default=1024)
-    p.add_argument("--kv-port", type=int, default=14900)
-    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model of both engines (default: the default model)")
+    p.add_argument("--lengths", default="256,1024,2048,4096", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=5, help="fresh prompts per length (default: 5)")
+    p.add_argument("--loopback-mib", type=int, default=1024, help="MiB per loopback measurement (default: 1024)")
+    p.add_argument("--kv-port", type=int, default=14900, help="the KV link's port (default: 14900)")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV pages per engine (default: 512)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1: each "
                    "engine gets one of this machine's cores, as if on its own host)")
-    p.add_argument("--json")
+    p.add_argument("--json", help="also write the result to this file")
     a = p.parse_args()
     import torch
     torch.set_num_threads(a.threads)

@@ -182,8 +182,8 @@ class ServerMetrics:
         self._started: set[str] = set()   # requests whose prompt tokens are counted
         r.register(_StatsCollector(get_stats, self._rejected_snapshot))
         self.prompt_tokens = Counter("pagedkv_prompt_tokens", "prompt tokens prefilled", registry=r)
-        self.cached_tokens = Counter("pagedkv_prompt_cached_tokens", "prompt tokens served from the prefix "
-                                     "cache", registry=r)
+        self.cached_tokens = Counter("pagedkv_prompt_cached_tokens", "prompt tokens not computed: found in the "
+                                     "prefix cache, a KV tier, or transferred from a prefill instance", registry=r)
         self.finished = Counter("pagedkv_requests_finished", "requests finished", ["finish_reason"], registry=r)
         self.ttft = Histogram("pagedkv_time_to_first_token_seconds", "arrival -> first token",
                               buckets=TTFT_BUCKETS, registry=r)
