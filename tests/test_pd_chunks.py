@@ -157,3 +157,46 @@ def test_both_ends_count_their_transfers_in_metrics(tiny_model_dir, reference):
         assert "pagedkv_kv_transfer" not in ServerMetrics(reference.stats).render().decode()
     finally:
         close(p, d)
+
+
+def test_refused_pulls_leave_nothing_posted_and_keep_the_link(tiny_model_dir, reference, monkeypatch):
+    monkeypatch.setattr(pd_chunks, "MIN_PIECE_BYTES", 1)
+    p, d = make_pair(tiny_model_dir, prefix_caching=False)
+    try:
+        link, generation = d.runner.connector.link, d.runner.connector.link.generation
+        for i in range(5):  # never prefilled: the producer answers "unknown"
+            prompt = prompt_of(100, base=8000 + 200 * i)
+            assert decode(d, prompt, f"none-{i}").token_ids == colocated(reference, prompt).token_ids
+        assert d.runner.connector.num_failed_pulls == 5
+        assert link._late == [] and link.generation == generation and link.ready.is_set()
+        assert all_free(p, d)
+    finally:
+        close(p, d)
+
+
+def test_a_slow_producer_holds_the_decode_step_at_most_kv_timeout(tiny_model_dir, reference, monkeypatch):
+    from pagedkv.distributed.kv_link import KVLink
+
+    monkeypatch.setattr(pd_chunks, "MIN_PIECE_BYTES", 1)  # many messages per pull
+    send = KVLink.isend_raw
+
+    def slow(self, tag, *tensors):  # every message arrives, each late, none past the per-message limit
+        if self.rank == 0:
+            time.sleep(0.3)
+        return send(self, tag, *tensors)
+
+    monkeypatch.setattr(KVLink, "isend_raw", slow)
+    p, d = make_pair(tiny_model_dir, prefix_caching=False, producer_kw={"kv_timeout_s": 5.0},
+                     consumer_kw={"kv_timeout_s": 1.0})
+    try:
+        prompt = prompt_of(100, base=9500)
+        prefill(p, prompt, "slow")
+        t0 = time.monotonic()
+        out = decode(d, prompt, "slow")
+        assert time.monotonic() - t0 < 2.5  # one 1 s deadline for the pull, then the prompt computed here
+        assert out.token_ids == colocated(reference, prompt).token_ids
+        assert d.runner.connector.num_failed_pulls == 1
+        drain(p)
+        assert all_free(p, d)
+    finally:
+        close(p, d)

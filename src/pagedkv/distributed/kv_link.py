@@ -26,6 +26,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -116,12 +117,13 @@ class KVLink:
         except RuntimeError as e:
             raise self._lost(e) from None
 
-    def wait(self, works: list) -> None:
-        """Wait for posted sends or receives, each within ``kv_timeout_s``; on a failure the
-        rest are kept (see :meth:`abandon`)."""
+    def wait(self, works: list, deadline: float | None = None) -> None:
+        """Wait for posted sends or receives, each within ``kv_timeout_s`` and all by
+        ``deadline`` (``time.monotonic()``) if given; on a failure the rest are kept (see
+        :meth:`abandon`)."""
         for i, w in enumerate(works):
             try:
-                self._wait(w, self.timeout)
+                self._wait(w, self.timeout, deadline)
             except LinkError:
                 self.abandon(works[i + 1:])
                 raise
@@ -151,26 +153,32 @@ class KVLink:
             except RuntimeError as e:
                 raise self._lost(e) from None
 
-    def recv(self, tag: int, timeout: datetime.timedelta | None = None, pg=None) -> tuple[dict, torch.Tensor | None]:
-        """Receive one message on ``tag``, each part within ``timeout`` (default ``kv_timeout_s``)."""
+    def recv(self, tag: int, timeout: datetime.timedelta | None = None, pg=None,
+             deadline: float | None = None) -> tuple[dict, torch.Tensor | None]:
+        """Receive one message on ``tag``, each part within ``timeout`` (default
+        ``kv_timeout_s``) and all by ``deadline`` (``time.monotonic()``) if given."""
         pg, timeout = pg or self._pg(), timeout or self.timeout
         head = torch.zeros(2, dtype=torch.int64)
-        self._wait(pg.recv([head], 1 - self.rank, tag), timeout)
+        self._wait(pg.recv([head], 1 - self.rank, tag), timeout, deadline)
         body = torch.empty(int(head[0]), dtype=torch.uint8)
-        self._wait(pg.recv([body], 1 - self.rank, tag), timeout)
+        self._wait(pg.recv([body], 1 - self.rank, tag), timeout, deadline)
         data = None
         if int(head[1]):
             data = torch.empty(int(head[1]), dtype=torch.uint8)
-            self._wait(pg.recv([data], 1 - self.rank, tag), timeout)
+            self._wait(pg.recv([data], 1 - self.rank, tag), timeout, deadline)
         return json.loads(body.numpy().tobytes()), data
 
-    def _wait(self, work, timeout) -> None:
+    def _wait(self, work, timeout: datetime.timedelta, deadline: float | None = None) -> None:
+        if deadline is not None:
+            timeout = min(timeout, datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
         try:
             work.wait(timeout)
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 self._late.append(work)  # its buffer may still be written: keep it alive
-                raise LinkError(f"the peer did not answer within {timeout.total_seconds():g} s") from None
+                raise LinkError(f"the peer did not answer within {self.cfg.kv_timeout_s:g} s"
+                                if deadline is not None else
+                                f"the peer did not answer within {timeout.total_seconds():g} s") from None
             raise self._lost(e) from None
 
     def _pg(self):

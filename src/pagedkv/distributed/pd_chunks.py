@@ -7,10 +7,9 @@ consecutive destination pages travels as one message per page tensor, sent from 
 (when the source pages are consecutive too) and received straight into it; other pages
 travel *staged*, a chunk as one message through a staging buffer at each end.
 
-Because the consumer posts its receives before the status arrives (the round trip then
-overlaps the first chunk), a pull that fails part-way, or whose status never comes, drops
-the link: its group is aborted, so nothing lands in those pages later. A status other than
-``ok`` means no data will follow on that tag: the receives are left posted, harmlessly.
+The consumer posts its receives once the status says ``ok`` (gloo cannot cancel a posted
+receive, so none is posted for data that will not come). A pull that fails part-way drops
+the link: its group is aborted, so nothing lands in those pages later.
 """
 
 from __future__ import annotations
@@ -139,8 +138,8 @@ class ChunkSender:
 
 
 class ChunkReceiver:
-    """The consumer's end: :meth:`post` before the status, then :meth:`take`, or
-    :meth:`abandon` / :meth:`drop`. Reuses its staging buffers across pulls."""
+    """The consumer's end: :meth:`post` once the status is ``ok``, then :meth:`take`.
+    Reuses its staging buffers across pulls."""
 
     def __init__(self, layout: PageLayout) -> None:
         self.layout, self.bufs = layout, [None] * STAGING_BUFFERS
@@ -171,19 +170,20 @@ class ChunkReceiver:
             crc = Digest.empty()
             self.posted.append((pieces, msgs, crc, self.link.irecv_raw(self.tag, *msgs, crc)))
 
-    def take(self) -> bool:
-        """Wait for every chunk, hashing each piece as it lands; store checked staged chunks.
-        True if any chunk failed its checksum (all are still read). A link failure or a
-        timeout part-way drops the link (:meth:`drop`) and raises LinkError."""
+    def take(self, deadline: float | None = None) -> bool:
+        """Wait for every chunk (all by ``deadline``, ``time.monotonic()``), hashing each
+        piece as it lands; store checked staged chunks. True if any chunk failed its
+        checksum (all are still read). A link failure or a timeout part-way drops the link
+        (:meth:`drop`) and raises LinkError."""
         bad = False
         try:
             for i, (ids, staged) in enumerate(self.chunks):
                 pieces, msgs, crc, works = self.posted[i]
                 digest = Digest()
                 for m, w in zip(msgs, works):
-                    self.link.wait([w])
+                    self.link.wait([w], deadline)
                     digest.update(m)
-                self.link.wait(works[-1:])
+                self.link.wait(works[-1:], deadline)
                 if not digest.matches(crc):
                     bad = True
                 elif staged and not bad:
@@ -195,12 +195,6 @@ class ChunkReceiver:
             self.drop(f"a KV pull failed part-way ({e})")
             raise
         return bad
-
-    def abandon(self) -> None:
-        """The status said no data follows: keep the posted receives (never completed) alive
-        until the link is rebuilt, and take fresh staging buffers."""
-        self.link.abandon([w for p in self.posted for w in p[3]])
-        self.bufs = [None] * len(self.bufs)
 
     def drop(self, reason: str) -> None:
         """Data may still come for receives posted into the cache: drop the link at once."""

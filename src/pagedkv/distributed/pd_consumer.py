@@ -121,25 +121,21 @@ class ConsumerWorker(KVConnectorWorker):
             self._release(tid)
 
     def _pull(self, storage, pull: dict) -> None:
-        """Ask for the pages (in the order and chunks of :func:`plan_chunks`), post their
-        receives, then take the status and the chunks (each checked, then stored)."""
+        """Ask for the pages (in the order and chunks of :func:`plan_chunks`), take the
+        status, then the chunks (each checked, then stored), all within ``kv_timeout_s``."""
         t0, seq = time.perf_counter(), next(self.seq)
+        deadline = time.monotonic() + self.cfg.kv_timeout_s
         if self.rx is None or self.rx.layout.tensors[0].data_ptr() != storage.page_tensors(0)[0].data_ptr():
             self.rx = ChunkReceiver(PageLayout(storage))
         order, chunks = plan_chunks(pull["dst"], self.rx.layout)
         ask = {k: pull[k] for k in ("transfer_id", "first_block", "num_blocks", "num_tokens", "tokens_hash")}
         self.link.send(REQUEST_TAG, {"op": "pull", "seq": seq, **ask, "order": order, "chunks": chunks})
-        self.rx.post(self.link, seq, chunks, [pull["dst"][k] for k in order])
-        try:
-            meta, _ = self.link.recv(seq)
-        except LinkError as e:
-            self.rx.drop(f"no answer to a KV pull ({e})")  # an answer may still come, and its data
-            raise
+        meta, _ = self.link.recv(seq, deadline=deadline)
         if meta.get("status") != "ok":
-            self.rx.abandon()
             raise LinkError(f"the prefill instance has no such KV ({meta.get('status')}: released, expired, "
                             "or another prompt)")
-        if self.rx.take():
+        self.rx.post(self.link, seq, chunks, [pull["dst"][k] for k in order])
+        if self.rx.take(deadline):
             raise LinkError("the transferred KV failed its checksum")
         self.num_pulls += 1
         self.num_pulled_blocks += len(pull["dst"])
