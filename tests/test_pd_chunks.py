@@ -193,7 +193,7 @@ def test_a_slow_producer_holds_the_decode_step_at_most_kv_timeout(tiny_model_dir
         prefill(p, prompt, "slow")
         t0 = time.monotonic()
         out = decode(d, prompt, "slow")
-        assert time.monotonic() - t0 < 2.5  # one 1 s deadline for the pull, then the prompt computed here
+        assert time.monotonic() - t0 < 4  # one 1 s deadline for the pull (per message: ~18 s), then computed here
         assert out.token_ids == colocated(reference, prompt).token_ids
         assert d.runner.connector.num_failed_pulls == 1
         drain(p)
