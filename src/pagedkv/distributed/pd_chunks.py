@@ -28,8 +28,8 @@ SENDER_SLOTS = 4  # the producer's staging ring: messages gathered while earlier
 
 def data_tag(seq: int) -> int:
     """A pull's data tag: the consumer numbers its pulls with even tags, the data takes the
-    odd one after (gloo keeps a tag's messages in order; the status and the data must not
-    share one, since the data's receives are posted first)."""
+    odd one after, so a status that came too late for its pull is never matched to a data
+    receive (gloo matches a tag's messages to its receives in order)."""
     return seq + 1
 
 
@@ -144,7 +144,7 @@ class ChunkReceiver:
     def __init__(self, layout: PageLayout) -> None:
         self.layout, self.bufs = layout, [None] * STAGING_BUFFERS
         self.link = self.tag = None
-        self.chunks, self.posted, self.staged_ahead = [], [], 0
+        self.chunks, self.posted, self.staged_ahead, self._staged_seen = [], [], 0, 0
 
     def post(self, link: KVLink, seq: int, chunks: list, dst: list[int]) -> None:
         """Post the receives of every straight chunk and of the first staged ones."""
