@@ -12,6 +12,7 @@ from pagedkv.bench.workloads import BenchRequest
 from pagedkv.cli import main
 from pagedkv.planner.hardware import get_device
 from pagedkv.planner.models import load_model
+from pagedkv.planner.plan import plan
 from pagedkv.planner.roofline import Roofline, StepWork, config_cost
 from pagedkv.sim.cost import Efficiency, StepCost
 from pagedkv.sim.fit import fit
@@ -169,7 +170,8 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                      "given draft acceptance rate"),
                                     (dict(speculative_config={"model": "no-such-draft", "num_speculative_tokens": 2},
                                           spec_acceptance_rate=0.5), "unknown model 'no-such-draft'"),
-                                    (dict(kv_offload_memory="1GiB", kv_offload_dir="/tmp/x"), "not simulated")])
+                                    (dict(kv_offload_memory="1GiB", kv_offload_dir="/tmp/x",
+                                          kv_offload_disk_size="1KiB"), "holds no block record")])
 def test_bad_input_is_a_clear_error(kw, msg):
     args = dict(model="llama-3-8b", gpu="a100-80gb-sxm4", workload="random", num_prompts=2) | kw
     with pytest.raises(ValueError, match=msg):
@@ -309,3 +311,44 @@ def test_the_cpu_tier_reloads_evicted_prefixes_over_the_host_link():
     assert "kv_offload" not in plain.metrics
     swap = simulate("llama-3-8b", "l4", kv_offload_memory="4GiB", preemption_mode="swap", **kw).metrics
     assert swap["preemptions"] == 0 or swap["kv_offload"]["swap_outs"] > 0
+
+
+def test_the_disk_tier_catches_what_the_cpu_tier_evicts(tmp_path):
+    """A CPU tier too small for the repeated prompts pushes them to the disk tier (the engine's
+    DiskPlan, writes on the virtual clock), lookups find them there, and each disk page
+    costs the planner's figure: NVMe read, then the host link. The directory is not used."""
+    prompts = [tuple(range(1000 * i + 1, 1000 * i + 513)) for i in range(8)]  # 32 pages each, 4 fit the device
+    work = [BenchRequest(p, 16, 16, t) for t in (0.0, 100.0) for p in prompts]  # each again once all ended
+    kw = dict(workload=work, kv_cache_memory="256MiB", kv_offload_memory="64MiB")  # a 32-page CPU tier
+    cpu_only = simulate("llama-3-8b", "l4", **kw).metrics
+    both = simulate("llama-3-8b", "l4", kv_offload_dir=str(tmp_path / "unused"), kv_offload_disk_size="4GiB", **kw)
+    off = both.metrics["kv_offload"]
+    assert off["disk_blocks_written"] > 0 and off["disk_blocks_loaded"] > 0
+    assert off["disk_hit_tokens"] == 16 * off["disk_blocks_loaded"]
+    assert off["hit_tokens"] + off["disk_hit_tokens"] > cpu_only["kv_offload"]["hit_tokens"]  # what the CPU lost
+    assert both.metrics["ttft_s"]["mean"] < cpu_only["ttft_s"]["mean"]
+    planned = plan("llama-3-8b", "l4", kv_cache_memory="256MiB", kv_offload_memory="64MiB",
+                   kv_offload_disk_size="4GiB")
+    assert both.settings["disk_block_load_s"] == pytest.approx(planned.offload_disk_block_load_seconds)
+    assert off["disk_capacity_blocks"] == planned.offload_disk_blocks
+    assert not (tmp_path / "unused").exists()
+
+
+def test_simulated_disk_writes_queue_on_one_writer():
+    """Writes start after the step's copies before the forward, one after another at the
+    write rate, and each is reported done at the first step end after it finishes."""
+    from pagedkv.kv.cpu_offload_worker import OffloadMeta
+    from pagedkv.sim.tier import SimTierWorker, TierCosts
+
+    w = SimTierWorker(TierCosts(page_bytes=100, link=1000.0, disk_load_s=0.5, disk_write_s=1.0), disk=True)
+    meta = OffloadMeta(1)
+    meta.loads, meta.disk_loads = [(0, 1)], [(b"x", (1,), 2)]
+    meta.disk_writes = [(0, b"a", b"r", (1,)), (1, b"b", b"a", (2,))]
+    assert w.price(meta, start=10.0) == (0.1 + 0.5, 0.0)  # one CPU page over the link, one disk page
+    assert w.finish(11.0)[3] == ([], [], [])               # writes end at 11.6 and 12.6
+    w.price(OffloadMeta(2), start=11.0)
+    assert w.finish(12.0)[3] == ([b"a"], [], [])
+    nxt = OffloadMeta(3)
+    nxt.disk_writes = [(2, b"c", b"b", (3,))]
+    w.price(nxt, start=12.0)                               # queued behind b: ends at 13.6
+    assert w.finish(13.0)[3] == ([b"b"], [], []) and w.finish(14.0)[3] == ([b"c"], [], [])

@@ -3,6 +3,9 @@ same schedule as the real engine, step for step (admissions, chunks, preemptions
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import asdict
+
 import pytest
 
 from pagedkv.bench.driver import drive
@@ -10,12 +13,14 @@ from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.kv_eviction import eviction_policy
+from pagedkv.kv import disk_offload
 from pagedkv.model.config import for_engine
 from pagedkv.model.hf_config import load_config
 from pagedkv.planner.roofline import config_cost
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.engine import SimEngine
 from pagedkv.sim.runner import RecordedTimes, SimRunner, fixed_times
+from pagedkv.sim.tier import TierCosts
 
 STEP_S = 0.01
 
@@ -68,7 +73,7 @@ def sim_engine(model_dir, config: EngineConfig, runner: SimRunner, clock: Virtua
     m = for_engine(load_config(model_dir / "config.json"))
     spec = m.kv_spec("float32", config.block_size)
     cost = config_cost(m, spec, "float32")
-    tier = (spec.page_size_bytes, float("inf"))  # copies take no time, as FixedTimeRunner's real ones
+    tier = TierCosts(spec.page_size_bytes, float("inf"))  # copies take no time, as FixedTimeRunner's real ones
     return SimEngine(config, m, config.num_blocks, cost, runner, clock, tier)
 
 
@@ -82,7 +87,7 @@ def run_real(model_dir, work, virtual: bool, **kw):
         run = drive(engine, work, clock=clock, sleep=clock.sleep)
     else:
         run = drive(engine, work)
-    return run, log
+    return run, log, engine
 
 
 def run_sim(model_dir, work, replay=None, **kw):
@@ -92,7 +97,7 @@ def run_sim(model_dir, work, replay=None, **kw):
               else SimRunner(clock, replay=RecordedTimes(replay.step_starts, replay.step_seconds)))
     engine = sim_engine(model_dir, config, runner, clock)
     log = schedule_log(engine)
-    return drive(engine, work, clock=clock, sleep=runner.sleep), log
+    return drive(engine, work, clock=clock, sleep=runner.sleep), log, engine
 
 
 EVICT = dict(kv_budget_tokens=12, kv_window_tokens=4, num_sink_tokens=2, num_blocks=16)
@@ -108,8 +113,8 @@ def test_same_schedule_as_the_engine_with_fixed_step_times(tiny_model_dir, kw):
     others; pages, compactions and the schedule they make are the same. The CPU tier: the
     engine's own tier bookkeeping, its loads, saves and swaps planned alike."""
     work = workload()
-    real, real_log = run_real(tiny_model_dir, work, virtual=True, **kw)
-    sim, sim_log = run_sim(tiny_model_dir, work, **kw)
+    real, real_log, _ = run_real(tiny_model_dir, work, virtual=True, **kw)
+    sim, sim_log, _ = run_sim(tiny_model_dir, work, **kw)
     assert real.preemptions > 0 or kw.get("kv_allocator") == "contiguous" or "kv_eviction" in kw  # a tight pool
     assert sim_log == real_log
     assert (sim.preemptions, max(sim.blocks_used)) == (real.preemptions, max(real.blocks_used))
@@ -126,8 +131,8 @@ def test_same_schedule_at_block_boundaries(tiny_model_dir):
     work = with_poisson_arrivals([BenchRequest(tuple(range(100 * i + 1, 100 * i + 1 + n)), 10 + i % 3, 18)
                                   for i, n in enumerate(lens)], 1000.0, seed=2)
     kw = dict(num_blocks=4, block_size=16, max_num_batched_tokens=32)
-    real, real_log = run_real(tiny_model_dir, work, virtual=True, **kw)
-    sim, sim_log = run_sim(tiny_model_dir, work, **kw)
+    real, real_log, _ = run_real(tiny_model_dir, work, virtual=True, **kw)
+    sim, sim_log, _ = run_sim(tiny_model_dir, work, **kw)
     assert real.preemptions > 0 and sim_log == real_log
     assert [r.num_output_tokens for r in sorted(sim.records, key=lambda r: r.index)] == [10 + i % 3 for i in range(8)]
 
@@ -136,8 +141,8 @@ def test_replaying_a_wall_clock_run_gives_its_schedule(tiny_model_dir):
     """The real engine on the wall clock; the simulator with the clock set to the recorded
     step starts makes the same steps, preemptions and peak blocks."""
     work = workload(rate=200.0)
-    real, real_log = run_real(tiny_model_dir, work, virtual=False)
-    sim, sim_log = run_sim(tiny_model_dir, work, replay=real)
+    real, real_log, _ = run_real(tiny_model_dir, work, virtual=False)
+    sim, sim_log, _ = run_sim(tiny_model_dir, work, replay=real)
     assert real.preemptions > 0
     assert sim_log == real_log
     assert (sim.preemptions, max(sim.blocks_used), len(sim.steps)) == (real.preemptions, max(real.blocks_used),
@@ -147,7 +152,44 @@ def test_replaying_a_wall_clock_run_gives_its_schedule(tiny_model_dir):
 def test_a_schedule_that_ignores_arrivals_would_differ(tiny_model_dir):
     """The check has teeth: the same workload all at once schedules differently."""
     work = workload()
-    _, real_log = run_real(tiny_model_dir, work, virtual=True)
+    _, real_log, _ = run_real(tiny_model_dir, work, virtual=True)
     burst = [BenchRequest(r.prompt_token_ids, r.output_len, r.max_tokens) for r in work]
-    _, sim_log = run_sim(tiny_model_dir, burst)
+    _, sim_log, _ = run_sim(tiny_model_dir, burst)
     assert sim_log != real_log
+
+
+class InlineExecutor:
+    """Runs each submitted call at once: the disk tier's writer thread made deterministic,
+    so a write ends in the step that queued it (the simulator's, at infinite rates, too)."""
+
+    def submit(self, fn, *args):
+        f = Future()
+        try:
+            f.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001 - handed back as the real executor would
+            f.set_exception(e)
+        return f
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+def test_same_schedule_with_the_disk_tier(tiny_model_dir, tmp_path, monkeypatch):
+    """A CPU tier of 6 pages in front of a disk tier: blocks the CPU tier evicts come back
+    from disk after preemptions. The engine's own disk bookkeeping in the simulator plans
+    the same writes, lookups and loads as the real engine (which wrote real records)."""
+    monkeypatch.setattr(disk_offload, "ThreadPoolExecutor", lambda **kw: InlineExecutor())
+    kw = dict(kv_offload_memory=6 * 2048, kv_offload_dir=str(tmp_path), kv_offload_disk_size="1MiB")
+    first = workload()[:6]
+    work = with_poisson_arrivals(list(first) + [BenchRequest(r.prompt_token_ids, r.output_len, r.max_tokens)
+                                                for r in first], 40.0, seed=1)  # each prompt twice
+    real, real_log, real_engine = run_real(tiny_model_dir, work, virtual=True, **kw)
+    sim, sim_log, sim_engine_ = run_sim(tiny_model_dir, work, **kw)
+    real_stats = real_engine.stats().kv_offload
+    sim_stats = asdict(sim_engine_.connector.scheduler.stats)
+    assert real.preemptions > 0 and real_stats["disk_blocks_loaded"] > 0 and real_stats["disk_blocks_written"] > 0
+    assert any(tmp_path.iterdir())  # the real engine's records; the simulator's directory holds none of its own
+    assert sim_log == real_log
+    for name in ("hit_tokens", "disk_hit_tokens", "disk_blocks_loaded", "disk_blocks_written", "blocks_saved",
+                 "evictions", "disk_blocks_used"):
+        assert sim_stats[name] == real_stats[name], name

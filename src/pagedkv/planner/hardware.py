@@ -108,6 +108,18 @@ def nvme_read_bandwidth() -> float:
     return catalog_data()["storage"]["nvme"]["read_gbps"] * 1e9
 
 
+def nvme_write_bandwidth() -> float:
+    """Sequential NVMe write rate in bytes/s (gpus.json ``storage.nvme``)."""
+    return catalog_data()["storage"]["nvme"]["write_gbps"] * 1e9
+
+
+def disk_block_load_seconds(page_bytes: int, host_link: float | None) -> float:
+    """Seconds to bring one ``page_bytes`` page from the disk KV tier into device pages: an
+    NVMe read, then the host link one way where the device has one (a GPU; on the CPU the
+    record is read straight into the cache). The planner and the simulator both use this."""
+    return page_bytes / nvme_read_bandwidth() + (page_bytes / host_link if host_link else 0.0)
+
+
 def cpu_device() -> Device:
     """This machine as a :class:`Device`, from :mod:`pagedkv.planner.cpu`'s measurement
     (measured once, then cached): fp32 matmul rate, read bandwidth, physical RAM."""

@@ -24,7 +24,7 @@ from pagedkv.config import parse_size
 from pagedkv.kv.spec import SCALE_GRANULARITIES, KVCacheSpec, pool_cache_bytes, pool_num_blocks, pool_page_bytes
 from pagedkv.model.config import ModelConfig
 from pagedkv.planner import dtypes
-from pagedkv.planner.hardware import Device, get_device, nvme_read_bandwidth
+from pagedkv.planner.hardware import Device, disk_block_load_seconds, get_device, nvme_read_bandwidth
 from pagedkv.planner.models import load_model
 from pagedkv.planner.notes import plan_notes
 from pagedkv.planner.params import ParamCount, count_params
@@ -183,10 +183,8 @@ def _tiers(c: _Inputs, memory, disk) -> dict:
                    offload_cpu_block_load_seconds=page / link if link else None)
     if disk is not None:
         n = parse_size(disk) // (page + RECORD_OVERHEAD)
-        read = page / nvme_read_bandwidth()
         out.update(offload_disk_blocks=n, offload_disk_tokens=n * c.spec.block_size,
-                   offload_disk_block_load_seconds=(read + (page / c.dev.host_link if c.dev.host_link else 0.0))
-                   if c.dev else None)
+                   offload_disk_block_load_seconds=disk_block_load_seconds(page, c.dev.host_link) if c.dev else None)
     return out
 
 

@@ -14,9 +14,9 @@ Speculative decoding runs the scheduler's own draft handling (verification, look
 slots, giving back rejected positions) with accepted counts drawn at a given rate
 (:mod:`pagedkv.sim.spec`). SnapKV/H2O evict at the engine's points, keeping as many tokens
 as the budget says (which ones a scorer picks changes no page count;
-:class:`~pagedkv.sim.runner.SimRunner`). The CPU KV tier and swap preemption run the
-engine's tier bookkeeping with copies priced over the host link (:mod:`pagedkv.sim.tier`).
-Not simulated (refused with a message): the disk tier.
+:class:`~pagedkv.sim.runner.SimRunner`). The CPU and disk KV tiers and swap preemption run
+the engine's tier bookkeeping with copies priced over the host link and at the NVMe rates
+(:mod:`pagedkv.sim.tier`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.planner.roofline import ModelCost
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.runner import SimRunner
-from pagedkv.sim.tier import sim_tier
+from pagedkv.sim.tier import TierCosts, sim_tier
 
 
 @dataclass
@@ -47,12 +47,6 @@ class SimOutput:
     request_id: str
     token_ids: list[int]
     finished: bool
-
-
-def check_simulated(config: EngineConfig) -> None:
-    """Raise ValueError naming the first engine setting the simulator does not model."""
-    if config.kv_offload_disk_size is not None or config.kv_offload_dir is not None:
-        raise ValueError("the disk KV tier is not simulated yet (drop --kv-offload-disk-size/--kv-offload-dir)")
 
 
 class SimEngine:
@@ -65,15 +59,16 @@ class SimEngine:
         cost: the model's cost (its matmul sizes price ``--preemption-mode`` decisions).
         runner: a :class:`~pagedkv.sim.runner.SimRunner` on ``clock``.
         clock: the virtual clock, shared with the runner.
+        tier: the KV tiers' copy costs (with ``kv_offload_memory``).
+        connector: a KV connector for the engine (e.g. a decode instance's remote prefill).
 
     Raises:
         ValueError: a setting the simulator does not model, or one the engine refuses.
     """
 
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int, cost: ModelCost,
-                 runner: SimRunner, clock: VirtualClock, tier: tuple[int, float] | None = None,
+                 runner: SimRunner, clock: VirtualClock, tier: TierCosts | None = None,
                  connector=None) -> None:
-        check_simulated(config)
         check_streaming(config, model)
         self.config, self.model_config, self.clock = config, model, clock
         streaming = config.kv_eviction == "streaming"
@@ -89,8 +84,8 @@ class SimEngine:
         self.connector = connector  # e.g. a decode instance's remote prefill (pagedkv.sim.disagg)
         if config.kv_offload_memory is not None:
             if tier is None:
-                raise ValueError("a simulated CPU tier needs its page bytes and host link (SimSetup passes them)")
-            connector = self.connector = sim_tier(self.kv, config.kv_offload_memory, config.kv_offload_policy, *tier)
+                raise ValueError("a simulated KV tier needs its copy costs (SimSetup passes them)")
+            connector = self.connector = sim_tier(self.kv, config, tier)
             runner.tier = connector.worker
         preemption = PreemptionCost(config.preemption_mode, cost.layer_matmul_params, cost.attn_flops_per_pair)
         scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

@@ -43,7 +43,8 @@ def render(r: SimResult) -> str:
         f"  e2e  p50/p90/p99      {_ms(m['e2e_s'])} ms",
         f"  normalized latency    {_fmt_ms(m['normalized_latency_s'])} ms/token (mean over requests of e2e / output tokens)",
         f"  preemptions           {m['preemptions']}",
-        f"  prefix cache hits     {m['prefix_hit_tokens']} of {w['prompt_tokens']} prompt tokens",
+        f"  prefix cache hits     {m['prefix_hit_tokens']:,} tokens at admissions, readmissions after preemption "
+        f"included ({w['prompt_tokens']:,} prompt tokens in the workload)",
         f"  KV blocks             peak {m['peak_kv_blocks']}, mean {m['mean_kv_blocks']:.1f} of {m['num_blocks']}; "
         f"waste {_pct(m['waste'])} (allocated slots holding no token)",
         f"  running at once       max {m['max_running']}, mean {m['mean_running']:.1f}; {m['steps']} steps",
@@ -54,6 +55,12 @@ def render(r: SimResult) -> str:
         lines.insert(-1, f"  CPU KV tier           {off['hit_tokens']:,} prompt tokens loaded from it "
                          f"({off['blocks_loaded']:,} blocks, {off['load_seconds']:.2f} s over the host link), "
                          f"{off['blocks_saved']:,} blocks saved, {off['swap_outs']:,} swaps out")
+        if "kv_offload_disk_size" in s:
+            lines.insert(-1, f"  disk KV tier          {off['disk_hit_tokens']:,} prompt tokens loaded from it "
+                             f"({off['disk_blocks_loaded']:,} blocks, {1e3 * s['disk_block_load_s']:.3f} ms each), "
+                             f"{off['disk_blocks_written']:,} blocks written, {off['disk_blocks_used']:,} of "
+                             f"{off['disk_capacity_blocks']:,} held at the end (NVMe rates: the simulated disk "
+                             "starts empty)")
     sd = m.get("spec_decode")
     if sd and sd.get("acceptance_rate") is not None:
         lines.insert(-1, f"  speculative decoding  {sd['num_accepted_tokens']:,} of {sd['num_draft_tokens']:,} drafts "

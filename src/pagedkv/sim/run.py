@@ -26,7 +26,7 @@ from pagedkv.engine.kv_eviction import eviction_policy
 from pagedkv.engine.setup import kv_groups
 from pagedkv.kv.groups import shared_page_slots
 from pagedkv.model.config import ENGINE_MAX_POSITIONS, ModelConfig
-from pagedkv.planner.hardware import get_device
+from pagedkv.planner.hardware import disk_block_load_seconds, get_device, nvme_write_bandwidth
 from pagedkv.planner.models import load_model
 from pagedkv.planner.plan import plan
 from pagedkv.planner.roofline import config_cost, layer_window_mix
@@ -35,6 +35,7 @@ from pagedkv.sim.cost import Efficiency, StepCost
 from pagedkv.sim.engine import SimEngine
 from pagedkv.sim.runner import SimRunner, cost_model_times
 from pagedkv.sim.spec import SpecDraws, alpha_for
+from pagedkv.sim.tier import TierCosts
 from pagedkv.sim.workloads import SYNTHETIC, check_requests, dataset_workload, load_trace, synthetic_workload
 
 
@@ -70,7 +71,7 @@ class SimSetup:
     spec_acceptance_rate: float | None = None  # speculative decoding: accepted / drafted
     draft_cost: StepCost | None = None         # the draft model's step cost (draft_model only)
     seed: int = 0
-    tier: tuple[int, float] | None = None      # CPU KV tier: (page bytes, host link bytes/s)
+    tier: TierCosts | None = None              # the KV tiers' page copy costs
 
     def engine(self, connector=None) -> SimEngine:
         """A fresh simulated engine (``connector``: a KV connector for it, e.g. a decode
@@ -141,12 +142,24 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     if config.speculative_config is not None:
         settings |= {"speculative_config": config.speculative_config.__dict__,
                      "spec_acceptance_rate": spec_acceptance_rate}
-    tier = None
-    if config.kv_offload_memory is not None:  # whole pages over the host link (PCIe; a CPU: its copy rate)
-        tier = (page, dev.host_link or dev.copy_bandwidth or dev.bandwidth)
-        settings |= {"kv_offload_memory": config.kv_offload_memory, "host_link_bytes_per_s": tier[1]}
+    tier = tier_costs(config, dev, page)
+    if tier is not None:
+        settings |= {"kv_offload_memory": config.kv_offload_memory, "host_link_bytes_per_s": tier.link}
+        if config.kv_offload_dir is not None:
+            settings |= {"kv_offload_disk_size": config.kv_offload_disk_size,
+                         "disk_block_load_s": tier.disk_load_s, "disk_block_write_s": tier.disk_write_s}
     return SimSetup(config, model, num_blocks, cost, settings, spec_acceptance_rate,
                     None if draft is None else StepCost(draft[0], dev, p.weight_dtype, eff), seed, tier)
+
+
+def tier_costs(config: EngineConfig, dev, page: int) -> TierCosts | None:
+    """The KV tiers' page copy costs on ``dev`` (None without ``kv_offload_memory``): whole
+    pages over the host link (PCIe one way; a CPU: its measured copy rate), disk pages at the
+    catalog's NVMe rates (:func:`~pagedkv.planner.hardware.disk_block_load_seconds`)."""
+    if config.kv_offload_memory is None:
+        return None
+    return TierCosts(page, dev.host_link or dev.copy_bandwidth or dev.bandwidth,
+                     disk_block_load_seconds(page, dev.host_link), page / nvme_write_bandwidth())
 
 
 def draft_parts(config: EngineConfig, p, dev, tp: int, rate: float | None):

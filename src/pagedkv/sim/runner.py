@@ -101,8 +101,8 @@ class SimRunner:
             window and the earliest tokens between: which tokens a scorer keeps changes no
             page count), so the scheduler compacts and frees pages as in the engine; chunks
             then read only the kept cache.
-        tier: the CPU KV tier's worker (:class:`~pagedkv.sim.tier.SimTierWorker`): each step's
-            loads and swaps add to it, its saves overlap it.
+        tier: the KV tiers' worker (:class:`~pagedkv.sim.tier.SimTierWorker`): each step's
+            loads and swaps add to it, its saves overlap it, disk writes finish on the clock.
     """
 
     def __init__(self, clock: VirtualClock, times: StepTimes | None = None,
@@ -141,12 +141,13 @@ class SimRunner:
         result.kv_keep = keep
         before_s = saves_s = 0.0
         if self.tier is not None:
-            before_s, saves_s = self.tier.price(out.kv_connector_metadata)
-            result.kv_connector_output = self.tier.get_connector_output()
+            before_s, saves_s = self.tier.price(out.kv_connector_metadata, self.clock())
         if chunks or self.replay is not None or before_s:  # (a replayed run's clock moved at every step)
             evicted = {rid: st.num_evicted_tokens for rid, st in self.evict.items()}
             work = chunk_work([(s - evicted.get(rid, 0), n) for rid, s, n in chunks], len(sampling), self.windows)
             result.execute_seconds = self._advance(work, len(chunks), draft_s, before_s, saves_s)
+        if self.tier is not None:
+            result.kv_connector_output = self.tier.finish(self.clock())
         return result
 
     def _track_eviction(self, out: SchedulerOutput, chunks) -> dict[str, list[int]]:
