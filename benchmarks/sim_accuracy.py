@@ -95,7 +95,7 @@ def main() -> None:
     t0 = time.time()
     if not a.no_calibrate or cached(EngineConfig(), DEFAULT_MODEL) is None:
         calibrate(EngineConfig())
-    eff = cached(EngineConfig(), DEFAULT_MODEL)[0]
+    eff = cached(EngineConfig(), DEFAULT_MODEL).efficiency
     tok = load_tokenizer(resolve_model(DEFAULT_MODEL).folder)
     only = set(a.only.split(",")) if a.only else None
     results = {s[0]: scenario(tok, a.repeats, *s) for s in SCENARIOS if only is None or s[0] in only}

@@ -17,6 +17,19 @@ TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cpu_measurement(tmp_path_factory):
+    """The planner's CPU measurement cached per test session, never in the user's cache: a
+    suite loads the machine, and a measurement taken then would stay low for every later
+    plan and simulation (the weight and extension caches stay shared: they do not drift)."""
+    from pagedkv.planner import cpu
+
+    path, users = tmp_path_factory.mktemp("cpu-measurement") / "cpu.json", cpu.cache_path
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu, "cache_path", lambda: path)
+        yield users  # the real lookup (under $XDG_CACHE_HOME), for the test of it
+
+
 @pytest.fixture(scope="session")
 def default_model_files():
     from pagedkv.model.loader import resolve_model

@@ -36,8 +36,9 @@ def test_unknown_gpu_lists_choices():
 
 
 @pytest.fixture
-def cache_home(tmp_path, monkeypatch):
+def cache_home(tmp_path, monkeypatch, own_cpu_measurement):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "cache_path", own_cpu_measurement)  # the $XDG_CACHE_HOME lookup itself
     monkeypatch.setattr(cpu, "READ_BYTES", 8 * 2**20)
     monkeypatch.setattr(cpu, "MATMUL_N", 128)
     monkeypatch.setattr(cpu, "REPEATS", 2)

@@ -246,12 +246,15 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     r = cal.calibrate(config, quick=True)
     assert r["steps"] >= 10 and 0 < r["efficiency"]["memory"] <= 1.5 and r["fit"]["samples"] == r["steps"]
     assert len(r["efficiency"]["few_row_factors"]) == 8  # the quick profile decodes 1 and 8 requests
-    eff, cost = cal.cached(config, str(tiny_model_dir))
+    c = cal.cached(config, str(tiny_model_dir))
+    eff, cost = c.efficiency, c.cost
+    assert (c.bandwidth, c.fp32_flops) == (r["ceilings"]["bandwidth"], r["ceilings"]["fp32_flops"])
     assert eff.source.startswith("calibrated on this CPU") and cost.kv_bytes_per_token == r["cost"]["kv_bytes_per_token"]
     assert cal.cached(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="int8"), str(tiny_model_dir)) is None
     s = simulate(str(tiny_model_dir), "cpu", workload="random", num_prompts=4, input_len=32, output_len=4,
                  num_blocks=64, max_model_len=256)
     assert s.settings["efficiency"] == eff.to_dict() and s.metrics["output_tokens"] == 16
+    assert s.settings["bandwidth_bytes_per_s"] == c.bandwidth  # priced on the ceilings it was fitted on
     # every decode step pays the fitted overheads on top of the roofline
     assert s.metrics["tpot_s"]["p50"] >= eff.step_overhead_s + eff.request_overhead_s
 

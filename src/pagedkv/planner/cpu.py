@@ -106,12 +106,13 @@ def page_copy_bandwidth(chunk_bytes: int, pool_bytes: int | None = None, copy_by
     return max(rates)
 
 
-def load_or_measure(path: Path | None = None) -> dict:
-    """The cached measurement for this machine, measuring (and caching) if absent or stale."""
+def load_or_measure(path: Path | None = None, fresh: bool = False) -> dict:
+    """The cached measurement for this machine, measuring (and caching) if absent or stale,
+    or (``fresh``) in any case: a cache taken while the machine was busy stays low for good."""
     path = path or cache_path()
     try:
         cached = json.loads(path.read_text())
-        if cached.get("key") == _machine_key() and "copy_bandwidth_bytes_per_s" in cached:
+        if not fresh and cached.get("key") == _machine_key() and "copy_bandwidth_bytes_per_s" in cached:
             return cached
     except (OSError, ValueError):
         pass

@@ -15,7 +15,9 @@ a median resists one slow repeat without trusting one lucky one).
 
 Every step's roofline terms are counted with the loaded model's own cost (weight bytes
 as stored, :func:`pagedkv.bench.roofline.model_cost`) on this machine's measured
-ceilings (:func:`pagedkv.planner.hardware.cpu_device`), and :func:`pagedkv.sim.fit.fit`
+ceilings (:func:`pagedkv.planner.hardware.cpu_device`, measured again at the start of the
+calibration: the factors are fractions of them, and a cache taken on a busy machine once
+read 43 GFLOP/s and 21 GB/s against 212 and 73 on a quiet one), and :func:`pagedkv.sim.fit.fit`
 fits the factors. The result, with that cost, is cached as JSON in
 ``$XDG_CACHE_HOME/pagedkv/sim_calibration.json`` (else ``~/.cache/...``) under a key of the
 machine (host, CPUs, torch threads), the model, its weight/activation/KV dtypes and the
@@ -29,7 +31,7 @@ import os
 import platform
 import random
 import statistics
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pagedkv.config import EngineConfig
@@ -71,12 +73,32 @@ def _load() -> dict:
         return {}
 
 
-def cached(config: EngineConfig, model: str) -> tuple[Efficiency, ModelCost] | None:
+@dataclass(frozen=True)
+class Calibration:
+    """A cached calibration: the fitted factors, the model cost they were fitted with, and
+    the machine's ceilings measured in the same sitting (bytes/s, fp32 FLOP/s), which the
+    factors are fractions of (``None``: an entry from before they were kept)."""
+    efficiency: Efficiency
+    cost: ModelCost
+    bandwidth: float | None = None
+    fp32_flops: float | None = None
+
+    def on(self, device):
+        """``device`` with this calibration's ceilings (a later re-measure of the machine
+        must not rescale factors fitted against these)."""
+        if self.bandwidth is None or self.fp32_flops is None:
+            return device
+        return replace(device, bandwidth=self.bandwidth, flops_16=self.fp32_flops)
+
+
+def cached(config: EngineConfig, model: str) -> Calibration | None:
     """The cached calibration for these settings on this machine, or None."""
     entry = _load().get(calibration_key(config, model))
     if entry is None:
         return None
-    return Efficiency(**entry["efficiency"]), ModelCost(**entry["cost"])
+    c = entry.get("ceilings", {})
+    return Calibration(Efficiency(**entry["efficiency"]), ModelCost(**entry["cost"]), c.get("bandwidth"),
+                       c.get("fp32_flops"))
 
 
 def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS) -> tuple[float, ...]:
@@ -129,7 +151,7 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
     config = config or EngineConfig()
     engine = LLMEngine(config)
     warm_up(engine)
-    cost, dev = model_cost(engine), cpu_device()
+    cost, dev = model_cost(engine), cpu_device(fresh=True)  # this sitting's ceilings, not a cached hour's
     probe = StepCost(cost, dev, "int8" if config.activation_dtype == "int8" else "float32")
     phases, reqs, tokens, secs = [], [], [], []
     for group in profile_workload(quick):

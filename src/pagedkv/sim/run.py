@@ -136,7 +136,7 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     settings = {"model": p.model, "gpu": dev.name, "gpu_label": dev.label, "tp": tp, "weight_dtype": w_dtype,
                 "kv_cache_dtype": p.kv_cache_dtype, "num_blocks": num_blocks, "block_size": config.block_size,
                 "cache_budget_bytes": p.cache_budget_bytes, "efficiency": eff.to_dict(),
-                "bandwidth_bytes_per_s": dev.bandwidth, "matmul_flops": dev.matmul_rate(p.weight_dtype),
+                "bandwidth_bytes_per_s": cost.device.bandwidth, "matmul_flops": cost.device.matmul_rate(p.weight_dtype),
                 "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
                 "enable_prefix_caching": config.enable_prefix_caching, "kv_allocator": config.kv_allocator}
     if config.speculative_config is not None:
@@ -149,7 +149,7 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
             settings |= {"kv_offload_disk_size": config.kv_offload_disk_size,
                          "disk_block_load_s": tier.disk_load_s, "disk_block_write_s": tier.disk_write_s}
     return SimSetup(config, model, num_blocks, cost, settings, spec_acceptance_rate,
-                    None if draft is None else StepCost(draft[0], dev, p.weight_dtype, eff), seed, tier)
+                    None if draft is None else StepCost(draft[0], cost.device, p.weight_dtype, eff), seed, tier)
 
 
 def tier_costs(config: EngineConfig, dev, page: int) -> TierCosts | None:
@@ -219,13 +219,14 @@ def check_pool(m: ModelConfig, p, dev, config: EngineConfig, tp: int, num_blocks
 def step_cost(m: ModelConfig, p, dev, config: EngineConfig, model: str, tp: int, weight_dtype: str,
               efficiency: Efficiency | None) -> tuple[StepCost, str]:
     """The step cost and the weight dtype it prices: this CPU's cached calibration when it
-    was fitted for these engine settings (then with the cost it was fitted on: weights as
-    the engine stores them), else the config's cost on the plain roofline."""
+    was fitted for these engine settings (then with the cost and the ceilings it was fitted
+    on: weights as the engine stores them), else the config's cost on the plain roofline."""
     spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
     cost, eff, w_dtype = config_cost(m, spec, p.weight_dtype, tp), efficiency or Efficiency(), p.weight_dtype
     calibration = cpu_calibration(config, model, tp) if dev.is_cpu and weight_dtype == config.weight_dtype else None
-    if calibration is not None:
-        eff, cost, w_dtype = efficiency or calibration[0], calibration[1], config.weight_dtype
+    if calibration is not None:  # on the ceilings it was fitted against
+        eff, cost, w_dtype, dev = efficiency or calibration.efficiency, calibration.cost, config.weight_dtype, \
+            calibration.on(dev)
     elif dev.is_cpu and efficiency is None:
         eff = Efficiency(source="roofline: no calibration cached for this CPU and these settings "
                                 "(run pagedkv simulate --calibrate)")
@@ -233,8 +234,8 @@ def step_cost(m: ModelConfig, p, dev, config: EngineConfig, model: str, tp: int,
 
 
 def cpu_calibration(config: EngineConfig, model: str, tp: int):
-    """This machine's cached calibration of ``model`` under ``config``'s dtypes, as
-    ``(Efficiency, ModelCost)``; None if there is none (or at ``tp`` > 1: it was one process)."""
+    """This machine's cached calibration of ``model`` under ``config``'s dtypes
+    (:class:`~pagedkv.sim.calibrate.Calibration`); None if there is none (or at ``tp`` > 1: it was one process)."""
     from pagedkv.sim.calibrate import cached
 
     return cached(config, model) if tp == 1 else None
