@@ -58,8 +58,13 @@ def test_efficiency_factors_and_overheads():
     one, two, three = (StepWork(k, k, k * 100, k * 100) for k in (1, 2, 3))
     assert (few.seconds(one, 1), few.seconds(two, 2), few.seconds(three, 3)) == pytest.approx(
         (2 * plain.seconds(one, 1), 1.5 * plain.seconds(two, 2), plain.seconds(three, 3)))
+    # few-row KV factors scale only the KV-read phase
+    phased_few = StepCost(cost, dev, "bfloat16", Efficiency(memory=0.5, compute=0.5, kv_read=0.25, attention=0.1,
+                                                            few_row_factors=(2.0,), few_row_kv_factors=(3.0,)))
+    w, mm, kv, attn = plain.phases(one)
+    assert phased_few.seconds(one, 1) == pytest.approx(2 * (max(w, mm) / 0.5 + attn / 0.1) + 3 * kv / 0.25)
     for bad in (dict(memory=0), dict(compute=2.0), dict(step_overhead_s=-1), dict(kv_read=0.5),
-                dict(few_row_factors=(1.0, 0.0)),
+                dict(few_row_factors=(1.0, 0.0)), dict(few_row_kv_factors=(-1.0,)),
                 dict(kv_read=0.5, attention=0.0)):
         with pytest.raises(ValueError):
             Efficiency(**bad)
@@ -78,6 +83,23 @@ def test_fit_recovers_known_factors():
     assert f.median_abs_rel_error < 0.01
     with pytest.raises(ValueError):
         fit(*([[1e-3] * 4] * 6))
+
+
+def test_few_row_factors_split_the_kv_phase_where_contexts_differ():
+    """1-row steps at two KV sizes recover separate factors for the rest and the KV phase;
+    2-row steps at one size get one factor for both; 3 rows is interpolated, 4 and up is 1."""
+    from pagedkv.sim.calibrate import few_row_factors
+
+    class Parts:  # phases (rest, kv, -, -) are the modelled parts as they are
+        def parts(self, ph, n):
+            return ph[0], ph[1]
+
+    samples = [((0.005, kv), 1, 1, 1.2 * 0.005 + 2.5 * kv) for kv in (0.0002, 0.0002, 0.0015, 0.0016)]
+    samples += [((0.006, 0.0004), 2, 2, 0.9 * 0.0064), ((0.006, 0.0004), 2, 2, 0.9 * 0.0064)]
+    samples += [((0.006, 0.0004), 4, 4, 0.0064)]
+    few, few_kv = few_row_factors(Parts(), *zip(*samples), rows=8)
+    assert few[:2] == pytest.approx((1.2, 0.9)) and few_kv[:2] == pytest.approx((2.5, 0.9))
+    assert (few[2], few_kv[2]) == (pytest.approx(0.95), pytest.approx(0.95)) and len(few) == len(few_kv) == 4
 
 
 # ---- workloads ------------------------------------------------------------------------

@@ -6,8 +6,9 @@ the benchmark driver after a warm-up) covers the shapes a serving run mixes:
 - prefill: one prompt each of :data:`PREFILL_LENS` tokens (chunks up to
   ``max_num_batched_tokens``);
 - decode: :data:`DECODE_SHAPES` (requests at once, prompt tokens), :data:`DECODE_STEPS`
-  tokens each (the first step of each batch is a batched prefill); the 1-5 and 8-request
-  decodes also give the few-row corrections (:func:`few_row_factors`).
+  tokens each (the first step of each batch is a batched prefill); the 1-5 request decodes
+  at two context lengths and the 8-request one also give the few-row corrections
+  (:func:`few_row_factors`).
 
 The profile runs :data:`REPEATS` times and each step's time is the median over the repeats
 (the schedule is the same every time; a shared machine's noise only slows a step down, but
@@ -34,12 +35,15 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from pagedkv.config import EngineConfig
 from pagedkv.planner.roofline import ModelCost
 from pagedkv.sim.cost import Efficiency
 
 PREFILL_LENS = (16, 64, 256, 1024, 2048)
-DECODE_SHAPES = ((1, 64), (2, 64), (3, 64), (4, 64), (5, 64), (16, 64), (48, 64), (8, 512), (32, 256))
+DECODE_SHAPES = ((1, 64), (2, 64), (3, 64), (4, 64), (5, 64), (1, 512), (2, 512), (3, 512), (4, 512), (5, 512),
+                 (16, 64), (48, 64), (64, 192), (8, 512), (32, 256))
 DECODE_STEPS = 12
 REPEATS = 3
 FEW_ROWS = 8  # steps of up to this many token rows get a measured correction
@@ -101,24 +105,41 @@ def cached(config: EngineConfig, model: str) -> Calibration | None:
                        c.get("fp32_flops"))
 
 
-def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS) -> tuple[float, ...]:
-    """Per ``M = 1 .. rows`` token rows, the median of measured / modelled seconds over the
-    profiled steps of exactly ``M`` rows; an ``M`` without such steps is interpolated
-    between its neighbours (past the last measured one: nothing, i.e. 1)."""
-    ratios = {}
+def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS) -> tuple[tuple, tuple]:
+    """``(few_row, few_row_kv)`` factors (:class:`~pagedkv.sim.cost.Efficiency`) per ``M = 1
+    .. rows`` token rows, from the profiled steps of exactly ``M`` rows: with ``(rest, kv)``
+    each step's modelled parts (:meth:`~pagedkv.sim.cost.StepCost.parts`), the non-negative
+    ``(a, b)`` minimizing the relative error of ``a * rest + b * kv`` where the steps read KV
+    of at least two sizes (a factor of 2 apart), else one factor for both (the median of
+    measured / modelled). An ``M`` without steps is interpolated between its neighbours
+    (past the last measured one: nothing, i.e. 1)."""
+    from pagedkv.sim.fit import nnls
+
+    factors = {}
     for m in range(1, rows + 1):
-        r = [t / cost.seconds_of(ph, n) for ph, n, k, t in zip(phases, reqs, tokens, secs) if k == m]
-        if r:
-            ratios[m] = statistics.median(r)
-    if not ratios:
-        return ()
-    known = sorted(ratios)
+        got = [(cost.parts(ph, n), t) for ph, n, k, t in zip(phases, reqs, tokens, secs) if k == m]
+        if not got:
+            continue
+        kvs = [kv for (_, kv), _ in got]
+        ab = None
+        if min(kvs) > 0 and max(kvs) >= 2 * min(kvs):
+            a = np.array([[rest / t, kv / t] for (rest, kv), t in got])
+            x, _ = nnls(a, np.ones(len(got)))
+            ab = (float(x[0]), float(x[1])) if (x > 0).all() else None
+        if ab is None:
+            r = statistics.median(t / (rest + kv) for (rest, kv), t in got)
+            ab = (r, r)
+        factors[m] = ab
+    if not factors:
+        return (), ()
+    known = sorted(factors)
     out = []
     for m in range(1, known[-1] + 1):
         lo = max((k for k in known if k <= m), default=known[0])
         hi = min((k for k in known if k >= m), default=known[-1])
-        out.append(ratios[lo] if lo == hi else ratios[lo] + (ratios[hi] - ratios[lo]) * (m - lo) / (hi - lo))
-    return tuple(out)
+        f_lo, f_hi = factors[lo], factors[hi]
+        out.append(f_lo if lo == hi else tuple(a + (b - a) * (m - lo) / (hi - lo) for a, b in zip(f_lo, f_hi)))
+    return tuple(a for a, _ in out), tuple(b for _, b in out)
 
 
 def profile_workload(quick: bool = False, seed: int = 0) -> list:
@@ -171,7 +192,8 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
                             f"{repeats} runs each; median |error| "
                             f"{100 * f.median_abs_rel_error:.1f}%, max {100 * f.max_abs_rel_error:.1f}%)")
     probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
-    eff = replace(eff, few_row_factors=few_row_factors(probe_eff, phases, reqs, tokens, secs))
+    few, few_kv = few_row_factors(probe_eff, phases, reqs, tokens, secs)
+    eff = replace(eff, few_row_factors=few, few_row_kv_factors=few_kv)
     probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
     key = calibration_key(config, engine.config.model)
     entry = {"efficiency": eff.to_dict(), "cost": cost.to_dict(), "fit": asdict(f),

@@ -14,14 +14,17 @@ runs the projections and the attention as separate phases (the attention over pa
 its own kernel, after a layer's projections, and reads KV at a rate of its own), each
 term at its own fraction of the roofline, plus fixed costs::
 
-    seconds = (max(weights_s / memory, matmul_s / compute)
-               + kv_s / kv_read + attention_s / attention
+    seconds = (max(weights_s / memory, matmul_s / compute) + attention_s / attention
                + step_overhead_s + request_overhead_s * requests in the step) * few_row[M]
+              + kv_s / kv_read * few_row_kv[M]
 
-where ``few_row[M]`` corrects steps of only ``M`` token rows (decodes of a few requests),
-measured per ``M``: on this CPU the GGML-block linear kernel reuses a widened weight for 4
-activation rows at a time and goes over the weights once per row below that
-(``attention/csrc/ggml_linear.cpp``), which no roofline term expresses (1 for larger steps).
+where ``few_row[M]`` and ``few_row_kv[M]`` correct steps of only ``M`` token rows (decodes
+of a few requests), measured per ``M`` (1 for larger steps): on this CPU the GGML-block
+linear kernel reuses a widened weight for 4 activation rows at a time and goes over the
+weights once per row below that (``attention/csrc/ggml_linear.cpp``), and a decode of one
+or two sequences reads its KV far below the rate a batch reaches (a 1-row step measured
+9 us per cached token against 3.8 us modelled from the batch-fitted ``kv_read``): neither
+is a roofline term.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class Efficiency:
         attention: fraction of the matrix rate the attention FLOPs reach in that phase.
         few_row_factors: the ``few_row[M]`` factors above for ``M = 1, 2, ...`` token rows
             (each > 0); ``()``: none (1 for every step).
+        few_row_kv_factors: the ``few_row_kv[M]`` factors (each > 0); ``()``: the KV term
+            takes ``few_row[M]`` too.
         step_overhead_s: seconds every step adds (scheduling, launches, sampling), >= 0.
         request_overhead_s: seconds each request in the step adds (per-sequence
             metadata, Python), >= 0.
@@ -58,6 +63,7 @@ class Efficiency:
     kv_read: float | None = None
     attention: float | None = None
     few_row_factors: tuple[float, ...] = ()
+    few_row_kv_factors: tuple[float, ...] = ()
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     source: str = "roofline (no efficiency factors, no overheads)"
@@ -70,15 +76,23 @@ class Efficiency:
             if not (v is None and name in ("kv_read", "attention")) and not (
                     isinstance(v, (int, float)) and 0.0 < v <= 1.5):
                 raise ValueError(f"{name} efficiency must be in (0, 1.5], got {v!r}")
-        object.__setattr__(self, "few_row_factors", tuple(float(f) for f in self.few_row_factors))
-        if not all(0 < f < float("inf") for f in self.few_row_factors):
-            raise ValueError(f"few_row_factors must be positive, got {self.few_row_factors!r}")
+        for name in ("few_row_factors", "few_row_kv_factors"):
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+            if not all(0 < f < float("inf") for f in getattr(self, name)):
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         for name in ("step_overhead_s", "request_overhead_s"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def few_row(self, tokens: int) -> tuple[float, float]:
+        """``(few_row[M], few_row_kv[M])`` for a step of ``tokens`` rows (1 past the tables)."""
+        few = self.few_row_factors[tokens - 1] if 0 < tokens <= len(self.few_row_factors) else 1.0
+        if not self.few_row_kv_factors:
+            return few, few
+        return few, self.few_row_kv_factors[tokens - 1] if 0 < tokens <= len(self.few_row_kv_factors) else 1.0
 
 
 @dataclass(frozen=True)
@@ -117,9 +131,9 @@ class StepCost:
     def seconds_of(self, phases: tuple[float, float, float, float], num_requests: int, tokens: int = 0) -> float:
         """Modelled seconds of a step of ``tokens`` rows with these :meth:`phases` (see the
         module docstring), plus its tensor-parallel all-reduces (:meth:`allreduce_seconds`)."""
-        e = self.efficiency
-        few = e.few_row_factors[tokens - 1] if 0 < tokens <= len(e.few_row_factors) else 1.0
-        return few * self._seconds(phases, num_requests) + self.allreduce_seconds(tokens)
+        rest, kv = self.parts(phases, num_requests)
+        few, few_kv = self.efficiency.few_row(tokens)
+        return few * rest + few_kv * kv + self.allreduce_seconds(tokens)
 
     def allreduce_seconds(self, tokens: int) -> float:
         """The step's all-reduce time, as the planner's roofline counts it
@@ -130,11 +144,13 @@ class StepCost:
             return 0.0
         return tokens * elements * d.activation_bytes / d.tp_link
 
-    def _seconds(self, phases: tuple[float, float, float, float], num_requests: int) -> float:
+    def parts(self, phases: tuple[float, float, float, float], num_requests: int) -> tuple[float, float]:
+        """``(rest_s, kv_s)``: the step's modelled seconds before the few-row factors, with
+        the separate KV-read phase apart (0 on the plain roofline, where KV reads overlap
+        the projections)."""
         e = self.efficiency
         w, mm, kv, attn = phases
+        over = e.step_overhead_s + e.request_overhead_s * num_requests
         if e.attention is None:
-            core = max((w + kv) / e.memory, (mm + attn) / e.compute)
-        else:
-            core = max(w / e.memory, mm / e.compute) + kv / e.kv_read + attn / e.attention
-        return core + e.step_overhead_s + e.request_overhead_s * num_requests
+            return max((w + kv) / e.memory, (mm + attn) / e.compute) + over, 0.0
+        return max(w / e.memory, mm / e.compute) + attn / e.attention + over, kv / e.kv_read

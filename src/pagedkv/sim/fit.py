@@ -40,7 +40,7 @@ class Fit:
     samples: int
 
 
-def _nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+def nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
     """Non-negative least squares by trying every subset of columns (few columns)."""
     best_x, best_loss = np.zeros(a.shape[1]), float((y ** 2).sum())
     for k in range(1, a.shape[1] + 1):
@@ -73,7 +73,7 @@ def fit(weights_s, matmul_s, kv_s, attention_s, requests, seconds) -> Fit:
         best = None
         for em in mems:
             for ec in comps:
-                x, loss = _nnls(linear, (t - np.maximum(w / em, mm / ec)) * inv)
+                x, loss = nnls(linear, (t - np.maximum(w / em, mm / ec)) * inv)
                 if best is None or loss < best[0]:
                     best = (loss, float(em), float(ec), x)
         return best
