@@ -10,6 +10,14 @@ Scenarios (the ``pagedkv bench`` defaults): throughput (arena-hard, 64 prompts, 
 once), capacity (hh-rlhf at a 128 MiB KV budget, paged and contiguous) and online
 (arena-hard, 32 prompts, Poisson at 0.5 (well below saturation), 2 and 4 requests/s).
 
+The machine drifts (20-30% within minutes here), and the simulator cannot know the
+weather of a later run. So a drift probe (:func:`pagedkv.sim.calibrate.reference_seconds`,
+~4 s) is timed right after the calibration and before and after every real run; each
+real run's drift is the mean of the probes around it over the calibration's. The
+simulator is scored twice: as is (``cost_model_error``) and with every step time scaled
+by each run's drift (``drift_adjusted_error``: the median over the runs' simulations
+against the median of the real runs).
+
     python benchmarks/sim_accuracy.py --output benchmarks/results/sim_accuracy.json
 """
 
@@ -27,8 +35,7 @@ from pagedkv.bench.workloads import build_workload, with_poisson_arrivals
 from pagedkv.config import DEFAULT_MODEL, EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.loader import load_tokenizer, resolve_model
-from pagedkv.sim.calibrate import cached, calibrate
-from pagedkv.sim.clock import VirtualClock
+from pagedkv.sim.calibrate import cached, calibrate, reference_seconds
 from pagedkv.sim.run import extra_metrics, sim_setup
 from pagedkv.sim.runner import RecordedTimes, SimRunner
 
@@ -41,7 +48,7 @@ SCENARIOS = [  # name, dataset, prompts, max prompt tokens, max tokens, rate, en
     ("online-2", "arena-hard", 32, 512, 64, 2.0, {}),
     ("online-4", "arena-hard", 32, 512, 64, 4.0, {}),
 ]
-KEYS = ("output_tokens_per_s", "ttft_p50", "tpot_p50", "preemptions", "peak_kv_blocks", "steps", "duration_s")
+ERROR_KEYS = ("output_tokens_per_s", "ttft_p50", "tpot_p50")
 
 
 def summary(m: dict) -> dict:
@@ -50,21 +57,29 @@ def summary(m: dict) -> dict:
             "steps": m["steps"], "duration_s": m["duration_s"], "num_blocks": m["num_blocks"]}
 
 
-def simulated(setup, requests, recording=None) -> dict:
+def simulated(setup, requests, recording=None, scale: float = 1.0) -> dict:
+    """The simulator's metrics: on the cost model (every step time times ``scale``), or
+    on a real run's recorded step times."""
     engine = setup.engine()
     clock = engine.clock
     if recording is not None:  # the cost model replaced by the real run's step times
-        runner = SimRunner(clock, replay=RecordedTimes(recording.step_starts, recording.step_seconds))
-        engine.core.runner = runner
+        engine.core.runner = SimRunner(clock, replay=RecordedTimes(recording.step_starts, recording.step_seconds))
+    elif scale != 1.0:
+        times = engine.runner.times
+        engine.runner.times = lambda i, work, n: scale * times(i, work, n)
     run = drive(engine, requests, clock=clock, sleep=engine.runner.sleep)
     return summary(run.metrics() | extra_metrics(run))
 
 
-def scenario(tok, repeats, name, dataset, n, cap, max_tokens, rate, flags) -> dict:
+def errors(sim: dict, real: dict) -> dict:
+    return {k: (sim[k] - real[k]) / real[k] for k in ERROR_KEYS if real[k]}
+
+
+def scenario(tok, repeats, probe, ref0, name, dataset, n, cap, max_tokens, rate, flags) -> dict:
     reqs = with_poisson_arrivals(build_workload(dataset, tok, n, cap, max_tokens), rate, seed=0)
     config = EngineConfig(**flags)
     setup = sim_setup(DEFAULT_MODEL, "cpu", 1, config)
-    reals, replays = [], []
+    reals, replays, probes, runs = [], [], [reference_seconds(probe)], []
     for _ in range(repeats):
         engine = LLMEngine(config)  # fresh: pages and prefix cache start empty
         if setup.num_blocks != engine.kv.pool.num_blocks:
@@ -72,13 +87,18 @@ def scenario(tok, repeats, name, dataset, n, cap, max_tokens, rate, flags) -> di
         warm_up(engine)
         run = drive(engine, reqs)
         del engine
+        runs.append(run)
+        probes.append(reference_seconds(probe))
         reals.append(summary(run.metrics()))
         replays.append(simulated(setup, reqs, run))
+    drifts = [(a + b) / 2 / ref0 for a, b in zip(probes, probes[1:])]
     real = {k: statistics.median(r[k] for r in reals) for k in reals[0]}
-    out = {"real": real, "real_runs": reals, "cost_model": simulated(setup, reqs), "replays": replays}
-    c = out["cost_model"]
-    out["cost_model_error"] = {k: (c[k] - real[k]) / real[k] for k in ("output_tokens_per_s", "ttft_p50", "tpot_p50")
-                               if real[k]}
+    adjusted = [simulated(setup, reqs, scale=d) for d in drifts]
+    adjusted_median = {k: statistics.median(a[k] for a in adjusted) for k in ERROR_KEYS}
+    out = {"real": real, "real_runs": reals, "cost_model": simulated(setup, reqs), "replays": replays,
+           "probes_s": probes, "drifts": drifts, "drift_adjusted": adjusted}
+    out["cost_model_error"] = errors(out["cost_model"], real)
+    out["drift_adjusted_error"] = errors(adjusted_median, real)
     out["replay_matches"] = {k: all(p[k] == r[k] for p, r in zip(replays, reals))
                              for k in ("preemptions", "peak_kv_blocks", "steps")}
     print(name, json.dumps(out), flush=True)
@@ -95,14 +115,20 @@ def main() -> None:
     t0 = time.time()
     if not a.no_calibrate or cached(EngineConfig(), DEFAULT_MODEL) is None:
         calibrate(EngineConfig())
-    eff = cached(EngineConfig(), DEFAULT_MODEL).efficiency
+    cal = cached(EngineConfig(), DEFAULT_MODEL)
+    if cal.reference_s is None:
+        raise SystemExit("the cached calibration has no drift probe: run without --no-calibrate")
+    probe = LLMEngine(EngineConfig())  # the drift probe's engine, kept for the whole run
+    warm_up(probe)
     tok = load_tokenizer(resolve_model(DEFAULT_MODEL).folder)
     only = set(a.only.split(",")) if a.only else None
-    results = {s[0]: scenario(tok, a.repeats, *s) for s in SCENARIOS if only is None or s[0] in only}
+    results = {s[0]: scenario(tok, a.repeats, probe, cal.reference_s, *s) for s in SCENARIOS
+               if only is None or s[0] in only}
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
-    doc = {"cpu": model_name, "host": platform.node(), "efficiency": eff.to_dict(), "scenarios": results,
-           "repeats": a.repeats, "wall_s": time.time() - t0,
+    doc = {"cpu": model_name, "host": platform.node(), "efficiency": cal.efficiency.to_dict(),
+           "calibration_reference_s": cal.reference_s, "scenarios": results, "repeats": a.repeats,
+           "wall_s": time.time() - t0,
            "command": f"python benchmarks/sim_accuracy.py --output {a.output} --repeats {a.repeats}"}
     with open(a.output, "w") as f:
         json.dump(doc, f, indent=2)

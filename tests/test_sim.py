@@ -266,11 +266,13 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     monkeypatch.setattr(cal, "cache_path", lambda: tmp_path / "sim_calibration.json")
     config = EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=16)
     r = cal.calibrate(config, quick=True)
-    assert r["steps"] >= 10 and 0 < r["efficiency"]["memory"] <= 1.5 and r["fit"]["samples"] == r["steps"]
+    assert r["steps"] >= 10 and 0 < r["efficiency"]["memory"] <= 1.5
+    assert r["fit"]["samples"] == r["steps"] and r["reference_s"] > 0
     assert len(r["efficiency"]["few_row_factors"]) == 8  # the quick profile decodes 1 and 8 requests
     c = cal.cached(config, str(tiny_model_dir))
     eff, cost = c.efficiency, c.cost
     assert (c.bandwidth, c.fp32_flops) == (r["ceilings"]["bandwidth"], r["ceilings"]["fp32_flops"])
+    assert c.reference_s == r["reference_s"]
     assert eff.source.startswith("calibrated on this CPU") and cost.kv_bytes_per_token == r["cost"]["kv_bytes_per_token"]
     assert cal.cached(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="int8"), str(tiny_model_dir)) is None
     s = simulate(str(tiny_model_dir), "cpu", workload="random", num_prompts=4, input_len=32, output_len=4,

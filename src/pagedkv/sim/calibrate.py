@@ -23,6 +23,11 @@ fits the factors. The result, with that cost, is cached as JSON in
 ``$XDG_CACHE_HOME/pagedkv/sim_calibration.json`` (else ``~/.cache/...``) under a key of the
 machine (host, CPUs, torch threads), the model, its weight/activation/KV dtypes and the
 numerics mode; a simulation on ``cpu`` with the same settings uses it.
+
+The machine's speed drifts (this shared 2-core VM: 20-30% within minutes), so the entry
+also keeps ``reference_s``: the seconds of a fixed small workload (:func:`reference_seconds`)
+timed right after the profile; timing it again later says how much faster or slower the
+machine is than when it was calibrated (``benchmarks/sim_accuracy.py`` uses this).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ DECODE_SHAPES = ((1, 64), (2, 64), (3, 64), (4, 64), (5, 64), (1, 512), (2, 512)
 DECODE_STEPS = 12
 REPEATS = 3
 FEW_ROWS = 8  # steps of up to this many token rows get a measured correction
-QUICK = {"prefill": (16, 128), "shapes": ((1, 16), (8, 16)), "steps": 4}  # tests
+QUICK = {"prefill": (16, 128), "shapes": ((1, 16), (8, 16), (16, 16)), "steps": 4}  # tests
 
 
 def cache_path() -> Path:
@@ -86,6 +91,7 @@ class Calibration:
     cost: ModelCost
     bandwidth: float | None = None
     fp32_flops: float | None = None
+    reference_s: float | None = None  # the drift probe's seconds then (:func:`reference_seconds`)
 
     def on(self, device):
         """``device`` with this calibration's ceilings (a later re-measure of the machine
@@ -102,7 +108,7 @@ def cached(config: EngineConfig, model: str) -> Calibration | None:
         return None
     c = entry.get("ceilings", {})
     return Calibration(Efficiency(**entry["efficiency"]), ModelCost(**entry["cost"]), c.get("bandwidth"),
-                       c.get("fp32_flops"))
+                       c.get("fp32_flops"), entry.get("reference_s"))
 
 
 def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS) -> tuple[tuple, tuple]:
@@ -142,25 +148,46 @@ def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS) -> t
     return tuple(a for a, _ in out), tuple(b for _, b in out)
 
 
-def profile_workload(quick: bool = False, seed: int = 0) -> list:
-    """The profile's requests (all arriving at once, in order; random token ids)."""
+REFERENCE = ((1, 64), (16, 64))  # decode shapes of the drift probe, after one 256-token prefill
+
+
+def _request(rng: random.Random, prompt_len: int, output_len: int):
     from pagedkv.bench.workloads import BenchRequest
 
+    return BenchRequest(tuple(rng.randrange(100, 30000) for _ in range(prompt_len)), output_len, output_len)
+
+
+def profile_workload(quick: bool = False, seed: int = 0) -> list:
+    """The profile's requests (all arriving at once, in order; random token ids)."""
     rng = random.Random(seed)
-    ids = lambda n: tuple(rng.randrange(100, 30000) for _ in range(n))  # noqa: E731
     prefill = QUICK["prefill"] if quick else PREFILL_LENS
     shapes = QUICK["shapes"] if quick else DECODE_SHAPES
     steps = QUICK["steps"] if quick else DECODE_STEPS
-    return [[BenchRequest(ids(n), 1, 1)] for n in prefill] + [
-        [BenchRequest(ids(p), steps, steps) for _ in range(b)] for b, p in shapes]
+    return [[_request(rng, n, 1)] for n in prefill] + [[_request(rng, p, steps) for _ in range(b)] for b, p in shapes]
+
+
+def reference_seconds(engine, repeats: int = REPEATS) -> float:
+    """Seconds the engine takes for a fixed small workload (a 256-token prefill, then
+    :data:`DECODE_STEPS` decode steps of 1 and of 16 requests), the median over ``repeats``:
+    the machine's speed now, to compare with a calibration's ``reference_s``."""
+    from pagedkv.bench.driver import drive
+
+    rng = random.Random(1)
+    groups = [[_request(rng, 256, 1)]] + [[_request(rng, p, DECODE_STEPS) for _ in range(b)] for b, p in REFERENCE]
+    times = []
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        times.append(sum(sum(drive(engine, g, sample_waste=False).step_seconds) for g in groups))
+    return statistics.median(times)
 
 
 def calibrate(config: EngineConfig | None = None, quick: bool = False, save: bool = True,
               repeats: int = REPEATS) -> dict:
     """Profile the real engine, fit the factors and (``save``) cache them.
 
-    Returns ``{"key", "efficiency", "cost", "fit", "steps"}`` (the fit's relative errors,
-    the number of steps profiled).
+    Returns ``{"key", "efficiency", "cost", "fit", "ceilings", "reference_s", "steps",
+    "samples"}`` (the fit's relative errors, the machine's ceilings and drift probe, the
+    number of steps profiled, each step's modelled phases and measured seconds).
     """
     from pagedkv.bench.driver import drive, warm_up
     from pagedkv.bench.roofline import model_cost
@@ -185,7 +212,7 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
             reqs.append(n)
             tokens.append(work.tokens)
             secs.append(statistics.median(r.step_seconds[i] for r in runs))
-    f = fit(*zip(*phases), reqs, secs)
+    f = fit(*zip(*phases), reqs, secs)  # every step: without the few-row ones the weight term is not identified
     eff = Efficiency(memory=f.memory, compute=f.compute, kv_read=f.kv_read, attention=f.attention,
                      step_overhead_s=f.step_overhead_s, request_overhead_s=f.request_overhead_s,
                      source=f"calibrated on this CPU ({len(secs)} step shapes of the real engine, median of "
@@ -197,7 +224,8 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
     probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
     key = calibration_key(config, engine.config.model)
     entry = {"efficiency": eff.to_dict(), "cost": cost.to_dict(), "fit": asdict(f),
-             "ceilings": {"bandwidth": dev.bandwidth, "fp32_flops": dev.flops_16}}
+             "ceilings": {"bandwidth": dev.bandwidth, "fp32_flops": dev.flops_16},
+             "reference_s": reference_seconds(engine, 1 if quick else repeats)}
     if save:
         data = _load() | {key: entry}
         try:
