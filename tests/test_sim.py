@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -100,6 +101,10 @@ def test_few_row_factors_split_the_kv_phase_where_contexts_differ():
     few, few_kv = few_row_factors(Parts(), *zip(*samples), rows=8)
     assert few[:2] == pytest.approx((1.2, 0.9)) and few_kv[:2] == pytest.approx((2.5, 0.9))
     assert (few[2], few_kv[2]) == (pytest.approx(0.95), pytest.approx(0.95)) and len(few) == len(few_kv) == 4
+    # a split that only noise decides (the rest's factor ~0) falls back to one factor; bad times are left out
+    noisy = [((1.0, kv), 1, 1, t) for kv, t in ((0.1, 1.0), (0.2, 2.0), (0.1, 1.0), (0.2, 2.0))]
+    few, few_kv = few_row_factors(Parts(), *zip(*(noisy + [((1.0, 0.1), 1, 1, 0.0), ((1.0, 0.1), 1, 1, math.nan)])))
+    assert few == few_kv == (pytest.approx(statistics.median([1 / 1.1, 2 / 1.2] * 2)),)
 
 
 # ---- workloads ------------------------------------------------------------------------
@@ -281,6 +286,44 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     assert s.settings["bandwidth_bytes_per_s"] == c.bandwidth  # priced on the ceilings it was fitted on
     # every decode step pays the fitted overheads on top of the roofline
     assert s.metrics["tpot_s"]["p50"] >= eff.step_overhead_s + eff.request_overhead_s
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d, k: [1, 2], lambda d, k: d | {k: [1]}, lambda d, k: d | {k: d[k] | {"efficiency": None}},
+    lambda d, k: d | {k: d[k] | {"ceilings": {"bandwidth": 0, "fp32_flops": 1e11}}},
+    lambda d, k: d | {k: d[k] | {"cost": {}}}, lambda d, k: d | {k: d[k] | {"reference_s": "fast"}}])
+def test_a_damaged_calibration_entry_is_ignored(tmp_path, monkeypatch, damage):
+    """A cache that is JSON but not a calibration's shape (or has impossible ceilings) is
+    treated as no calibration, not a traceback or a silently zero-time simulation; fields
+    a later version adds to the efficiency are ignored."""
+    from pagedkv.config import EngineConfig
+    from pagedkv.sim import calibrate as cal
+
+    path = tmp_path / "sim_calibration.json"
+    monkeypatch.setattr(cal, "cache_path", lambda: path)
+    config = EngineConfig(model="m")
+    key = cal.calibration_key(config, "m")
+    cost = config_cost(load_model("llama-3-8b"), load_model("llama-3-8b").kv_spec("bfloat16"), "bfloat16")
+    good = {key: {"efficiency": Efficiency(memory=0.5).to_dict() | {"added_later": 1}, "cost": cost.to_dict(),
+                  "ceilings": {"bandwidth": 3e10, "fp32_flops": 2e11}, "reference_s": 3.5}}
+    path.write_text(json.dumps(good))
+    assert cal.cached(config, "m").efficiency.memory == 0.5
+    path.write_text(json.dumps(good | {key: good[key] | {"ceilings": None}}))  # as an entry from before ceilings
+    assert cal.cached(config, "m").bandwidth is None
+    path.write_text(json.dumps(damage(good, key)))
+    assert cal.cached(config, "m") is None
+
+
+def test_calibrating_without_saving_writes_no_cache(tiny_model_dir, tmp_path, monkeypatch):
+    from pagedkv.config import EngineConfig
+    from pagedkv.planner import cpu
+    from pagedkv.sim import calibrate as cal
+
+    monkeypatch.setattr(cal, "cache_path", lambda: tmp_path / "sim_calibration.json")
+    monkeypatch.setattr(cpu, "cache_path", lambda: tmp_path / "cpu.json")
+    monkeypatch.setattr(cpu, "READ_BYTES", 8 * 2**20)
+    r = cal.calibrate(EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=16), quick=True, save=False)
+    assert r["ceilings"]["bandwidth"] > 0 and not list(tmp_path.iterdir())
 
 
 # ---- speculative decoding ---------------------------------------------------------------

@@ -106,17 +106,20 @@ def page_copy_bandwidth(chunk_bytes: int, pool_bytes: int | None = None, copy_by
     return max(rates)
 
 
-def load_or_measure(path: Path | None = None, fresh: bool = False) -> dict:
-    """The cached measurement for this machine, measuring (and caching) if absent or stale,
-    or (``fresh``) in any case: a cache taken while the machine was busy stays low for good."""
+def load_or_measure(path: Path | None = None, fresh: bool = False, save: bool = True) -> dict:
+    """The cached measurement for this machine, measuring (and, with ``save``, caching) if
+    absent or stale, or (``fresh``) in any case: a cache taken while the machine was busy
+    stays low for good."""
     path = path or cache_path()
     try:
         cached = json.loads(path.read_text())
         if not fresh and cached.get("key") == _machine_key() and "copy_bandwidth_bytes_per_s" in cached:
             return cached
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # unreadable, or not this file's shape: measure
         pass
     result = measure()
+    if not save:
+        return result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))

@@ -120,13 +120,13 @@ def disk_block_load_seconds(page_bytes: int, host_link: float | None) -> float:
     return page_bytes / nvme_read_bandwidth() + (page_bytes / host_link if host_link else 0.0)
 
 
-def cpu_device(fresh: bool = False) -> Device:
+def cpu_device(fresh: bool = False, save: bool = True) -> Device:
     """This machine as a :class:`Device`, from :mod:`pagedkv.planner.cpu`'s measurement
-    (measured once, then cached; ``fresh``: measured again now and cached): fp32 matmul
-    rate, read bandwidth, physical RAM."""
+    (measured once, then cached; ``fresh``: measured again now, and cached if ``save``):
+    fp32 matmul rate, read bandwidth, physical RAM."""
     from pagedkv.planner.cpu import cache_path, load_or_measure
 
-    m = load_or_measure(fresh=fresh)
+    m = load_or_measure(fresh=fresh, save=save)
     return Device(name="cpu", label=f"this machine ({os.cpu_count()} CPUs, measured)",
                   memory_bytes=int(m["memory_bytes"]), bandwidth=float(m["read_bandwidth_bytes_per_s"]),
                   flops_16=float(m["fp32_flops"]), flops_fp8=None, host_link=None, pcie_gen=None,

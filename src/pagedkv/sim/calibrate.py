@@ -33,11 +33,12 @@ machine is than when it was calibrated (``benchmarks/sim_accuracy.py`` uses this
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import random
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,7 @@ DECODE_SHAPES = ((1, 64), (2, 64), (3, 64), (4, 64), (5, 64), (1, 512), (2, 512)
 DECODE_STEPS = 12
 REPEATS = 3
 FEW_ROWS = 8  # steps of up to this many token rows get a measured correction
+SPLIT_RANGE = 5.0  # a few-row (rest, KV) split is kept only within this factor of the one-factor fit
 QUICK = {"prefill": (16, 128), "shapes": ((1, 16), (8, 16), (16, 16)), "steps": 4}  # tests
 
 
@@ -77,9 +79,10 @@ def _threads() -> int:
 
 def _load() -> dict:
     try:
-        return json.loads(cache_path().read_text())
+        data = json.loads(cache_path().read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}  # a damaged file: as if none
 
 
 @dataclass(frozen=True)
@@ -103,12 +106,23 @@ class Calibration:
 
 def cached(config: EngineConfig, model: str) -> Calibration | None:
     """The cached calibration for these settings on this machine, or None."""
-    entry = _load().get(calibration_key(config, model))
+    try:
+        return _parse(_load().get(calibration_key(config, model)))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None  # a damaged or foreign entry: as if none (calibrate again)
+
+
+def _parse(entry) -> Calibration | None:
     if entry is None:
         return None
-    c = entry.get("ceilings", {})
-    return Calibration(Efficiency(**entry["efficiency"]), ModelCost(**entry["cost"]), c.get("bandwidth"),
-                       c.get("fp32_flops"), entry.get("reference_s"))
+    known = {f.name for f in fields(Efficiency)}  # fields a later version added are ignored
+    eff = Efficiency(**{k: v for k, v in entry["efficiency"].items() if k in known})
+    c = entry.get("ceilings") or {}
+    bw, flops, ref = c.get("bandwidth"), c.get("fp32_flops"), entry.get("reference_s")
+    for v in (bw, flops, ref):
+        if v is not None and not (isinstance(v, (int, float)) and 0 < v < math.inf):
+            raise ValueError(f"a calibration's ceilings and probe must be positive numbers, got {v!r}")
+    return Calibration(eff, ModelCost(**entry["cost"]), bw, flops, ref)
 
 
 def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS) -> tuple[tuple, tuple]:
@@ -116,25 +130,26 @@ def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS) -> t
     .. rows`` token rows, from the profiled steps of exactly ``M`` rows: with ``(rest, kv)``
     each step's modelled parts (:meth:`~pagedkv.sim.cost.StepCost.parts`), the non-negative
     ``(a, b)`` minimizing the relative error of ``a * rest + b * kv`` where the steps read KV
-    of at least two sizes (a factor of 2 apart), else one factor for both (the median of
-    measured / modelled). An ``M`` without steps is interpolated between its neighbours
+    of at least two sizes (a factor of 2 apart, 4 steps or more) and both lie within
+    :data:`SPLIT_RANGE` of the one-factor fit, else one factor for both (the median of
+    measured / modelled). Steps without a positive, finite time are left out. An ``M`` without steps is interpolated between its neighbours
     (past the last measured one: nothing, i.e. 1)."""
     from pagedkv.sim.fit import nnls
 
     factors = {}
     for m in range(1, rows + 1):
-        got = [(cost.parts(ph, n), t) for ph, n, k, t in zip(phases, reqs, tokens, secs) if k == m]
+        got = [(cost.parts(ph, n), t) for ph, n, k, t in zip(phases, reqs, tokens, secs)
+               if k == m and 0 < t < math.inf]
         if not got:
             continue
+        r = statistics.median(t / (rest + kv) for (rest, kv), t in got)
+        ab = (r, r)
         kvs = [kv for (_, kv), _ in got]
-        ab = None
-        if min(kvs) > 0 and max(kvs) >= 2 * min(kvs):
+        if len(got) >= 4 and min(kvs) > 0 and max(kvs) >= 2 * min(kvs):
             a = np.array([[rest / t, kv / t] for (rest, kv), t in got])
             x, _ = nnls(a, np.ones(len(got)))
-            ab = (float(x[0]), float(x[1])) if (x > 0).all() else None
-        if ab is None:
-            r = statistics.median(t / (rest + kv) for (rest, kv), t in got)
-            ab = (r, r)
+            if all(r / SPLIT_RANGE <= v <= r * SPLIT_RANGE for v in x):  # else noise decided the split
+                ab = (float(x[0]), float(x[1]))
         factors[m] = ab
     if not factors:
         return (), ()
@@ -199,7 +214,7 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
     config = config or EngineConfig()
     engine = LLMEngine(config)
     warm_up(engine)
-    cost, dev = model_cost(engine), cpu_device(fresh=True)  # this sitting's ceilings, not a cached hour's
+    cost, dev = model_cost(engine), cpu_device(fresh=True, save=save)  # this sitting's ceilings
     probe = StepCost(cost, dev, "int8" if config.activation_dtype == "int8" else "float32")
     phases, reqs, tokens, secs = [], [], [], []
     for group in profile_workload(quick):

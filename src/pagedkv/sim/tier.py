@@ -93,8 +93,8 @@ class SimTierWorker(KVConnectorWorker):
             self._writes.append((t, h))
         self._disk_free = t
         n_disk = len(meta.disk_loads)
-        self._counts = (len(meta.loads), len(meta.saves), load_s, n_disk, n_disk * c.page_bytes, swapped, swap_s,
-                        load_s)
+        self._counts = (len(meta.loads), len(meta.saves), load_s + disk_s, n_disk, n_disk * c.page_bytes, swapped,
+                        swap_s, load_s)  # (load seconds count disk loads too, as the engine's worker times them)
         return before, len(meta.saves) * page_s
 
     def finish(self, end: float):
