@@ -263,6 +263,42 @@ def test_cli_bad_input_is_one_line(argv, msg, capsys):
     assert err.startswith("error:") and msg in err and "\n" not in err
 
 
+def test_cli_takes_vllms_tensor_parallel_size(capsys):
+    args = ["simulate", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--workload", "random", "--num-prompts", "4",
+            "--json"]
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["tp"] == 2
+    assert main(args + ["--tensor-parallel-size", "2", "--tp", "4"]) == 2
+    assert "disagree" in capsys.readouterr().err
+
+
+def test_cpu_tier_copies_priced_as_the_planner_prices_them(monkeypatch):
+    """On the CPU both price a page copy at the rate measured for the page's piece size,
+    and a disk load adds that copy after the NVMe read."""
+    from pagedkv.planner import cpu
+
+    monkeypatch.setattr(cpu, "page_copy_bandwidth", lambda piece, *a, **k: 1e9 + piece)  # deterministic
+    kw = dict(kv_cache_memory="64MiB", kv_offload_memory="256MiB", kv_offload_disk_size="1GiB")
+    planned = plan("smollm2-135m-instruct", "cpu", **kw)
+    s = simulate("smollm2-135m-instruct", "cpu", workload="random", num_prompts=2, input_len=32, output_len=2,
+                 kv_offload_dir="/unused", **kw).settings
+    page = planned.offload_cpu_block_load_seconds * s["host_link_bytes_per_s"]
+    assert s["host_link_bytes_per_s"] == 1e9 + page // (30 * 2)  # a K or V piece per layer
+    assert s["disk_block_load_s"] == pytest.approx(planned.offload_disk_block_load_seconds)
+    assert s["disk_block_load_s"] > planned.offload_cpu_block_load_seconds  # the disk is the slower tier
+
+
+def test_calibration_warnings_name_a_suspect_fit():
+    from pagedkv.sim.cli import calibration_warnings
+
+    good = {"efficiency": {"memory": 0.7, "compute": 0.8, "kv_read": 0.4, "attention": 0.5},
+            "fit": {"median_abs_rel_error": 0.1}}
+    assert calibration_warnings(good) == []
+    bad = {"efficiency": good["efficiency"] | {"compute": 1.5}, "fit": {"median_abs_rel_error": 0.2}}
+    w = calibration_warnings(bad)
+    assert len(w) == 2 and "compute at the 1.5 cap" in w[0] and "20%" in w[1]
+
+
 # ---- calibration on this CPU ----------------------------------------------------------
 def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeypatch):
     from pagedkv.config import EngineConfig

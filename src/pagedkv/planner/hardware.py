@@ -113,11 +113,12 @@ def nvme_write_bandwidth() -> float:
     return catalog_data()["storage"]["nvme"]["write_gbps"] * 1e9
 
 
-def disk_block_load_seconds(page_bytes: int, host_link: float | None) -> float:
-    """Seconds to bring one ``page_bytes`` page from the disk KV tier into device pages: an
-    NVMe read, then the host link one way where the device has one (a GPU; on the CPU the
-    record is read straight into the cache). The planner and the simulator both use this."""
-    return page_bytes / nvme_read_bandwidth() + (page_bytes / host_link if host_link else 0.0)
+def disk_block_load_seconds(page_bytes: int, link: float | None) -> float:
+    """Seconds to bring one ``page_bytes`` page from the disk KV tier into the cache: an
+    NVMe read, then ``link`` bytes/s into the device pages (the host link on a GPU, the page
+    copy rate on the CPU: :func:`pagedkv.planner.plan.tier_link`). The planner and the
+    simulator both use this."""
+    return page_bytes / nvme_read_bandwidth() + (page_bytes / link if link else 0.0)
 
 
 def cpu_device(fresh: bool = False, save: bool = True) -> Device:

@@ -171,12 +171,7 @@ def _tiers(c: _Inputs, memory, disk) -> dict:
     from pagedkv.kv.disk_offload import RECORD_OVERHEAD
 
     page, out = pool_page_bytes(c.specs()), {}
-    link = c.dev.host_link if c.dev else None
-    if c.dev is not None and c.dev.is_cpu and memory is not None:  # pages copied piece by piece in host memory
-        from pagedkv.planner.cpu import page_copy_bandwidth
-
-        pieces = sum(s.num_layers * (1 if s.mla_latent_dim else 2) for s in c.specs())  # K and V of every layer
-        link = page_copy_bandwidth(max(1, page // pieces))
+    link = tier_link(c.dev, c.specs(), page) if c.dev is not None and (memory or disk) is not None else None
     if memory is not None:
         n = parse_size(memory) // page
         out.update(offload_cpu_blocks=n, offload_cpu_tokens=n * c.spec.block_size,
@@ -184,8 +179,22 @@ def _tiers(c: _Inputs, memory, disk) -> dict:
     if disk is not None:
         n = parse_size(disk) // (page + RECORD_OVERHEAD)
         out.update(offload_disk_blocks=n, offload_disk_tokens=n * c.spec.block_size,
-                   offload_disk_block_load_seconds=disk_block_load_seconds(page, c.dev.host_link) if c.dev else None)
+                   offload_disk_block_load_seconds=disk_block_load_seconds(page, link) if c.dev else None)
     return out
+
+
+def tier_link(dev: Device, specs, page: int) -> float | None:
+    """Bytes/s of moving one page between the device cache and host memory: the host link
+    (PCIe one way) on a GPU; on the CPU, a page copy piece by piece (a K or V piece per
+    layer) at the rate measured for pieces of that size
+    (:func:`~pagedkv.planner.cpu.page_copy_bandwidth`). The planner and the simulator
+    price CPU-tier copies and the last leg of a disk load with it."""
+    if not dev.is_cpu:
+        return dev.host_link
+    from pagedkv.planner.cpu import page_copy_bandwidth
+
+    pieces = sum(s.num_layers * (1 if s.mla_latent_dim else 2) for s in specs)  # K and V of every layer
+    return page_copy_bandwidth(max(1, page // pieces))
 
 
 def _preemption(c: _Inputs, f: dict) -> dict:

@@ -28,8 +28,8 @@ EXAMPLES = """examples:
   pagedkv simulate --calibrate
   pagedkv simulate --gpu cpu --workload arena-hard --num-prompts 32 --request-rate 1
   # does splitting prefill and decode pay? 2 prefill + 1 decode instances vs 3 colocated
-  pagedkv simulate --model llama-3-70b --gpu h100-sxm --tp 4 --workload random --random-input-len 2048 \
-      --max-prompt-tokens 4096 --num-prompts 600 --request-rate 8 --disagg 2P1D
+  pagedkv simulate --model llama-3-70b --gpu h100-sxm --tp 4 --workload random --random-input-len 2048 \\
+      --num-prompts 600 --request-rate 8 --disagg 2P1D
   # a trace: one {"arrival": s, "prompt_len": n, "output_len": m} per line
   pagedkv simulate --model llama-3-8b --gpu l40s --trace requests.jsonl --json
 """
@@ -100,7 +100,28 @@ def _engine_flags(a) -> tuple[dict, str]:
     """The engine flags (``--weight-dtype`` apart: it takes the planner's names too) and it."""
     kw = engine_kwargs(a)
     kw.pop("kv_cache_memory")
+    tp = kw.pop("tensor_parallel_size", 1) or 1  # vLLM's name for --tp
+    if tp != 1:
+        if a.tp not in (1, tp):
+            raise ValueError(f"--tp {a.tp} and --tensor-parallel-size {tp} disagree: give one")
+        a.tp = tp
     return kw, kw.pop("weight_dtype")
+
+
+def calibration_warnings(r: dict) -> list[str]:
+    """What makes a calibration ``r`` suspect: a factor at its cap, or a poor fit (the
+    machine was busy, or its speed drifted during the profile)."""
+    from pagedkv.sim.fit import MAX_EFFICIENCY
+
+    e, out = r["efficiency"], []
+    capped = [k for k in ("memory", "compute", "kv_read", "attention") if e.get(k) == MAX_EFFICIENCY]
+    if capped:
+        out.append(f"{', '.join(capped)} at the {MAX_EFFICIENCY} cap: the ceilings measured at the start "
+                   "were low or the machine sped up during the profile; calibrate again on a quiet machine")
+    if r["fit"]["median_abs_rel_error"] > 0.15:
+        out.append(f"median step error {100 * r['fit']['median_abs_rel_error']:.0f}% (quiet runs here: ~10%): "
+                   "something else was running, or the machine's speed drifted")
+    return out
 
 
 def run_simulate(a) -> int:
@@ -120,6 +141,8 @@ def _run(a) -> int:
 
         kw = flags | {"weight_dtype": weight} | ({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory else {})
         r = calibrate(EngineConfig(**kw))
+        for w in calibration_warnings(r):
+            print(f"warning: {w}", file=sys.stderr)
         print(json.dumps(r, indent=2) if a.json else f"{r['efficiency']['source']}\n"
               f"memory x{r['efficiency']['memory']:.3f}, compute x{r['efficiency']['compute']:.3f}, "
               f"+{1e3 * r['efficiency']['step_overhead_s']:.2f} ms/step, "

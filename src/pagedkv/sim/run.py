@@ -28,7 +28,7 @@ from pagedkv.kv.groups import shared_page_slots
 from pagedkv.model.config import ENGINE_MAX_POSITIONS, ModelConfig
 from pagedkv.planner.hardware import disk_block_load_seconds, get_device, nvme_write_bandwidth
 from pagedkv.planner.models import load_model
-from pagedkv.planner.plan import plan
+from pagedkv.planner.plan import plan, tier_link
 from pagedkv.planner.roofline import config_cost, layer_window_mix
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import Efficiency, StepCost
@@ -142,7 +142,7 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     if config.speculative_config is not None:
         settings |= {"speculative_config": config.speculative_config.__dict__,
                      "spec_acceptance_rate": spec_acceptance_rate}
-    tier = tier_costs(config, dev, page)
+    tier = tier_costs(config, dev, page, [m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)])
     if tier is not None:
         settings |= {"kv_offload_memory": config.kv_offload_memory, "host_link_bytes_per_s": tier.link}
         if config.kv_offload_dir is not None:
@@ -152,14 +152,16 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
                     None if draft is None else StepCost(draft[0], cost.device, p.weight_dtype, eff), seed, tier)
 
 
-def tier_costs(config: EngineConfig, dev, page: int) -> TierCosts | None:
-    """The KV tiers' page copy costs on ``dev`` (None without ``kv_offload_memory``): whole
-    pages over the host link (PCIe one way; a CPU: its measured copy rate), disk pages at the
-    catalog's NVMe rates (:func:`~pagedkv.planner.hardware.disk_block_load_seconds`)."""
+def tier_costs(config: EngineConfig, dev, page: int, specs) -> TierCosts | None:
+    """The KV tiers' page copy costs on ``dev`` (None without ``kv_offload_memory``), as the
+    planner prices them: whole pages at :func:`~pagedkv.planner.plan.tier_link` (PCIe one
+    way; a CPU: its page copy rate at the page's piece size, ``specs`` the pool's KV specs),
+    disk pages at the catalog's NVMe rates and then that link
+    (:func:`~pagedkv.planner.hardware.disk_block_load_seconds`)."""
     if config.kv_offload_memory is None:
         return None
-    return TierCosts(page, dev.host_link or dev.copy_bandwidth or dev.bandwidth,
-                     disk_block_load_seconds(page, dev.host_link), page / nvme_write_bandwidth())
+    link = tier_link(dev, specs, page) or dev.bandwidth
+    return TierCosts(page, link, disk_block_load_seconds(page, link), page / nvme_write_bandwidth())
 
 
 def draft_parts(config: EngineConfig, p, dev, tp: int, rate: float | None):
