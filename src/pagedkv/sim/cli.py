@@ -32,6 +32,10 @@ EXAMPLES = """examples:
       --num-prompts 600 --request-rate 8 --disagg 2P1D
   # a trace: one {"arrival": s, "prompt_len": n, "output_len": m} per line
   pagedkv simulate --model llama-3-8b --gpu l40s --trace requests.jsonl --json
+  # KV tiers: a CPU tier and a disk tier behind it (the simulated disk starts empty;
+  # --kv-offload-dir only switches it on: the directory is neither read nor written)
+  pagedkv simulate --model llama-3-8b --gpu l4 --workload shared-prefix --kv-cache-memory 1GiB \\
+      --kv-offload-memory 4GiB --kv-offload-dir /unused --kv-offload-disk-size 100GiB
 """
 
 
