@@ -171,7 +171,7 @@ def _tiers(c: _Inputs, memory, disk) -> dict:
     from pagedkv.kv.disk_offload import RECORD_OVERHEAD
 
     page, out = pool_page_bytes(c.specs()), {}
-    link = tier_link(c.dev, c.specs(), page) if c.dev is not None and (memory or disk) is not None else None
+    link = tier_link(c.dev, c.specs(), page) if c.dev is not None and (memory is not None or disk is not None) else None
     if memory is not None:
         n = parse_size(memory) // page
         out.update(offload_cpu_blocks=n, offload_cpu_tokens=n * c.spec.block_size,
