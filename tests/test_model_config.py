@@ -61,6 +61,9 @@ def test_gemma_layer_patterns():
     assert g2.layer_windows == (W, None, W, None)
     g3 = parse(BASE | dict(model_type="gemma3_text", sliding_window=W, sliding_window_pattern=2))
     assert g3.layer_windows == (W, None, W, None)
+    six = parse(BASE | dict(model_type="gemma3_text", num_hidden_layers=12))  # Gemma3TextConfig's defaults
+    assert six.layer_windows == (4096,) * 5 + (None,) + (4096,) * 5 + (None,)
+    assert (six.rope_theta, six.local_rope_theta, six.qk_norm, six.final_logit_softcapping) == (1e6, 1e4, True, None)
     typed = parse(BASE | dict(sliding_window=W, layer_types=["full_attention"] + ["sliding_attention"] * 3))
     assert typed.layer_windows == (None, W, W, W) and typed.sliding_layers == 3
     spec = typed.kv_spec("float16", block_size=16)
@@ -91,10 +94,10 @@ def test_engine_fields_rope_tokens_and_defaults():
 
 
 def test_engine_refuses_what_the_planner_reads(tmp_path):
-    folder = _write(tmp_path, BASE | dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
-                                          sliding_window=W, sliding_window_pattern=2))
-    assert load_model(str(folder)).sliding_layers == 2
-    with pytest.raises(ValueError, match="unsupported architecture 'Gemma3ForCausalLM'"):
+    folder = _write(tmp_path, BASE | dict(architectures=["FalconForCausalLM"], model_type="falcon",
+                                          new_decoder_architecture=True, num_kv_heads=2))
+    assert load_model(str(folder)).num_key_value_heads == 2
+    with pytest.raises(ValueError, match="unsupported architecture 'FalconForCausalLM'"):
         load_model_config(folder)
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from pagedkv.attention.dispatch import attention_mode
 from pagedkv.config import SCORED_EVICTIONS, EngineConfig
 from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
-from pagedkv.kv.groups import (FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers, shared_page_slots,
-                               single_group)
+from pagedkv.kv.groups import (FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers, hybrid_page_layers,
+                               shared_page_slots, single_group)
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec, pool_cache_bytes, pool_num_blocks
 from pagedkv.kv.storage import KVCacheStorage
@@ -200,12 +200,13 @@ def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[
     """One group of every layer: a sliding-window group (pages before the window go back,
     :class:`~pagedkv.kv.single_type.SlidingWindowManager`) when every layer has the same
     window (or streaming eviction gives them one, with sinks) and nothing else reads those
-    pages; a window group beside a full-attention group when the model mixes one window with
-    full layers in equal numbers (Gemma 2; their pages share tensors:
+    pages; window groups beside full-attention groups, all of equally many layers, when the
+    model mixes one window with full layers (Gemma 2's halves; Gemma 3's 5:1 in groups of
+    :func:`~pagedkv.kv.groups.hybrid_page_layers` layers; their pages share tensors:
     :func:`~pagedkv.kv.groups.shared_page_slots`); else full attention (correct for any model:
     attention itself applies each layer's window). Not yet for: a draft model (its layers
     attend to everything on the same tables), CPU/disk tiers and swap preemption (they copy
-    whole tables), the contiguous allocator, mixes of unequal size or several windows."""
+    whole tables), the contiguous allocator, or several windows."""
     windows, sinks = set(cfg.layer_windows), 0
     if config.kv_eviction in SCORED_EVICTIONS:
         if any(w is not None for w in windows):
@@ -218,10 +219,10 @@ def kv_groups(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> tuple[
     if len(windows) == 1 and None not in windows and plain:
         spec = SlidingWindowSpec(config.block_size, sliding_window=windows.pop(), num_sinks=sinks)
         return group_layers([spec] * cfg.num_hidden_layers)
-    if plain and len(windows) == 2 and None in windows:  # window and full layers (Gemma 2)
+    if plain and len(windows) == 2 and None in windows:  # window and full layers (Gemma 2, Gemma 3)
         full = FullAttentionSpec(config.block_size)
         groups = group_layers([full if w is None else SlidingWindowSpec(config.block_size, sliding_window=w)
-                               for w in cfg.layer_windows])
+                               for w in cfg.layer_windows], hybrid_page_layers(cfg.layer_windows))
         if shared_page_slots(groups) is not None:  # equal group sizes: pages shared (kv/groups.py)
             return groups
     return single_group(cfg.num_hidden_layers, config.block_size, config.kv_allocator == "contiguous")

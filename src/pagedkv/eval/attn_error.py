@@ -55,10 +55,10 @@ def attention_errors(model, windows: list[list[int]], settings: list[KVSetting],
     den = [0.0] * layers
     scale = model.cfg.attention_scale
     for ids in windows:
-        x = model.embed[torch.tensor(ids)]
+        x = model.embed_rows(torch.tensor(ids))
         positions = torch.arange(len(ids))
         for i, layer in enumerate(model.layers):
-            q, k, v = layer.project(x, positions, model.rope)
+            q, k, v = layer.project(x, positions, model.layer_ropes[i])
             ref = attend(q, k, v, scale, layer.window, layer.sinks)
             den[i] += float(ref.pow(2).sum())
             ck, cv = cal[i] if cal else (None, None)

@@ -16,12 +16,19 @@ allocates page tensors per layer; a page id is valid in every layer of the group
 holds it). When the groups have equally many layers (Gemma 2's alternation), the storage
 lets them share page tensors (:func:`shared_page_slots`: a group's i-th layer uses slot i),
 so a page holds one group's layers and a window group's pages cost only its own layers
-(vLLM's hybrid allocator does the same). Plain data only: no torch.
+(vLLM's hybrid allocator does the same). Unequal mixes (Gemma 3: five window layers to one
+full) are cut into groups of equally many layers, the greatest common divisor of the two
+counts (:func:`hybrid_page_layers`), several groups then sharing one spec::
+
+    Gemma 3 1B: 22 window + 4 full layers -> 11 window groups and 2 full groups of 2 layers
+
+Plain data only: no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 from typing import Sequence
 
 
@@ -68,11 +75,13 @@ class KVCacheGroup:
     layer_ids: tuple[int, ...]
 
 
-def group_layers(layer_specs: Sequence[KVLayerSpec]) -> tuple[KVCacheGroup, ...]:
-    """Group layers with equal specs, in order of each spec's first layer.
+def group_layers(layer_specs: Sequence[KVLayerSpec], group_size: int = 0) -> tuple[KVCacheGroup, ...]:
+    """Group layers with equal specs, in order of each group's first layer; with
+    ``group_size``, each spec's layers (model order) in runs of that many.
 
-    ``layer_specs[i]`` is layer ``i``'s spec. Raises ValueError if there are no layers or
-    the block sizes differ (one pool has one page size).
+    ``layer_specs[i]`` is layer ``i``'s spec. Raises ValueError if there are no layers, the
+    block sizes differ (one pool has one page size) or ``group_size`` does not divide a
+    spec's layer count.
     """
     if not layer_specs:
         raise ValueError("a KV cache needs at least one layer")
@@ -81,7 +90,14 @@ def group_layers(layer_specs: Sequence[KVLayerSpec]) -> tuple[KVCacheGroup, ...]
     order: dict[KVLayerSpec, list[int]] = {}
     for i, spec in enumerate(layer_specs):
         order.setdefault(spec, []).append(i)
-    return tuple(KVCacheGroup(spec, tuple(ids)) for spec, ids in order.items())
+    if not group_size:
+        return tuple(KVCacheGroup(spec, tuple(ids)) for spec, ids in order.items())
+    if any(len(ids) % group_size for ids in order.values()):
+        raise ValueError(f"group size {group_size} does not divide the layer counts "
+                         f"{sorted(len(ids) for ids in order.values())}")
+    runs = [KVCacheGroup(spec, tuple(ids[j:j + group_size])) for spec, ids in order.items()
+            for j in range(0, len(ids), group_size)]
+    return tuple(sorted(runs, key=lambda g: g.layer_ids[0]))
 
 
 def single_group(num_layers: int, block_size: int, contiguous: bool = False) -> tuple[KVCacheGroup, ...]:
@@ -104,11 +120,12 @@ def shared_page_slots(groups: Sequence[KVCacheGroup]) -> tuple[int, ...] | None:
 
 def hybrid_page_layers(layer_windows: Sequence[int | None]) -> int:
     """Layers per page of the hybrid layout (:func:`shared_page_slots`) for a model whose
-    layers are one sliding window and full attention in equal numbers (Gemma 2): that
-    number; else 0 (every page holds every layer). The planner, the simulator and the engine
-    size their pools from this."""
+    layers mix one sliding window with full attention: the greatest common divisor of the
+    two layer counts (Gemma 2's alternation: half the layers; Gemma 3 1B's 22 window and 4
+    full layers: 2), each group that many layers; else 0 (every page holds every layer). The
+    planner, the simulator and the engine size their pools from this."""
     windows = set(layer_windows)
     if len(windows) != 2 or None not in windows:
         return 0
     full = sum(w is None for w in layer_windows)
-    return full if 2 * full == len(layer_windows) else 0
+    return gcd(full, len(layer_windows) - full)

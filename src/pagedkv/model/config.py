@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from pagedkv.kv.groups import hybrid_page_layers
 from pagedkv.kv.spec import KVCacheSpec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ENGINE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's (pagedkv.model.llama.ACTIVATIONS)
 ENGINE_MAX_POSITIONS = 2048  # LlamaConfig's default, for a config.json that names none
 
@@ -71,6 +72,10 @@ class ModelConfig:
     ``query_pre_attn_scalar`` (attention scale ``1 / sqrt`` of it instead of of ``head_dim``),
     ``hidden_act`` (the gated MLP's activation: ``silu`` or ``gelu_pytorch_tanh``), and
     ``embedding_multiplier`` (embeddings times ``sqrt(hidden_size)``; None = 1).
+    Gemma 3's (Gemma Team, 2025, "Gemma 3 Technical Report", sec. 2; HF ``Gemma3TextConfig``)
+    and Qwen 3's: ``qk_norm`` (q and k RMS-normed per head before RoPE, HF ``q_norm``/``k_norm``),
+    ``local_rope_theta``/``local_rope_scaling`` (the sliding-window layers' own RoPE; None:
+    the window layers use ``rope_theta``/``rope_scaling`` like the others).
     """
     num_hidden_layers: int
     hidden_size: int
@@ -107,6 +112,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     hidden_act: str = "silu"
     embedding_multiplier: float | None = None
+    qk_norm: bool = False
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
 
     @property
     def attention_scale(self) -> float:

@@ -15,9 +15,11 @@ Rules that calculators commonly get wrong and that this parser gets right:
 hidden/heads = 224); KV heads default to the query heads only when no KV-head key
 exists; ``sliding_window`` counts only when ``use_sliding_window`` is not false
 (Qwen2 configs carry a window they do not use), and only on the layers that slide
-(``layer_types``; Gemma 2's alternation; Gemma 3's ``sliding_window_pattern``;
-Qwen2's layers from ``max_window_layers`` on). Rope settings are read from
-``rope_theta``/``rope_scaling`` or, as transformers >= 5 writes them, ``rope_parameters``.
+(``layer_types``; Gemma 2's alternation; Gemma 3's ``sliding_window_pattern``, 6 when
+absent; Qwen2's layers from ``max_window_layers`` on). Rope settings are read from
+``rope_theta``/``rope_scaling`` or, as transformers >= 5 writes them, ``rope_parameters``;
+Gemma 3's window layers have their own RoPE (``rope_local_base_freq``, or
+``rope_parameters["sliding_attention"]``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ _MAX_POS_DEFAULT = {"falcon": 2048}
 _NON_GATED_MLP = {"falcon", "gpt2", "gpt_neox", "gpt_bigcode", "opt", "bloom", "phi"}
 _QKV_BIAS = {"qwen2", "qwen2_moe"}
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "falcon": 1}
+#: q and k normed per head before RoPE (HF ``q_norm``/``k_norm``)
+_QK_NORM = {"gemma3_text", "qwen3", "qwen3_moe"}
+#: transformers' defaults where a config.json omits the window (Gemma2Config, Gemma3TextConfig)
+_WINDOW_DEFAULT = {"gemma2": 4096, "gemma3_text": 4096}
+_GEMMA3_PATTERN = 6  # Gemma3TextConfig: every sixth layer is full attention
 _NORM_BIAS = {"falcon", "gpt2", "gpt_neox", "opt", "bloom", "phi"}
 #: sizes checked to be positive integers wherever present
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
@@ -64,15 +71,15 @@ def _kv_heads(cfg: dict, heads: int) -> int:
 
 def layer_windows(cfg: dict, num_layers: int, model_type: str) -> tuple[int | None, ...]:
     """Per layer, the sliding window in tokens or ``None`` (full attention); ``()`` if none slide."""
-    w = cfg.get("sliding_window")
+    w = cfg.get("sliding_window", _WINDOW_DEFAULT.get(model_type))
     if not w or cfg.get("use_sliding_window") is False:
         return ()
     if isinstance(cfg.get("layer_types"), list):
         return tuple(w if t == "sliding_attention" else None for t in cfg["layer_types"])
     if model_type == "gemma2":  # Gemma2Config: sliding on layers 0, 2, 4, ...
         return tuple(w if i % 2 == 0 else None for i in range(num_layers))
-    if cfg.get("sliding_window_pattern"):  # Gemma 3: every pattern-th layer is full
-        p = cfg["sliding_window_pattern"]
+    if cfg.get("sliding_window_pattern") or model_type == "gemma3_text":  # Gemma 3: every p-th layer is full
+        p = cfg.get("sliding_window_pattern") or _GEMMA3_PATTERN
         return tuple(None if (i + 1) % p == 0 else w for i in range(num_layers))
     if cfg.get("use_sliding_window") and cfg.get("max_window_layers") is not None:  # Qwen2
         return tuple(w if i >= cfg["max_window_layers"] else None for i in range(num_layers))
@@ -100,11 +107,26 @@ def _moe(cfg: dict, intermediate: int) -> MoEConfig | None:
         router_bias=cfg.get("topk_method") == "noaux_tc")
 
 
-def _rope(cfg: dict) -> dict:
+def _scaling(params: dict) -> dict | None:
+    """A ``rope_parameters`` entry as ``rope_scaling``: None for ``rope_type: default``."""
+    return None if params.get("rope_type", params.get("type", "default")) == "default" else dict(params)
+
+
+def _rope(cfg: dict, model_type: str) -> dict:
     """``rope_theta`` and ``rope_scaling``; transformers >= 5 keeps both in ``rope_parameters``,
-    where ``rope_type: default`` means no scaling."""
+    where ``rope_type: default`` means no scaling. Gemma 3 (``Gemma3TextConfig``): the full
+    layers' RoPE is ``rope_theta`` (default 1e6) with ``rope_scaling``, the window layers' is
+    ``rope_local_base_freq`` (default 1e4) unscaled, or per layer type in ``rope_parameters``."""
     params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict):
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        return dict(rope_theta=full.get("rope_theta", 1e6 if model_type == "gemma3_text" else 10000.0),
+                    rope_scaling=_scaling(full), local_rope_theta=local.get("rope_theta", 10000.0),
+                    local_rope_scaling=_scaling(local))
     scaling = cfg.get("rope_scaling") or (None if params.get("rope_type", "default") == "default" else dict(params))
+    if model_type == "gemma3_text":
+        return dict(rope_theta=cfg.get("rope_theta", params.get("rope_theta", 1e6)), rope_scaling=scaling,
+                    local_rope_theta=cfg.get("rope_local_base_freq", 10000.0))
     return dict(rope_theta=cfg.get("rope_theta", params.get("rope_theta", 10000.0)), rope_scaling=scaling)
 
 
@@ -161,17 +183,20 @@ def parse(cfg: dict, name: str = "", source: str = "") -> ModelConfig:
         gated_mlp=mt not in _NON_GATED_MLP,
         norms_per_layer=2 if cfg.get("new_decoder_architecture") else _NORMS_PER_LAYER.get(mt, 2),
         norm_bias=mt in _NORM_BIAS, mla=_mla(cfg), moe=_moe(cfg, sizes["intermediate_size"]),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), **_rope(cfg), **_tokens(cfg), **_gemma(cfg, mt, sizes))
+        qk_norm=mt in _QK_NORM, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), **_rope(cfg, mt), **_tokens(cfg),
+        **_gemma(cfg, mt, sizes))
 
 
 def _gemma(cfg: dict, model_type: str, sizes: dict) -> dict:
-    """Gemma 2's soft-capping, attention scale, GeGLU and embedding scale (``Gemma2Config``'s
-    defaults where the file omits them); nothing for other models."""
+    """Gemma 2/3's soft-capping, attention scale, GeGLU and embedding scale (``Gemma2Config``'s
+    and ``Gemma3TextConfig``'s defaults where the file omits them: Gemma 3 caps nothing);
+    nothing for other models."""
     act = _get(cfg, ("hidden_activation", "hidden_act"), "silu")
-    if model_type != "gemma2":
+    if model_type not in ("gemma2", "gemma3_text"):
         return dict(hidden_act=act)
-    return dict(attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0),
-                final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0),
+    cap = model_type == "gemma2"
+    return dict(attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0 if cap else None),
+                final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if cap else None),
                 query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
                 hidden_act=_get(cfg, ("hidden_activation", "hidden_act"), "gelu_pytorch_tanh"),
                 embedding_multiplier=sizes["hidden_size"] ** 0.5)

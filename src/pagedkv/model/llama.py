@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM, Gemma 2/3) over a paged KV cache.
 
 Per layer: RMSNorm -> fused QKV projection -> RoPE -> write K/V to pages through the
 slot mapping -> paged attention (reads through block tables) -> output projection ->
@@ -79,6 +79,7 @@ def _gemma_norms(w: dict, num_layers: int) -> None:
     in fp32 so every norm here is the same ``x * rsqrt(mean(x^2) + eps) * w``."""
     names = ["model.norm.weight"] + [f"model.layers.{i}.{n}_layernorm.weight" for i in range(num_layers)
                                      for n in ("input", "post_attention", "pre_feedforward", "post_feedforward")]
+    names += [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(num_layers) for n in "qk"]  # Gemma 3
     for name in names:
         if name in w:
             w[name] = 1.0 + w[name].to(torch.float32)
@@ -99,6 +100,9 @@ class LlamaLayer:
         self.pre_ff_norm = get("pre_feedforward_layernorm.weight") if cfg.sandwich_norms else None
         self.post_ff_norm = get("post_feedforward_layernorm.weight") if cfg.sandwich_norms else None
         self.act = ACTIVATIONS[cfg.hidden_act]
+        # Gemma 3, Qwen 3: q and k RMS-normed per head (over head_dim) before RoPE
+        self.q_norm = get("self_attn.q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = get("self_attn.k_norm.weight") if cfg.qk_norm else None
         self.qkv = fuse([get(f"self_attn.{p}_proj.weight") for p in "qkv"])  # [(H + 2 Hkv) * D, hidden]
         self.qkv_bias = (torch.cat([get(f"self_attn.{p}_proj.bias") for p in "qkv"])
                          if f"{prefix}.self_attn.q_proj.bias" in w else None)
@@ -151,7 +155,7 @@ class LlamaLayer:
         if any(isinstance(w, GGMLA8Weight) for w in weights) and kernel_op("ggml_a8_linear") is None:
             return False
         cfg = self.cfg
-        if cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.attn_logit_softcapping:
+        if cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.attn_logit_softcapping or cfg.qk_norm:
             return False  # the one-call layer is Llama's
         if self.all_reduce is not None:
             return False  # its products are partial sums: the all-reduce runs between them
@@ -168,7 +172,11 @@ class LlamaLayer:
         h = rms_norm(x, self.in_norm, cfg.rms_norm_eps)
         qkv = self.linear(h, self.qkv, self.qkv_bias)
         cos, sin = tables if tables is not None else rope.tables(positions)
-        qk = rope.rotate_(qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D)
+        if self.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :H].contiguous(), self.q_norm, cfg.rms_norm_eps),
+                            rms_norm(qk[:, H:].contiguous(), self.k_norm, cfg.rms_norm_eps)], dim=1)
+        qk = rope.rotate_(qk, cos, sin)
         return qk[:, :H], qk[:, H:], qkv[:, self.q_size + self.kv_size:].view(T, Hkv, D)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -220,6 +228,10 @@ class LlamaModel:
         if self.lm_head is None or cfg.tie_word_embeddings:
             self.lm_head = self.embed
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        local = (None if cfg.local_rope_theta is None else
+                 RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.local_rope_scaling))
+        #: per layer, its RoPE (Gemma 3's window layers have their own)
+        self.layer_ropes = [local if local is not None and layer.window else self.rope for layer in self.layers]
         self.weight_dtype = weight_dtype
         self.fused_layers = True  # use the one-call decoder_layer op where it applies (fused_op)
         self.fused_stack = True  # and then every layer in one decoder_stack call where that applies (stack_op)
@@ -246,6 +258,8 @@ class LlamaModel:
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(layer, name, Int8Weight.quantize(getattr(layer, name)))
             layer.in_norm, layer.post_norm = layer.in_norm.clone(), layer.post_norm.clone()
+            if layer.q_norm is not None:
+                layer.q_norm, layer.k_norm = layer.q_norm.clone(), layer.k_norm.clone()
             if layer.qkv_bias is not None:
                 layer.qkv_bias = layer.qkv_bias.clone()
         self.lm_head = Int8Weight.quantize(self.lm_head)
@@ -281,7 +295,8 @@ class LlamaModel:
         """
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         x = self.embed_rows(input_ids)
-        tables, sink_tables = self.rope.tables(positions), self.sink_tables(positions)
+        per_rope = {id(r): (r.tables(positions), self.sink_tables(positions, r)) for r in self.layer_ropes}
+        tables, sink_tables = per_rope[id(self.layer_ropes[0])]  # every layer's, where the stack runs
         fused = self.fused_op(kv) if observer is None else None
         stack = self.stack_op(fused, metas, kv_hooks)
         if stack is not None:
@@ -289,10 +304,11 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             if kv_hooks is not None:
                 kv_hooks.wait_for_layer_load(i)
+            tables, sink_tables = per_rope[id(self.layer_ropes[i])]
             if fused is not None:
                 x = layer.forward_fused(fused, x, i, tables, kv, metas[i], sink_tables)
             else:
-                x = layer.forward(x, i, positions, self.rope, kv, metas[i], tables, sink_tables, observer)
+                x = layer.forward(x, i, positions, self.layer_ropes[i], kv, metas[i], tables, sink_tables, observer)
             if kv_hooks is not None:
                 kv_hooks.save_kv_layer(i, kv, metas[i])
         return self.final_norm(x)
@@ -339,9 +355,9 @@ class LlamaModel:
         The calibrations' forward (static KV scales, W8A8 smoothing)."""
         x = self.embed_rows(torch.tensor(token_ids))
         positions = torch.arange(len(token_ids))
-        sink_tables = self.sink_tables(positions)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.project(x, positions, self.rope)
+            sink_tables = self.sink_tables(positions, self.layer_ropes[i])
+            q, k, v = layer.project(x, positions, self.layer_ropes[i])
             if on_kv is not None:
                 on_kv(i, k, v)
             attn = attend(q, k, v, self.cfg.attention_scale, layer.window, layer.sinks,
@@ -349,19 +365,20 @@ class LlamaModel:
             x = layer.finish(x, attn)
         return self.final_norm(x)
 
-    def sink_tables(self, positions: torch.Tensor):
+    def sink_tables(self, positions: torch.Tensor, rope: RotaryEmbedding | None = None):
         """Streaming's positions within the cache (StreamingLLM, Xiao et al. 2023, sec. 3.2):
         with ``streaming_cache_len`` C = sinks + window, the row at position p sits at cache
         position min(p, C - 1) and the sinks at 0..S-1, so a sink key is scored by q rotated
         back by p - (C - 1) (window keys keep their distance p - j: RoPE scores depend on it
         alone, so their stored keys need no re-rotation). Returns that rotation's (cos, sin)
-        tables ``[T, 1, D]`` (identity where p < C), or None when no row needs one."""
+        tables ``[T, 1, D]`` (identity where p < C), or None when no row needs one; ``rope``:
+        the layer's RoPE (default: the full layers')."""
         if self.streaming_cache_len is None or not positions.numel():
             return None
         back = (positions - (self.streaming_cache_len - 1)).clamp_(min=0)
         if not bool(back.any()):
             return None
-        cos, sin = self.rope.tables(back)
+        cos, sin = (rope or self.rope).tables(back)
         return cos, -sin
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -378,8 +395,8 @@ class LlamaModel:
         op = layer_op("decoder_layer")
         if op is None:
             return None
-        if self._fusable is None:
-            self._fusable = all(layer.fusable() for layer in self.layers)
+        if self._fusable is None:  # (the one-call layers take one RoPE table for every layer)
+            self._fusable = all(layer.fusable() for layer in self.layers) and len(set(map(id, self.layer_ropes))) == 1
         if not self._fusable:
             return None
         pages = kv.layer(0)
@@ -415,4 +432,5 @@ class LlamaModel:
             tensors.append(self.embed)
         for layer in self.layers:
             tensors += [layer.in_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]
+            tensors += [t for t in (layer.pre_ff_norm, layer.post_ff_norm, layer.q_norm, layer.k_norm) if t is not None]
         return sum(weight_bytes(t) for t in tensors)

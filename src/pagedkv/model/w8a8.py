@@ -257,6 +257,8 @@ def quantize_model(model, token_ids: list[int]) -> None:
             setattr(layer, n, W8A8Weight.quantize(w, smoothing(amax[n], w)))
         layer.down = W8A8Weight.quantize(layer.down, group=_group(layer.down.shape[1], GROUP))
         layer.in_norm, layer.post_norm = layer.in_norm.clone(), layer.post_norm.clone()
+        if layer.q_norm is not None:
+            layer.q_norm, layer.k_norm = layer.q_norm.clone(), layer.k_norm.clone()
     head = model.lm_head
     model.lm_head = W8A8Weight.quantize(head, smoothing(head_amax, head, HEAD_ALPHA), _group(head.shape[1], HEAD_GROUP))
     model.embed, model.norm = model.embed.clone(), model.norm.clone()

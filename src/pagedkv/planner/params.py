@@ -36,7 +36,7 @@ class ParamCount:
 
 
 def attention_params(m: ModelConfig) -> int:
-    """Parameters of one attention block."""
+    """Parameters of one attention block (Gemma 3/Qwen 3's per-head q and k norms included)."""
     h = m.hidden_size
     if m.mla:
         a = m.mla
@@ -49,7 +49,7 @@ def attention_params(m: ModelConfig) -> int:
     q_out, kv_out = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     weights = h * (q_out + 2 * kv_out) + q_out * h
     bias = (q_out + 2 * kv_out) if m.qkv_bias else 0
-    return weights + bias + (h if m.attention_bias else 0)
+    return weights + bias + (h if m.attention_bias else 0) + (2 * m.head_dim if m.qk_norm else 0)
 
 
 def mlp_params(m: ModelConfig, intermediate: int) -> int:
