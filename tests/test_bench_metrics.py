@@ -222,7 +222,8 @@ def _slot_usage_by_slot(tables: list[dict[str, list[int]]], written: dict[str, i
                                    max_size=6), st.booleans())
 def test_slot_usage_matches_its_definition(bs, reqs, two_groups):
     """Shared pages (counted once, at their fullest), null pages (never), pages past the
-    written tokens (allocated, empty), written counts past the table or negative."""
+    written tokens (allocated, empty), written counts past the table or negative; the
+    pool's ref counts are the tables' entries, as KVCacheManager.check_invariants holds."""
     from types import SimpleNamespace
 
     from pagedkv.kv.manager import KVCacheManager
@@ -231,6 +232,9 @@ def test_slot_usage_matches_its_definition(bs, reqs, two_groups):
     if two_groups:
         tables.append({f"r{i}": t[::-1] for i, (t, _) in enumerate(reqs)})
     written = {f"r{i}": n for i, (_, n) in enumerate(reqs)}
-    fake = SimpleNamespace(block_size=bs, pool=SimpleNamespace(null_block=0),
-                           groups=[SimpleNamespace(block_tables=t) for t in tables])
+    from collections import Counter
+
+    refs = Counter(b for t in tables for table in t.values() for b in table if b != 0)  # the manager's invariant
+    pool = SimpleNamespace(null_block=0, ref_cnt=[refs[b] for b in range(13)], num_used=len(refs))
+    fake = SimpleNamespace(block_size=bs, pool=pool, groups=[SimpleNamespace(block_tables=t) for t in tables])
     assert KVCacheManager.slot_usage(fake, written) == _slot_usage_by_slot(tables, written, bs, 0)

@@ -179,7 +179,8 @@ def test_five_to_one_pages_hold_the_planners_bytes_and_give_hfs_tokens(gemma3_di
 
 def test_many_groups_under_prefix_hits_and_preemption_match_a_roomy_engine(gemma3_dir):
     """Eight groups' prefix hits, pins and preemptions in a tight pool (the invariant check
-    runs every step): the same tokens and log-probs as a roomy engine without caching."""
+    runs every step, and slot_usage is held to its definition): the same tokens and
+    log-probs as a roomy engine without caching."""
     import random
 
     from pagedkv import LLM, SamplingParams
@@ -189,9 +190,23 @@ def test_many_groups_under_prefix_hits_and_preemption_match_a_roomy_engine(gemma
     prompts = [{"prompt_token_ids": base[:k] if i % 2 else [rng.randrange(49152) for _ in range(k)]}
                for i, k in enumerate(rng.choice([1, 3, 4, 11, 12, 13, 16, 24, 33]) for _ in range(10))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    from test_bench_metrics import _slot_usage_by_slot
+
     tight = LLM(model=str(gemma3_dir), block_size=4, batch_invariant=True, num_blocks=70, max_num_batched_tokens=8,
                 debug_invariants=True)
+    eng, checked = tight.engine, []
+    step = eng.step
+
+    def step_and_check_slot_usage():  # the fast slot_usage against its per-slot definition, on real tables
+        out = step()
+        kv, written = eng.kv, {r.request_id: r.num_computed_tokens for r in eng.scheduler.running}
+        want = _slot_usage_by_slot([g.block_tables for g in kv.groups], written, 4, kv.pool.null_block)
+        assert kv.slot_usage(written) == want
+        checked.append(want[0] > 0)
+        return out
+    eng.step = step_and_check_slot_usage
     got = tight.generate(prompts, params)
+    assert sum(checked) > 50
     stats = tight.engine.stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0 and stats.blocks_freed_by_window > 0
     roomy = LLM(model=str(gemma3_dir), block_size=4, batch_invariant=True, num_blocks=1024,

@@ -233,22 +233,28 @@ class KVCacheManager:
     def slot_usage(self, num_written: dict[str, int]) -> tuple[int, int]:
         """``(allocated, filled)`` token slots over pages held by requests in any group,
         shared pages counted once; ``num_written`` maps request id -> tokens whose KV is
-        written. KV memory waste is ``1 - filled / allocated``."""
-        bs, full, partial = self.block_size, [], {}
-        held = set(chain.from_iterable(t for g in self.groups for t in g.block_tables.values()))
-        for g in self.groups:  # per table: pages [0, n // bs) are full, page n // bs holds n % bs
+        written. KV memory waste is ``1 - filled / allocated``.
+
+        A page is full if some table holds it before that request's written tokens end,
+        else it holds the most any table wrote into it. Only each table's tail (from its
+        first page not wholly written) is read: by the invariant :meth:`check_invariants`
+        checks, a page's ref count is the number of table entries holding it, so a page
+        is in no written part exactly when all its entries are tail entries, and the pages
+        held are the pool's used ones. O(tables) a call, not O(entries): a window group's
+        table keeps an entry (the null page) for every page it gave back."""
+        bs, pool = self.block_size, self.pool
+        tails: list[int] = []
+        partial: dict[int, int] = {}
+        for g in self.groups:
             for rid, table in g.block_tables.items():
                 n = max(0, num_written.get(rid, 0))
                 k = min(len(table), n // bs)
-                full.append(table[:k])
-                if k < len(table) and n > k * bs:
-                    partial[table[k]] = max(partial.get(table[k], 0), n - k * bs)
-        full = set(chain.from_iterable(full))
-        null = self.pool.null_block
-        held.discard(null)
-        full.discard(null)
-        filled = bs * len(full) + sum(v for b, v in partial.items() if b not in full and b != null)
-        return len(held) * bs, filled
+                if k < len(table):
+                    tails += table[k:]
+                    if n > k * bs:
+                        partial[table[k]] = max(partial.get(table[k], 0), n - k * bs)
+        only = [b for b, c in Counter(tails).items() if b != pool.null_block and pool.ref_cnt[b] == c]
+        return pool.num_used * bs, bs * (pool.num_used - len(only)) + sum(partial.get(b, 0) for b in only)
 
     def usage(self) -> KVUsage:
         p = self.pool
