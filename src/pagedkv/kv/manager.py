@@ -106,7 +106,11 @@ class KVCacheManager:
             cap = min(cap, max_hit_tokens)
         max_blocks = max(0, cap) // self.block_size
         hashes = self.block_hashes(req)
-        hits = [g.find_longest_hit(hashes, req.all_token_ids, max_blocks) for g in self.groups]
+        hits: list[list[int]] = [[] for _ in self.groups]
+        for i in sorted(range(len(self.groups)), key=lambda i: not self.groups[i].lookup_first):
+            if max_blocks:  # each group's hit caps the next lookups: a window group reads every block up to
+                hits[i] = self.groups[i].find_longest_hit(hashes, req.all_token_ids, max_blocks)  # its cap
+                max_blocks = min(max_blocks, len(hits[i]))
         n = min(len(h) for h in hits)
         while n and any(len(h) != n for h in hits):  # a group hit less: look up n again in every group, since
             hits = [g.find_longest_hit(hashes, req.all_token_ids, n) for g in self.groups]  # the pages a window

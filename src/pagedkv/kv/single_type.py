@@ -30,6 +30,9 @@ class FullAttentionManager:
         pool: the shared page pool.
     """
 
+    #: a prefix lookup stops at the first missing block (cheap): done before other groups'
+    lookup_first = True
+
     def __init__(self, spec: KVLayerSpec, group_id: int, pool: BlockPool) -> None:
         self.spec, self.group_id, self.pool = spec, group_id, pool
         self.block_size = spec.block_size
@@ -170,6 +173,8 @@ class SlidingWindowManager(FullAttentionManager):
     next. A prefix hit of ``n`` blocks needs only the pages the window of position
     ``n * block_size`` reads to be cached (the earlier entries of the hit are the null
     page), so hits survive the eviction of a long prompt's early pages."""
+
+    lookup_first = False  # a lookup reads every block up to its cap: capped by the other groups' hits first
 
     def __init__(self, spec: SlidingWindowSpec, group_id: int, pool: BlockPool) -> None:
         super().__init__(spec, group_id, pool)
