@@ -33,7 +33,7 @@ def test_rejects_what_can_never_fit_while_others_complete(tiny_llm_factory):
     eng = llm.engine
     assert eng.max_model_len == 64
     ok = eng.add_request({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=8, temperature=0))
-    with pytest.raises(ValueError, match=r"= 68 exceeds max_model_len \(64, the whole KV cache: 4 blocks of 16\)"):
+    with pytest.raises(ValueError, match=r"= 68 exceeds max_model_len \(64, the most one request can hold in the whole KV cache: 4 blocks of 16 tokens\)"):
         eng.add_request({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match=r"prompt of 200 tokens leaves no room"):
         eng.add_request({"prompt_token_ids": list(range(200))}, SamplingParams(max_tokens=1))

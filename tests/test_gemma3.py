@@ -213,3 +213,40 @@ def test_many_groups_under_prefix_hits_and_preemption_match_a_roomy_engine(gemma
                 enable_prefix_caching=False)
     for a, b in zip(got, roomy.generate(prompts, params)):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_the_planner_counts_every_page_where_the_engine_keeps_one_group(gemma3_dir):
+    """With an offload tier the engine keeps one full-attention group (window layers give
+    nothing back): the planner's paged bytes per request and requests that fit say so, and
+    equal what the engine holds (found by a break-it pass: the plan counted the windows'
+    savings, about 5x too many requests for Gemma 3 27B)."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.planner.plan import plan
+
+    hybrid = plan(model=str(gemma3_dir), seq_len=79, block_size=4, kv_cache_memory="1MiB")
+    tier = plan(model=str(gemma3_dir), seq_len=79, block_size=4, kv_cache_memory="1MiB", kv_offload_memory="1MiB")
+    assert hybrid.windows_free_pages and not tier.windows_free_pages
+    assert tier.paged_bytes_per_request == 20 * 4 * tier.bytes_per_token  # every layer, every block
+    assert hybrid.max_concurrent_requests > 3 * tier.max_concurrent_requests
+    llm = LLM(model=str(gemma3_dir), block_size=4, num_blocks=64, kv_offload_memory="1MiB")
+    eng, held = llm.engine, []
+    step = eng.step
+    eng.step = lambda: (held.append(eng.kv.usage().used), step())[1]
+    llm.generate([{"prompt_token_ids": list(range(2000, 2060))}],
+                 SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert max(held) * eng.parts.spec.page_size_bytes == tier.paged_bytes_per_request_per_device
+
+
+def test_hybrid_limits_name_the_cache(gemma3_dir):
+    """A pool too small for a one-token request in all eight groups is refused when the
+    engine is built; a request over the cache-set max_model_len is told the cache set it."""
+    from pagedkv import LLM, SamplingParams
+
+    with pytest.raises(ValueError, match="cannot hold a one-token request, which needs 8"):
+        LLM(model=str(gemma3_dir), block_size=4, num_blocks=7)
+    llm = LLM(model=str(gemma3_dir), block_size=4, num_blocks=64)
+    limit = llm.engine.max_model_len
+    assert limit < 512  # the model's own positions
+    with pytest.raises(ValueError, match=rf"max_model_len \({limit}, the most one request can hold in the whole KV "
+                                         r"cache: 64 blocks of 4 tokens\)"):
+        llm.engine.add_request({"prompt_token_ids": list(range(limit - 5))}, SamplingParams(max_tokens=16))

@@ -113,3 +113,24 @@ def test_engine_refuses_biases_it_does_not_apply():
     for extra in (dict(attention_bias=True), dict(mlp_bias=True)):
         with pytest.raises(ValueError, match="attention_bias / mlp_bias"):
             for_engine(parse(BASE | extra))
+
+
+def test_gemma3_configs_as_the_hub_writes_them():
+    """The multimodal wrapper's text_config is its language model (the engine refuses the
+    wrapper by name); keys the Hub's text_config leaves out take Gemma3TextConfig's defaults;
+    what the engine does not run is named (found by a break-it pass)."""
+    text = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
+                model_type="gemma3_text", sliding_window=W)
+    mm = parse(dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", text_config=text,
+                    vision_config={"hidden_size": 1152}))
+    assert mm.num_hidden_layers == 6 and mm.sliding_layers == 5 and mm.architecture == "Gemma3ForConditionalGeneration"
+    assert (mm.num_key_value_heads, mm.head_dim, mm.rms_norm_eps, mm.max_position_embeddings) == (4, 256, 1e-6, 131072)
+    with pytest.raises(ValueError, match="unsupported architecture 'Gemma3ForConditionalGeneration'"):
+        for_engine(mm)
+    assert parse(text | dict(attn_logit_softcapping=1.0)).attn_logit_softcapping is None  # as HF's Gemma 3
+    for extra, match in ((dict(use_bidirectional_attention=True), "bidirectional attention"),
+                         (dict(layer_types=["chunked_attention"] * 6), "layer type 'chunked_attention'")):
+        cfg = parse(text | dict(architectures=["Gemma3ForCausalLM"]) | extra)
+        with pytest.raises(ValueError, match=match):
+            for_engine(cfg)
+    assert for_engine(parse(text | dict(architectures=["Gemma3ForCausalLM"]))).qk_norm

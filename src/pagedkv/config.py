@@ -77,7 +77,10 @@ class EngineConfig:
             from float32's; :mod:`pagedkv.model.ggml_a8`). float32 weights refuse it.
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
             KB/MB/GB of 10); ignored when ``num_blocks`` is set.
-        num_blocks: exact number of KV pages, overriding ``kv_cache_memory``.
+        num_blocks: exact number of KV pages, overriding ``kv_cache_memory``. A page is a
+            block of every layer, or, for a model mixing window and full layers (Gemma 2/3),
+            of one KV group's layers (a fraction of them: see ``stats().kv_bytes_per_token``
+            and ``pagedkv plan``), so the same count holds fewer tokens there.
         kv_offload_memory: size of the CPU KV tier behind the cache, e.g. 2GiB (default:
             off): full prefix blocks are copied there as they are written and loaded back
             for later prompts that share them (:mod:`pagedkv.kv.cpu_offload`); needs

@@ -24,10 +24,11 @@ def resolve_max_tokens(kv: KVCacheManager, max_model_len: int, step_tokens: int,
     Raises:
         ValueError: if the request can never fit, with the limits it hits.
     """
-    cache_tokens = kv.pool.num_blocks * kv.block_size
+    pool = kv.pool.num_blocks  # the cache set max_model_len: it holds that request and no longer one
+    cache_bound = kv.peak_blocks(max_model_len, step_tokens) <= pool < kv.peak_blocks(max_model_len + 1, step_tokens)
     limit = f"max_model_len ({max_model_len}" + (
-        f", the whole KV cache: {kv.pool.num_blocks} blocks of {kv.block_size})"
-        if max_model_len == cache_tokens else ")")
+        f", the most one request can hold in the whole KV cache: {pool} blocks of "
+        f"{kv.block_size} tokens)" if cache_bound else ")")
     if num_prompt >= max_model_len:
         hint = " (streaming eviction runs past the model's positions: raise --max-model-len)" if streaming else ""
         raise ValueError(f"prompt of {num_prompt} tokens leaves no room for output: limit is {limit}{hint}")
@@ -36,7 +37,7 @@ def resolve_max_tokens(kv: KVCacheManager, max_model_len: int, step_tokens: int,
     if total > max_model_len:
         raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({brief(max_tokens)}) = {brief(total)} "
                          f"exceeds {limit}")
-    blocks, pool = kv.peak_blocks(total, step_tokens), kv.pool.num_blocks
+    blocks = kv.peak_blocks(total, step_tokens)
     if blocks > pool:
         raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {blocks} "
                          f"KV blocks of {kv.block_size} tokens, but the whole cache has {pool}")

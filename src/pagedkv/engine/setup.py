@@ -117,6 +117,10 @@ def cache_max_model_len(config: EngineConfig, kv: KVCacheManager, max_len: int) 
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if kv.peak_blocks(mid, step) <= num_blocks else (lo, mid - 1)
+    if lo == 0:
+        raise ValueError(f"a KV cache of {num_blocks} blocks cannot hold a one-token request, which needs "
+                         f"{kv.peak_blocks(1, step)} (a block in each of its {len(kv.groups)} KV groups at least): "
+                         "give it more memory (--kv-cache-memory or --num-blocks)")
     return cap_to_cache(max_len, lo, config.max_model_len is not None)
 
 
@@ -156,10 +160,12 @@ def build_parts(config: EngineConfig, tp=None) -> EngineParts:
         max_len = min(max_len, draft_max_model_len(draft, config.max_model_len))
     groups = kv_groups(config, cfg, draft is not None)
     slots = shared_page_slots(groups)  # equal window and full groups share page tensors, else every page
-    spec = replace(spec, page_layers=0 if slots is None else max(slots) + 1)  # holds every layer (a tier, ...)
-    own = replace(own, page_layers=spec.page_layers)
+    windows = any(isinstance(g.spec, SlidingWindowSpec) for g in groups)  # window pages go back
+    spec = replace(spec, page_layers=0 if slots is None else max(slots) + 1,  # holds every layer (a tier, ...)
+                   page_windows=windows)
+    own = replace(own, page_layers=spec.page_layers, page_windows=windows)
     if draft is not None:  # the draft reads the target's one table: its pages hold every layer too
-        draft = replace(draft, spec=replace(draft.spec, page_layers=0))
+        draft = replace(draft, spec=replace(draft.spec, page_layers=0, page_windows=False))
     specs = (spec,) if draft is None else (spec, draft.spec)
     num_blocks = config.num_blocks or pool_num_blocks(specs, config.kv_cache_memory)
     check_fits_in_ram(pool_cache_bytes(specs, num_blocks))

@@ -118,6 +118,15 @@ def shared_page_slots(groups: Sequence[KVCacheGroup]) -> tuple[int, ...] | None:
     return tuple(slots[layer] for layer in range(len(slots)))
 
 
+def windows_free_pages(layer_windows: Sequence[int | None]) -> bool:
+    """Whether the engine keeps window KV groups for these layers, so window layers give
+    pages back: one window on every layer, or one window beside full layers (else one
+    full-attention group holds every page; a draft model and the offload tiers force that
+    too)."""
+    windows = set(layer_windows)
+    return bool(layer_windows) and (windows - {None}) != set() and len(windows - {None}) == 1
+
+
 def hybrid_page_layers(layer_windows: Sequence[int | None]) -> int:
     """Layers per page of the hybrid layout (:func:`shared_page_slots`) for a model whose
     layers mix one sliding window with full attention: the greatest common divisor of the

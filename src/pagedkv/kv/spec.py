@@ -57,6 +57,10 @@ class KVCacheSpec:
         page_layers: layers whose block one page holds; 0 = every layer. A hybrid cache whose
             KV groups share page tensors (:func:`pagedkv.kv.groups.shared_page_slots`) holds
             one group's layers per page: ``num_layers / number of groups``.
+        page_windows: whether window layers give their pages back as their windows slide
+            (the engine keeps window KV groups); False where one full-attention group holds
+            every layer's pages for every token (a draft model, the offload tiers, layers of
+            several windows): only what is held changes, not what attention reads.
 
     Raises:
         ValueError: on a non-positive size, unknown dtype or granularity, or a
@@ -73,6 +77,7 @@ class KVCacheSpec:
     layer_windows: tuple[int | None, ...] = field(default=())
     scale_granularity: str = "per-token-head"
     page_layers: int = 0
+    page_windows: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -181,10 +186,11 @@ class KVCacheSpec:
     def paged_bytes_for_tokens(self, num_tokens: int) -> int:
         """Bytes a paged engine holds for ``num_tokens``: each layer rounds up to whole
         blocks; a window layer holds at most ``ceil(window / block_size) + 1`` blocks,
-        since a window that does not start on a block boundary straddles one more."""
+        since a window that does not start on a block boundary straddles one more (with
+        ``page_windows``; else every block)."""
         total = 0
         for i in range(self.num_layers):
-            w = self.layer_windows[i] if self.layer_windows else None
+            w = self.layer_windows[i] if self.layer_windows and self.page_windows else None
             blocks = self.blocks_for_tokens(num_tokens)
             if w is not None:
                 blocks = min(blocks, self.blocks_for_tokens(w) + 1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pagedkv.kv.groups import hybrid_page_layers
+from pagedkv.kv.groups import hybrid_page_layers, windows_free_pages
 from pagedkv.kv.spec import KVCacheSpec
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -75,7 +75,9 @@ class ModelConfig:
     Gemma 3's (Gemma Team, 2025, "Gemma 3 Technical Report", sec. 2; HF ``Gemma3TextConfig``)
     and Qwen 3's: ``qk_norm`` (q and k RMS-normed per head before RoPE, HF ``q_norm``/``k_norm``),
     ``local_rope_theta``/``local_rope_scaling`` (the sliding-window layers' own RoPE; None:
-    the window layers use ``rope_theta``/``rope_scaling`` like the others).
+    the window layers use ``rope_theta``/``rope_scaling`` like the others). ``unsupported``:
+    what the config asks for that the engine does not run (bidirectional attention, layer
+    types other than full and sliding attention): :func:`for_engine` refuses it.
     """
     num_hidden_layers: int
     hidden_size: int
@@ -115,6 +117,7 @@ class ModelConfig:
     qk_norm: bool = False
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
+    unsupported: tuple[str, ...] = ()
 
     @property
     def attention_scale(self) -> float:
@@ -190,7 +193,8 @@ class ModelConfig:
                                layer_windows=self.layer_windows, scale_granularity=scale_granularity)
         return KVCacheSpec(self.num_hidden_layers, self.kv_heads_per_device(tp), self.head_dim, dtype,
                            block_size, layer_windows=self.layer_windows, scale_granularity=scale_granularity,
-                           page_layers=hybrid_page_layers(self.layer_windows))
+                           page_layers=hybrid_page_layers(self.layer_windows),
+                           page_windows=windows_free_pages(self.layer_windows))
 
 
 Span = tuple[int, int]  # [start, stop)
@@ -240,6 +244,8 @@ def for_engine(cfg: ModelConfig) -> ModelConfig:
     arch = cfg.architecture or "LlamaForCausalLM"
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; pagedkv runs {SUPPORTED_ARCHITECTURES}")
+    if cfg.unsupported:
+        raise ValueError(f"the engine does not run {'; '.join(cfg.unsupported)} (the planner can size this model)")
     if cfg.hidden_act not in ENGINE_ACTIVATIONS:
         raise ValueError(f"unsupported MLP activation {cfg.hidden_act!r}; pagedkv runs {ENGINE_ACTIVATIONS}")
     if cfg.attention_bias or cfg.mlp_bias:  # (q/k/v biases, Qwen2's, are run)

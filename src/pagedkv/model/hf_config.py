@@ -38,8 +38,16 @@ _QKV_BIAS = {"qwen2", "qwen2_moe"}
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "falcon": 1}
 #: q and k normed per head before RoPE (HF ``q_norm``/``k_norm``)
 _QK_NORM = {"gemma3_text", "qwen3", "qwen3_moe"}
-#: transformers' defaults where a config.json omits the window (Gemma2Config, Gemma3TextConfig)
-_WINDOW_DEFAULT = {"gemma2": 4096, "gemma3_text": 4096}
+#: transformers' defaults for keys config.json files omit (Gemma2Config, Gemma3TextConfig, Qwen3Config;
+#: the Hub's Gemma 3 text_config leaves out several)
+_HF_DEFAULTS = {
+    "gemma2": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, num_key_value_heads=4, head_dim=256,
+                   sliding_window=4096),
+    "gemma3_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_key_value_heads=4, head_dim=256,
+                        sliding_window=4096, vocab_size=262208),
+    "qwen3": dict(rms_norm_eps=1e-6, head_dim=128),
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")  # what layer_types the engine runs
 _GEMMA3_PATTERN = 6  # Gemma3TextConfig: every sixth layer is full attention
 _NORM_BIAS = {"falcon", "gpt2", "gpt_neox", "opt", "bloom", "phi"}
 #: sizes checked to be positive integers wherever present
@@ -71,7 +79,7 @@ def _kv_heads(cfg: dict, heads: int) -> int:
 
 def layer_windows(cfg: dict, num_layers: int, model_type: str) -> tuple[int | None, ...]:
     """Per layer, the sliding window in tokens or ``None`` (full attention); ``()`` if none slide."""
-    w = cfg.get("sliding_window", _WINDOW_DEFAULT.get(model_type))
+    w = cfg.get("sliding_window")
     if not w or cfg.get("use_sliding_window") is False:
         return ()
     if isinstance(cfg.get("layer_types"), list):
@@ -164,7 +172,12 @@ def parse(cfg: dict, name: str = "", source: str = "") -> ModelConfig:
     """
     if not isinstance(cfg, dict):
         raise ValueError(f"config.json of {name} must hold a JSON object, got {type(cfg).__name__}")
+    if isinstance(cfg.get("text_config"), dict) and cfg.get("num_hidden_layers") is None:
+        # a multimodal wrapper (Gemma3ForConditionalGeneration, Llava...): its language model's
+        # shape, under the wrapper's architecture (which the engine refuses by name)
+        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
     mt = str(cfg.get("model_type", ""))
+    cfg = {**_HF_DEFAULTS.get(mt, {}), **cfg}
     sizes = _sizes(cfg, name)
     windows = layer_windows(cfg, sizes["num_hidden_layers"], mt)
     if windows and len(windows) != sizes["num_hidden_layers"]:
@@ -184,7 +197,19 @@ def parse(cfg: dict, name: str = "", source: str = "") -> ModelConfig:
         norms_per_layer=2 if cfg.get("new_decoder_architecture") else _NORMS_PER_LAYER.get(mt, 2),
         norm_bias=mt in _NORM_BIAS, mla=_mla(cfg), moe=_moe(cfg, sizes["intermediate_size"]),
         qk_norm=mt in _QK_NORM, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), **_rope(cfg, mt), **_tokens(cfg),
-        **_gemma(cfg, mt, sizes))
+        **_gemma(cfg, mt, sizes), unsupported=_unsupported(cfg))
+
+
+def _unsupported(cfg: dict) -> tuple[str, ...]:
+    """What the config asks for that the engine does not run (the planner sizes it anyway,
+    such layers as full attention)."""
+    out = []
+    if cfg.get("use_bidirectional_attention"):
+        out.append("bidirectional attention (use_bidirectional_attention: true)")
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        out += [f"layer type {t!r}" for t in dict.fromkeys(types) if t not in _LAYER_TYPES]
+    return tuple(out)
 
 
 def _gemma(cfg: dict, model_type: str, sizes: dict) -> dict:
@@ -194,8 +219,8 @@ def _gemma(cfg: dict, model_type: str, sizes: dict) -> dict:
     act = _get(cfg, ("hidden_activation", "hidden_act"), "silu")
     if model_type not in ("gemma2", "gemma3_text"):
         return dict(hidden_act=act)
-    cap = model_type == "gemma2"
-    return dict(attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0 if cap else None),
+    cap = model_type == "gemma2"  # Gemma 3 replaced soft-capping with q/k norms; HF's Gemma 3 ignores the key
+    return dict(attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0) if cap else None,
                 final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if cap else None),
                 query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
                 hidden_act=_get(cfg, ("hidden_activation", "hidden_act"), "gelu_pytorch_tanh"),

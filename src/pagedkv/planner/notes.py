@@ -33,6 +33,10 @@ def _layout_notes(r, m: ModelConfig) -> list[str]:
         blocks = (f"{fmt_bytes(r.paged_bytes_per_request)} in whole {r.block_size}-token blocks (a window "
                   "that does not start on a block edge straddles one more)"
                   if r.paged_bytes_per_request != r.bytes_per_request else f"the same in whole {r.block_size}-token blocks")
+        if not r.windows_free_pages:
+            blocks = (f"but the engine holds {fmt_bytes(r.paged_bytes_per_request)} in whole {r.block_size}-token "
+                      "blocks: with offload tiers or a draft model (or several windows) it keeps one KV group, "
+                      "whose pages every layer holds for every token")
         out.append(f"{r.sliding_window_layers} of {r.num_layers} layers slide over {r.sliding_window:,} tokens: "
                    f"a request of {r.seq_len:,} tokens holds {fmt_bytes(r.bytes_per_request)} exactly, {blocks}")
     if m.mla and r.tp > 1:

@@ -60,7 +60,7 @@ class _Inputs:
             own = self.spec
         else:
             own = whole_pages(self.m.kv_spec(self.kv_dtype, self.spec.block_size, tp, self.scale),
-                              self.spec.page_layers == 0)
+                              not self.spec.page_windows)
         if self.draft is None:
             return (own,)
         return own, whole_pages(self.draft.kv_spec(self.kv_dtype, self.spec.block_size, tp or self.tp, self.scale))
@@ -71,9 +71,10 @@ class _Inputs:
 
 
 def whole_pages(spec: KVCacheSpec, whole: bool = True) -> KVCacheSpec:
-    """``spec`` with every layer in every page where the engine keeps one KV group (a draft
-    model, the offload tiers: they read whole tables), else as it is (Gemma 2's hybrid pages)."""
-    return replace(spec, page_layers=0) if whole else spec
+    """``spec`` with every layer in every page, each holding every token, where the engine
+    keeps one full-attention KV group (a draft model, the offload tiers: they read whole
+    tables), else as it is (Gemma 2/3's hybrid pages, windows giving pages back)."""
+    return replace(spec, page_layers=0, page_windows=False) if whole else spec
 
 
 def _check_int(name: str, value, minimum: int = 1) -> int:
@@ -125,7 +126,8 @@ def _model_fields(c: _Inputs) -> dict:
         bytes_per_request=exact, paged_bytes_per_request=paged, batch_bytes=exact * c.batch,
         paged_batch_bytes=paged * c.batch, paged_bytes_per_request_per_device=spec.paged_bytes_for_tokens(c.seq_len),
         num_params=c.params.total, active_params=c.params.active, weight_bytes=c.weight_bytes,
-        weight_bytes_per_device=math.ceil(c.weight_bytes / c.tp), **_draft_fields(c))
+        weight_bytes_per_device=math.ceil(c.weight_bytes / c.tp), windows_free_pages=c.spec.page_windows,
+        **_draft_fields(c))
 
 
 def _draft_fields(c: _Inputs) -> dict:
@@ -275,7 +277,7 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
     c = _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, gpu_memory_utilization,
                  kv_heads, block_size, kv_cache_memory, kv_scale_granularity, speculative_config)
     one_group = c.draft is not None or kv_offload_memory is not None or kv_offload_disk_size is not None
-    c = replace(c, spec=whole_pages(c.spec, one_group))
+    c = replace(c, spec=whole_pages(c.spec, one_group), whole=whole_pages(c.whole, one_group))
     fields = {**_model_fields(c), **_capacity(c)}
     if c.dev:
         fields.update(_speed(c, fields.get("max_concurrent_requests")))

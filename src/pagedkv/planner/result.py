@@ -39,7 +39,9 @@ class PlanResult:
     ``bytes_per_token_per_device``, ``bytes_per_request`` (one ``seq_len`` request, windows
     capped, exact), ``paged_bytes_per_request`` (the same, rounded up to whole blocks per layer,
     as a paged engine holds it), ``batch_bytes`` and ``paged_batch_bytes`` (times ``batch``),
-    ``paged_bytes_per_request_per_device`` (one device's share of a request).
+    ``paged_bytes_per_request_per_device`` (one device's share of a request),
+    ``windows_free_pages`` (window layers give pages back; False where the engine keeps one
+    KV group, with offload tiers or a draft model: the paged figures then hold every block).
 
     Weights: ``num_params``, ``active_params`` (per token; MoE), ``weight_bytes``,
     ``weight_bytes_per_device``.
@@ -48,7 +50,8 @@ class PlanResult:
     (× gpu_memory_utilization), ``cache_budget_bytes`` (usable − weights, or
     ``--kv-cache-memory``), ``num_blocks`` (the engine's pool for that budget:
     ``KVCacheSpec.num_blocks_for``), ``max_cached_tokens`` (tokens of every layer those
-    blocks hold: num_blocks × block_size, halved where a block holds one of two groups' layers),
+    blocks hold: num_blocks × block_size, times layers per block / layers where a block holds
+    one KV group's layers),
     ``max_concurrent_requests`` (of ``seq_len`` tokens), ``weights_fit``, ``batch_fits``,
     ``min_tp_for_weights``, ``min_tp_for_batch``.
 
@@ -109,6 +112,7 @@ class PlanResult:
     active_params: int
     weight_bytes: int
     weight_bytes_per_device: int
+    windows_free_pages: bool = True
     device_memory_bytes: int | None = None
     usable_memory_bytes: int | None = None
     cache_budget_bytes: int | None = None
