@@ -16,7 +16,7 @@ from pagedkv.attention.dispatch import attention_mode
 from pagedkv.config import SCORED_EVICTIONS, EngineConfig
 from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
 from pagedkv.kv.groups import (FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers, hybrid_page_layers,
-                               shared_page_slots, single_group)
+                               shared_page_slots, single_group, windows_free_pages)
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import KVCacheSpec, pool_cache_bytes, pool_num_blocks
 from pagedkv.kv.storage import KVCacheStorage
@@ -159,6 +159,10 @@ def build_parts(config: EngineConfig, tp=None) -> EngineParts:
     if draft is not None:  # the draft runs at every position: the shorter limit holds
         max_len = min(max_len, draft_max_model_len(draft, config.max_model_len))
     groups = kv_groups(config, cfg, draft is not None)
+    if windows_free_pages(cfg.layer_windows) and len(groups) == 1 and not isinstance(groups[0].spec, SlidingWindowSpec):
+        warnings.warn("pagedkv: this model's window layers keep every page here (a draft model, an offload tier or "
+                      "the contiguous allocator reads whole tables: one KV group holds every layer), so the same "
+                      "memory holds fewer tokens than without them; `pagedkv plan` shows both", stacklevel=2)
     slots = shared_page_slots(groups)  # equal window and full groups share page tensors, else every page
     windows = any(isinstance(g.spec, SlidingWindowSpec) for g in groups)  # window pages go back
     spec = replace(spec, page_layers=0 if slots is None else max(slots) + 1,  # holds every layer (a tier, ...)

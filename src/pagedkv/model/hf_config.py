@@ -255,6 +255,8 @@ def read_json(path: str | Path) -> dict:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Parse the config.json at ``path``, named after its folder. Raises ValueError (see :func:`parse`)."""
+    """Parse the config.json at ``path``, named after its folder (a file of another name:
+    after the file). Raises ValueError (see :func:`parse`)."""
     path = Path(path)
-    return parse(read_json(path), path.parent.name or str(path), str(path))
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return parse(read_json(path), name or str(path), str(path))
