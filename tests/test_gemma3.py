@@ -7,8 +7,6 @@ greedy tokens equal HF's ``generate``."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from pagedkv.model.loader import load_model_config, load_state_dict
 
 from conftest import TINY_CONFIG
 from test_forward_vs_hf import BLOCK, paged_logits
+from test_sliding_window import save_random
 
 WINDOW = 12
 TOL = 2e-4
@@ -28,14 +27,8 @@ GEMMA3 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, num_
 
 
 def _save(model, folder, default_model_files):
-    with torch.no_grad():  # HF inits small; widen so the norms, RoPE bases and windows all bite
-        for p in model.parameters():
-            p.normal_(0, 0.3 if p.dim() > 1 else 0.2)
-    model.save_pretrained(str(folder))
-    for f in default_model_files.folder.iterdir():  # the real SmolLM2 tokenizer, for the engine
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, folder / f.name)
-    return folder
+    # HF inits small; widen so the norms, RoPE bases and windows all bite
+    return save_random(model, folder, default_model_files.folder, std=0.3, vector_std=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,12 @@ from test_forward_vs_hf import BLOCK, TOL, hf_logits, paged_logits
 WINDOW = 12
 
 
-def save_random(model, folder, tokenizer_from):
+def save_random(model, folder, tokenizer_from, std: float = 0.1, vector_std: float | None = None):
+    """``model`` with weights redrawn from N(0, std) (vectors: ``vector_std``, default std),
+    saved to ``folder`` with the real SmolLM2 tokenizer files from ``tokenizer_from``."""
     with torch.no_grad():  # HF inits small; widen so attention patterns are not uniform
         for p in model.parameters():
-            p.normal_(0, 0.1)
+            p.normal_(0, std if p.dim() > 1 or vector_std is None else vector_std)
     model.save_pretrained(str(folder))
     for f in tokenizer_from.iterdir():  # the real SmolLM2 tokenizer, for the engine
         if f.name.startswith(("tokenizer", "special_tokens")):
