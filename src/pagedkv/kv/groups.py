@@ -123,8 +123,7 @@ def windows_free_pages(layer_windows: Sequence[int | None]) -> bool:
     pages back: one window on every layer, or one window beside full layers (else one
     full-attention group holds every page; a draft model and the offload tiers force that
     too)."""
-    windows = set(layer_windows)
-    return bool(layer_windows) and (windows - {None}) != set() and len(windows - {None}) == 1
+    return len(set(layer_windows) - {None}) == 1
 
 
 def hybrid_page_layers(layer_windows: Sequence[int | None]) -> int:
