@@ -49,6 +49,13 @@ def hf_model(folder):
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def hf_greedy(folder, ids: list[int], n: int) -> list[int]:
+    """HF's greedy continuation of ``ids``: exactly ``n`` tokens (EOS ignored)."""
+    with torch.no_grad():
+        out = hf_model(folder).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
 def test_the_config_reads_gemma2s_extras(gemma2_dir):
     cfg = load_model_config(gemma2_dir)
     assert cfg.layer_windows == (WINDOW, None, WINDOW, None)  # sliding first, alternating
@@ -95,9 +102,7 @@ def test_the_engine_generates_hfs_greedy_tokens_past_the_window(gemma2_dir):
     llm = LLM(model=str(gemma2_dir), num_blocks=32, block_size=4, max_num_batched_tokens=8)
     got = llm.generate([{"prompt_token_ids": ids}],
                        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].token_ids
-    with torch.no_grad():
-        want = hf_model(gemma2_dir).generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                             min_new_tokens=20)[0, len(ids):].tolist()
+    want = hf_greedy(gemma2_dir, ids, 20)
     assert got == want
 
 
@@ -137,9 +142,7 @@ def test_hybrid_pages_hold_the_planners_bytes_and_give_tokens_like_hf(gemma2_dir
     total = len(ids) + 20 - 1  # the last sampled token is never written
     assert max(held) * spec.page_size_bytes == spec.paged_bytes_for_tokens(total)
     assert eng.stats().blocks_freed_by_window > 0
-    with torch.no_grad():
-        want = hf_model(gemma2_dir).generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                             min_new_tokens=20)[0, len(ids):].tolist()
+    want = hf_greedy(gemma2_dir, ids, 20)
     assert got == want
     other = list(range(3000, 3050))
     both = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": other}], params)

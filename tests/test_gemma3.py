@@ -15,6 +15,7 @@ from pagedkv.model.loader import load_model_config, load_state_dict
 
 from conftest import TINY_CONFIG
 from test_forward_vs_hf import BLOCK, paged_logits
+from test_gemma2 import hf_greedy, hf_model
 from test_sliding_window import save_random
 
 WINDOW = 12
@@ -39,12 +40,6 @@ def gemma3_dir(tmp_path_factory, default_model_files):
     tiny = {k: v for k, v in TINY_CONFIG.items() if k != "rope_theta"}
     model = Gemma3ForCausalLM(Gemma3TextConfig(**(tiny | GEMMA3))).float()
     return _save(model, tmp_path_factory.mktemp("gemma3"), default_model_files)
-
-
-def hf_model(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_logits(folder, ids):
@@ -95,9 +90,7 @@ def test_the_engine_generates_hfs_greedy_tokens_past_the_window(gemma3_dir):
     llm = LLM(model=str(gemma3_dir), num_blocks=64, block_size=4, max_num_batched_tokens=8)
     got = llm.generate([{"prompt_token_ids": ids}],
                        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].token_ids
-    with torch.no_grad():
-        want = hf_model(gemma3_dir).generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                             min_new_tokens=20)[0, len(ids):].tolist()
+    want = hf_greedy(gemma3_dir, ids, 20)
     assert got == want
     assert llm.engine.stats().blocks_freed_by_window > 0
 
@@ -162,9 +155,7 @@ def test_five_to_one_pages_hold_the_planners_bytes_and_give_hfs_tokens(gemma3_di
     decoding = held[-(20 - 2):]  # (60 prompt tokens in 8-token chunks, then 20 decode steps)
     assert max(decoding) * spec.page_size_bytes == spec.paged_bytes_for_tokens(len(ids) + 20 - 1)
     assert max(decoding) < spec.blocks_for_tokens(len(ids) + 20) * 8 / 3  # vs every layer holding every token
-    with torch.no_grad():
-        want = hf_model(gemma3_dir).generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                             min_new_tokens=20)[0, len(ids):].tolist()
+    want = hf_greedy(gemma3_dir, ids, 20)
     assert got == want
     both = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": list(range(3000, 3050))}], params)
     assert both[0].token_ids == want
