@@ -232,6 +232,7 @@ class LlamaModel:
                  RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.local_rope_scaling))
         #: per layer, its RoPE (Gemma 3's window layers have their own)
         self.layer_ropes = [local if local is not None and layer.window else self.rope for layer in self.layers]
+        self._ropes = list({id(r): r for r in self.layer_ropes}.values())  # each once: tables looked up per forward
         self.weight_dtype = weight_dtype
         self.fused_layers = True  # use the one-call decoder_layer op where it applies (fused_op)
         self.fused_stack = True  # and then every layer in one decoder_stack call where that applies (stack_op)
@@ -295,7 +296,7 @@ class LlamaModel:
         """
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         x = self.embed_rows(input_ids)
-        per_rope = {id(r): (r.tables(positions), self.sink_tables(positions, r)) for r in self.layer_ropes}
+        per_rope = {id(r): (r.tables(positions), self.sink_tables(positions, r)) for r in self._ropes}
         tables, sink_tables = per_rope[id(self.layer_ropes[0])]  # every layer's, where the stack runs
         fused = self.fused_op(kv) if observer is None else None
         stack = self.stack_op(fused, metas, kv_hooks)
