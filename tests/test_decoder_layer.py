@@ -1,6 +1,6 @@
 """The one-call decoder layer and the one-call stack of layers (``csrc/decoder_layer.cpp``,
 issue 17 item 4): on the default GGUF model (Q4_1/Q8_0 blocks with fp32 or int8 activations,
-or int8 weights; fp32 or fp16 pages) they compute exactly what the per-op path does:
+or int8 weights; fp32, fp16 or bf16 pages, written by the layer's own C++ copy) they compute exactly what the per-op path does:
 the same tokens and bit-identical log-probs, through prefill chunks, decode batches and
 prefix hits; it steps aside where it does not apply (quantized pages, reference mode)."""
 
@@ -22,7 +22,7 @@ def engines(default_model_files):
     load_kernel()
     # a small step budget: the long prompt is prefilled in chunks beside the others' decodes
     engines = {kv: LLM(num_blocks=96, max_num_batched_tokens=24, enable_prefix_caching=True, kv_cache_dtype=kv)
-               for kv in ("auto", "float16", "int8")}
+               for kv in ("auto", "float16", "bfloat16", "int8")}
     engines["int8 weights"] = LLM(num_blocks=96, max_num_batched_tokens=24, enable_prefix_caching=True,
                                   weight_dtype="int8")
     engines["int8 activations"] = LLM(num_blocks=96, max_num_batched_tokens=24, enable_prefix_caching=True,
@@ -41,7 +41,7 @@ def _run(llm, mode: str):
         model.fused_layers = model.fused_stack = True
 
 
-@pytest.mark.parametrize("kv", ["auto", "float16", "int8 weights", "int8 activations"])
+@pytest.mark.parametrize("kv", ["auto", "float16", "bfloat16", "int8 weights", "int8 activations"])
 def test_the_fused_layer_and_stack_are_bit_identical_to_the_per_op_path(engines, kv, monkeypatch):
     llm = engines[kv]
     model = llm.engine.model
