@@ -1,10 +1,12 @@
 """Roofline bounds: exact formulas on a dense model, the ridge point, prefill and sweeps."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pagedkv.planner import get_device, load_model, plan
 from pagedkv.planner.params import count_params
-from pagedkv.planner.roofline import Roofline, sweep_batches
+from pagedkv.planner.roofline import Roofline, causal_pairs, chunk_work, sweep_batches
 
 
 def _rf(name="llama-3-8b", gpu="h100-sxm", dtype="bfloat16", tp=1):
@@ -85,3 +87,14 @@ def test_plan_speed_fields_and_transfers():
     assert r.nvme_seconds == pytest.approx(r.paged_bytes_per_request / 7.45e9)
     weights = r.decode.bytes_read - 8 * r.bytes_per_request  # dense: a step reads W + batch x KV
     assert r.kv_equals_weights_batch == pytest.approx(weights / r.bytes_per_request)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3000)), max_size=12), st.integers(0, 64))
+def test_chunk_work_counts_what_its_definition_says(chunks, sampled):
+    # one pass with the pair count inlined (the simulator calls it every step) must equal
+    # the per-chunk definition: tokens, context read once, causal query-key pairs
+    w = chunk_work(chunks, sampled)
+    assert (w.tokens, w.sampled) == (sum(n for _, n in chunks), sampled)
+    assert w.kv_tokens == sum(s + n for s, n in chunks)
+    assert w.attn_pairs == sum(sum(range(s + 1, s + n + 1)) for s, n in chunks)
+    assert w.attn_pairs == sum(causal_pairs(s, n) for s, n in chunks)

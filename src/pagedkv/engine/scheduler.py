@@ -121,10 +121,12 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         self.policy.order_running(self.running)
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, evicting, lookahead = 0, self.eviction is not None, self.num_lookahead_tokens
+        while i < len(self.running) and budget > 0:  # (once per request and step: written for speed)
             req = self.running[i]
-            n = self._chunk(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if evicting:
+                n = self.eviction.chunk(req, req.num_computed_tokens, n)
             if n == 0:  # its observation window waits for a step with room for all of it
                 i += 1
                 continue
@@ -134,8 +136,9 @@ class Scheduler:
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
                     return budget
-            drafts = self._drafts(req, n, budget)
-            look = self._lookahead(req, n + len(drafts), req.num_computed_tokens + n == req.num_tokens)
+            drafts = self._drafts(req, n, budget) if req.spec_token_ids else []
+            ends = req.num_computed_tokens + n == req.num_tokens
+            look = self._lookahead(req, n + len(drafts), ends) if lookahead else 0
             while not self.kv.allocate_slots(req, n + len(drafts) + look):
                 if look or drafts:  # lookahead, then drafts, are shortened, never preempting others
                     look, drafts = (look - 1, drafts) if look else (0, drafts[:-1])
@@ -226,7 +229,8 @@ class Scheduler:
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """Add ``req``'s chunk of ``n`` tokens to ``out``: in full if the runner has no
-        state for it, else as a delta of tokens and pages it has not seen."""
+        state for it, else as a delta of tokens and pages it has not seen. (Runs once per
+        request and step: written for speed.)"""
         rid, blocks = req.request_id, self.kv.get_block_ids(req.request_id)
         out.num_scheduled_tokens[rid] = n
         sent = self._sent.get(rid)
@@ -234,13 +238,18 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData(
                 rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
                 tuple(list(g) for g in blocks), req.num_computed_tokens, resumed=rid in self._sent))
+            self._trimmed.discard(rid)
         else:
-            kept = tuple(sent[1]) if rid in self._trimmed else None
+            seen = sent[1]
+            trimmed = rid in self._trimmed
             out.scheduled_cached_reqs.add(rid, req.all_token_ids[sent[0]:],
-                                          tuple(g[k:] for g, k in zip(blocks, sent[1])),
-                                          req.num_computed_tokens, kept, self._compactions.pop(rid, None))
-        self._trimmed.discard(rid)
-        self._sent[rid] = (req.num_tokens, [len(g) for g in blocks])
+                                          (blocks[0][seen[0]:],) if len(blocks) == 1 else
+                                          tuple([g[k:] for g, k in zip(blocks, seen)]),
+                                          req.num_computed_tokens, tuple(seen) if trimmed else None,
+                                          self._compactions.pop(rid, None) if self._compactions else None)
+            if trimmed:
+                self._trimmed.discard(rid)
+        self._sent[rid] = (len(req.all_token_ids), [len(g) for g in blocks])
 
     def _preempt(self, req: Request) -> None:
         mode = "swap" if self._swap_out(req) else "recompute"
@@ -278,9 +287,10 @@ class Scheduler:
         if self.preemption is not None and self.preemption.mode == "auto":  # only auto uses the rate
             self.preemption.observe([(self.requests[r].num_computed_tokens, sched.num_scheduled_tokens[r])
                                      for r in sched.req_ids if r in self.requests], result.execute_seconds)
-        for rid in sched.req_ids:
+        spec, sampled_by, scheduled = sched.scheduled_spec_decode_tokens, result.sampled, sched.num_scheduled_tokens
+        for rid in sched.req_ids:  # (once per request and step: written for speed)
             req = self.requests.get(rid)
-            if req is None or req.is_finished:  # ended while the step ran
+            if req is None or req.status is RequestStatus.FINISHED:  # ended while the step ran
                 continue
             if result.invalid_block_ids and self._roll_back(req, result.invalid_block_ids):
                 if getattr(self.connector, "load_failure_policy", "recompute") == "fail":
@@ -288,20 +298,21 @@ class Scheduler:
                     self.finish(rid, "abort")
                     outputs.append(EngineCoreOutput.of(req, [], []))
                 continue
-            drafts = sched.scheduled_spec_decode_tokens.get(rid, ())
-            sampled = result.sampled.get(rid)
+            drafts = spec.get(rid, ()) if spec else ()
+            sampled = sampled_by.get(rid)
             accepted = len(sampled.token_ids) - 1 if drafts and sampled is not None and sampled.token_ids else 0
-            req.num_computed_tokens += sched.num_scheduled_tokens[rid] - (len(drafts) - accepted)
-            self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
-            prompt_lp = result.prompt_logprobs.get(rid)
-            if prompt_lp is not None:
-                req.add_prompt_logprobs(prompt_lp)
+            req.num_computed_tokens += scheduled[rid] - (len(drafts) - accepted)
+            self.kv.cache_full_blocks(req, min(req.num_computed_tokens, len(req.all_token_ids)))
+            if result.prompt_logprobs:
+                prompt_lp = result.prompt_logprobs.get(rid)
+                if prompt_lp is not None:
+                    req.add_prompt_logprobs(prompt_lp)
             if sampled is not None:
                 outputs.append(self._apply_sampled(req, sampled, now))
             if drafts:
                 self._after_verification(req, len(drafts), accepted)
-            if not req.is_finished:
-                req.spec_token_ids = result.spec_token_ids.get(rid, [])
+            if req.status is not RequestStatus.FINISHED:
+                req.spec_token_ids = result.spec_token_ids.get(rid, []) if result.spec_token_ids else []
                 if rid in result.kv_keep:  # chosen among the tokens cached now
                     req.kv_keep = (result.kv_keep[rid], req.num_computed_tokens - req.num_evicted_tokens)
         if self.connector is not None:
@@ -340,6 +351,14 @@ class Scheduler:
             req.error = sampled.error
             self.finish(req.request_id, "abort")
             return EngineCoreOutput.of(req, [], [])
+        if len(sampled.token_ids) == 1 and sampled.logprobs is None:  # (most steps: one token, no log-probs)
+            tok = sampled.token_ids[0]
+            req.append_token(tok, now)
+            reason, stop_reason = check_stop(req, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                req.stop_reason = stop_reason
+                self.finish(req.request_id, reason)
+            return EngineCoreOutput.of(req, [tok], [])
         new_ids, new_lps = [], []
         for i, tok in enumerate(sampled.token_ids):
             req.append_token(tok, now)

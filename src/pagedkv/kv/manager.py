@@ -134,12 +134,13 @@ class KVCacheManager:
 
         Returns False, allocating nothing, when the pool cannot supply them all.
         """
-        for g in self.groups:
+        groups = self.groups
+        for g in groups:
             g.remove_skipped(req, req.num_computed_tokens)
         total = cached_tokens(req) + hit.num_tokens + num_new_tokens
         if not hit.num_tokens:
-            needs = [g.num_blocks_needed(req, total, 0) for g in self.groups]
-            if not any(needs) and req.request_id in self.groups[0].block_tables:
+            needs = [g.num_blocks_needed(req, total, 0) for g in groups]
+            if not any(needs) and req.request_id in groups[0].block_tables:
                 return True  # (most decode steps: the last page has room)
         else:
             needs = [g.num_blocks_needed(req, total, len(_group_hit(hit, i))) for i, g in enumerate(self.groups)]
@@ -211,7 +212,7 @@ class KVCacheManager:
     # ---- tables ----------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table in each group (empty lists if it holds none)."""
-        return tuple(g.block_tables.get(request_id, []) for g in self.groups)
+        return tuple([g.block_tables.get(request_id, []) for g in self.groups])
 
     @property
     def block_tables(self) -> dict[str, list[int]]:

@@ -289,9 +289,11 @@ def chunk_work(chunks: list[tuple[int, int]], sampled: int,
     ``windows``: ``(window, fraction of layers)`` pairs (:func:`layer_window_mix`) when
     layers attend to a window; KV tokens and query-key pairs are then averaged over the
     layers, each capped by its window (empty: every layer reads the whole context)."""
-    if not windows:
-        return StepWork(sum(n for _, n in chunks), sampled, sum(s + n for s, n in chunks),
-                        sum(causal_pairs(s, n) for s, n in chunks))
+    if not windows:  # (once per simulated step: one pass, causal_pairs inlined)
+        tokens = kv = twice_pairs = 0
+        for s, n in chunks:
+            tokens, kv, twice_pairs = tokens + n, kv + s + n, twice_pairs + (s + n) * (s + n + 1) - s * (s + 1)
+        return StepWork(tokens, sampled, kv, twice_pairs // 2)
     kv = sum(f * (s + n if w is None else min(s + n, w)) for s, n in chunks for w, f in windows)
     pairs = sum(f * causal_pairs(s, n, w) for s, n in chunks for w, f in windows)
     return StepWork(sum(n for _, n in chunks), sampled, round(kv), round(pairs))

@@ -130,9 +130,11 @@ class SimRunner:
             self.lengths[rid] += len(new)
         chunks = out.chunks()
         keep = self._track_eviction(out, chunks) if self.eviction is not None else {}
-        sampling = [rid for rid, start, n in chunks if start + n >= self.lengths[rid]]
-        result = ModelRunnerOutput(sampled={rid: SampledTokens([self.token_id] * (1 + self._accepted(out, rid)))
-                                            for rid in sampling})
+        lengths, tid = self.lengths, self.token_id
+        sampling = [rid for rid, start, n in chunks if start + n >= lengths[rid]]
+        result = ModelRunnerOutput(sampled={rid: SampledTokens([tid] * (1 + self._accepted(out, rid)))
+                                            for rid in sampling} if self.spec is not None else
+                                   dict.fromkeys(sampling, SampledTokens([tid])))  # (read-only: one serves all)
         draft_s = 0.0
         if self.spec is not None:
             result.num_draft_tokens = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
@@ -143,8 +145,12 @@ class SimRunner:
         if self.tier is not None:
             before_s, saves_s = self.tier.price(out.kv_connector_metadata, self.clock())
         if chunks or self.replay is not None or before_s:  # (a replayed run's clock moved at every step)
-            evicted = {rid: st.num_evicted_tokens for rid, st in self.evict.items()}
-            work = chunk_work([(s - evicted.get(rid, 0), n) for rid, s, n in chunks], len(sampling), self.windows)
+            if self.evict:
+                evicted = {rid: st.num_evicted_tokens for rid, st in self.evict.items()}
+                cache = [(s - evicted.get(rid, 0), n) for rid, s, n in chunks]
+            else:
+                cache = [(s, n) for _, s, n in chunks]
+            work = chunk_work(cache, len(sampling), self.windows)
             result.execute_seconds = self._advance(work, len(chunks), draft_s, before_s, saves_s)
         if self.tier is not None:
             result.kv_connector_output = self.tier.finish(self.clock())
