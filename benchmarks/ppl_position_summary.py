@@ -3,7 +3,8 @@ the model's positions"): for each saved output, the perplexity of its first buck
 every bucket from ``--beyond`` on, and both pooled over all the files given (the exp of the
 summed negative log-likelihood over the summed tokens, each bucket's NLL = tokens x ln ppl).
 
-    python benchmarks/ppl_position_summary.py --beyond 8192 benchmarks/results/ppl_by_position_streaming_*.txt
+    python benchmarks/ppl_position_summary.py --beyond 8192 benchmarks/results/ppl_by_position_streaming_cache.txt \
+        benchmarks/results/ppl_by_position_ch{32-36,54-62,83-93}_streaming.txt
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ BUCKET = re.compile(r"positions\s+([\d,]+)-([\d,]+)\s+ppl\s+([\d.]+)\s+\((\d+) t
 
 def buckets(path: str) -> list[tuple[int, float, int]]:
     """``(start, ppl, tokens)`` of each bucket line in one saved output."""
-    with open(path, encoding="utf-8") as f:
-        found = [BUCKET.search(line) for line in f]
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = [BUCKET.search(line) for line in f]
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path}: cannot read it as text ({e})") from None
     return [(int(m[1].replace(",", "")), float(m[3]), int(m[4])) for m in found if m]
 
 
@@ -37,6 +41,8 @@ def main() -> int:
         if not rows:
             raise SystemExit(f"{path}: no 'positions ... ppl' lines (an eval ppl --by-position output?)")
         first, later = nll(rows[:1]), nll([r for r in rows if r[0] >= a.beyond])
+        if not later[1]:
+            raise SystemExit(f"{path}: no bucket starts at or after position {a.beyond:,} (set --beyond)")
         for acc, part in ((first_all, first), (later_all, later)):
             acc[0], acc[1] = acc[0] + part[0], acc[1] + part[1]
         f, lt = math.exp(first[0] / first[1]), math.exp(later[0] / later[1])
