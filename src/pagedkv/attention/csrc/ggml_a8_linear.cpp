@@ -22,7 +22,8 @@
 // So one 64-byte load feeds 16 channels' 4-weight dot products (vpdpbusd on AVX-512 VNNI:
 // unsigned weight bytes times signed activations; Q8_0 weights go in as q + 128 (xor 0x80)
 // and 128 * sq comes off; AVX2: vpmaddubsw, then vpmaddwd with ones: Q4_1 as nibbles times
-// xq, Q8_0 as |q| times sign(xq, q), whose pair sums stay below 2^15).
+// xq, summed in int16 over the block and widened once, Q8_0 as |q| times sign(xq, q), whose
+// pair sums stay below 2^15, widened per chunk).
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -93,6 +94,7 @@ inline IVec bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _m
 inline IVec lo_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 inline IVec hi_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 inline IVec dot_u(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w unsigned
+inline IVec q4_isum(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline IVec q8_operand(IVec w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline IVec dot_q8(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w = q + 128
 constexpr int32_t kQ8Bias = 128;
@@ -115,7 +117,11 @@ inline IVec bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _m
 inline IVec lo_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline IVec hi_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline IVec pairs(IVec p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
-inline IVec dot_u(IVec acc, IVec w, IVec x) { return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(w, x))); }
+// Q4_1 sums stay in int16 lanes for a whole block and are widened once: a pair of nibbles
+// (0..15) times int8 activations (-127..127) is at most 3,810 in size, and a block adds 8
+// such pairs per lane (30,480 < 2^15), so neither vpmaddubsw nor the adds can saturate.
+inline IVec dot_u(IVec acc, IVec w, IVec x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+inline IVec q4_isum(IVec a, IVec b) { return pairs(_mm256_add_epi16(a, b)); }
 inline IVec q8_operand(IVec w) { return w; }
 inline IVec dot_q8(IVec acc, IVec w, IVec x) {
   return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))));
@@ -186,7 +192,7 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
         const uint8_t* blk = w + j * stride + b * pbb;
         const FVec d = scales(blk, h);
         for (int r = 0; r < MR; ++r) {
-          IVec isum = iadd(ia[r][j][h][0], ia[r][j][h][1]);
+          IVec isum = Q == kQ4_1 ? q4_isum(ia[r][j][h][0], ia[r][j][h][1]) : iadd(ia[r][j][h][0], ia[r][j][h][1]);
           if constexpr (Q == kQ8_0) isum = isub_splat(isum, kQ8Bias * sq[r * G + b]);
           acc[r][j][h] = fadd(acc[r][j][h], fmul(to_float(isum), fmul(d, fsplat(dx[r * G + b]))));
           if constexpr (Q == kQ4_1) {

@@ -91,7 +91,7 @@ inline Vec q4_piece(const uint8_t* qs, int p, Vec table) {
   return _mm512_permutexvar_ps(p == 0 ? v : _mm512_srli_epi32(v, 4), table);
 }
 inline Vec q4_table(Vec d, Vec m) {
-  return add(mul(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), m);
+  return fma(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
 }
 inline Vec q8_piece(const uint8_t* qs, int p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * p))));
@@ -121,7 +121,7 @@ inline Vec q4_piece_q(const uint8_t* qs, int p) {
 }
 struct Q4Table { Vec d, m; };  // AVX2 widens and scales: an 8-entry permute cannot hold 16 values
 inline Q4Table q4_table(Vec d, Vec m) { return {d, m}; }
-inline Vec q4_piece(const uint8_t* qs, int p, Q4Table t) { return add(mul(t.d, q4_piece_q(qs, p)), t.m); }
+inline Vec q4_piece(const uint8_t* qs, int p, Q4Table t) { return fma(t.d, q4_piece_q(qs, p), t.m); }
 inline Vec q8_piece(const uint8_t* qs, int p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * p))));
 }
@@ -158,14 +158,32 @@ void tile(const float* x, int64_t K, const uint8_t* w, int64_t P, int64_t r0, fl
     _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetch), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetch + 64), _MM_HINT_T0);
     // Each piece as the fp32 weights it stands for: d * q + m (Q4_1) or q * d (Q8_0), each
-    // operation rounded once, as gguf-py computes them.
+    // operation rounded once, as gguf-py computes them. Q4_1 takes one FMA for both: d (fp16,
+    // 11 significant bits) times q (4 bits) is exact in fp32, so rounding d * q + m once is
+    // rounding fl(d * q) + m.
     float d[R], mn[R];
     halves<R>(chunk + 2 * r0, d);
-    decltype(q4_table(zero(), zero())) tab[Q == kQ4_1 ? R : 1];
-    if constexpr (Q == kQ4_1) {
-      halves<R>(chunk + 2 * P + 2 * r0, mn);
-      for (int r = 0; r < R; ++r) tab[r] = q4_table(splat(d[r]), splat(mn[r]));
+    if constexpr (Q == kQ4_1) halves<R>(chunk + 2 * P + 2 * r0, mn);
+    if constexpr (kStep == 8 && MR == 1) {
+      // AVX2 (16 registers): one row's whole block at a time, so that only the R accumulators
+      // stay live; piece by piece across the rows also kept R tables and GCC spilled
+      // accumulators to the stack. Each output's own sequence of FMAs is the same either way.
+      // With the one-FMA widening above: a single-stream step's 121 products 7.1 ms instead of
+      // 8.5 (AMD EPYC family 25, AVX2 only, medians of 5 alternating runs).
+      for (int r = 0; r < R; ++r) {
+        const Vec dv = splat(d[r]);
+        for (int p = 0; p < kPieces; ++p) {
+          Vec wv;
+          if constexpr (Q == kQ4_1) wv = q4_piece(qs + r * qsb, p, q4_table(dv, splat(mn[r])));
+          else wv = mul(q8_piece(qs + r * qsb, p), dv);
+          acc[0][r] = fma(load_x(x + g * kGroup + p * kStep), wv, acc[0][r]);
+        }
+      }
+      continue;
     }
+    decltype(q4_table(zero(), zero())) tab[Q == kQ4_1 ? R : 1];
+    if constexpr (Q == kQ4_1)
+      for (int r = 0; r < R; ++r) tab[r] = q4_table(splat(d[r]), splat(mn[r]));
     for (int p = 0; p < kPieces; ++p) {
       Vec wv[R];
       for (int r = 0; r < R; ++r) {
