@@ -145,6 +145,22 @@ def test_ideal_offline_steps():
     assert sum(s.sampled for s in steps) == 2 + 4                 # one sample per output token
 
 
+def test_int8_ceiling_is_the_faster_library(monkeypatch):
+    """A slow oneDNN path (AVX2 without VNNI) must not set the int8 ceiling when FBGEMM is
+    faster: the rate is the best of both."""
+    import time
+
+    import torch
+
+    from pagedkv.bench import roofline
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch has no FBGEMM engine")
+    n, slow = 128, 0.05
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: time.sleep(slow))
+    assert roofline.int8_rate(n, 2) > 5 * 2 * n**3 / slow
+
+
 def test_ratio_and_goal_bookkeeping():
     res = report.new_result("throughput", {})
     for rep, (a, b) in enumerate([(10.0, 2.0), (9.0, 3.0), (12.0, 2.0)]):

@@ -6,7 +6,7 @@ and priced with :func:`~pagedkv.planner.roofline.bound`. This module supplies it
 inputs as a benchmark sees them:
 
 - :class:`Machine`: read bandwidth and fp32 matmul rate measured in the same run with
-  :func:`pagedkv.planner.cpu.measure` (and the int8 GEMM rate, ``torch._int_mm``, the
+  :func:`pagedkv.planner.cpu.measure` (and the int8 GEMM rate, :func:`int8_rate`, the
   compute ceiling of ``--activation-dtype int8``), once at the start and again before every
   run; the bound uses the best of all those measurements (the least disturbed);
 - :func:`model_cost`: bytes and FLOPs per token counted from the engine's loaded tensors.
@@ -44,7 +44,7 @@ class Machine:
         read, n, repeats = sizes[size]
         m = measure(read, n, repeats)
         n = n or 1024
-        return cls(m["read_bandwidth_bytes_per_s"], m["fp32_flops"], m["method"] + f"; {n}^3 int8 torch._int_mm",
+        return cls(m["read_bandwidth_bytes_per_s"], m["fp32_flops"], m["method"] + f"; {n}^3 int8, the faster of torch._int_mm and FBGEMM",
                    int8_rate(n, repeats or 5))
 
     def best(self, other: "Machine") -> "Machine":
@@ -70,20 +70,64 @@ class Machine:
 
 
 def int8_rate(n: int, repeats: int) -> float:
-    """Best of ``repeats`` ``torch._int_mm`` of two int8 ``[n, n]`` matrices, ops/s (2 n^3)."""
-    import time
-
+    """This CPU's int8 GEMM ceiling, ops/s (2 n^3 per product of two ``[n, n]`` matrices): the
+    best of ``repeats`` runs of each int8 GEMM torch ships, oneDNN's (``torch._int_mm``) and
+    FBGEMM's (``torch.ops.quantized.linear``, uint8 x int8), the faster of the two. Without
+    VNNI oneDNN falls back to a slow path (2 GOP/s at 1024^3 on an AVX2-only AMD EPYC, family
+    25, where FBGEMM's ``vpmaddubsw`` kernels ran 244-333 GOP/s at 512-2048), so either alone
+    can understate the ceiling."""
     import torch
 
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    torch._int_mm(a, b)
+    rates = [2 * n**3 / _best_time(lambda: torch._int_mm(a, b), repeats)]
+    fbgemm = _fbgemm_product(n)
+    if fbgemm is not None:
+        rates.append(2 * n**3 / _best_time(fbgemm, repeats))
+    return max(rates)
+
+
+def _fbgemm_product(n: int):
+    """A callable running FBGEMM's quantized ``[n, n] x [n, n]`` product, or None where this
+    torch has no FBGEMM engine."""
+    import warnings
+
+    import torch
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated, not gone
+            w = torch.quantize_per_tensor(torch.randn(n, n), 0.05, 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(w, None)
+            x = torch.quantize_per_tensor(torch.rand(n, n), 1 / 255, 0, torch.quint8)
+    finally:
+        torch.backends.quantized.engine = previous
+
+    def run():
+        engine = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "fbgemm"
+        try:
+            torch.ops.quantized.linear(x, packed, 1.0, 0)
+        finally:
+            torch.backends.quantized.engine = engine
+    return run
+
+
+def _best_time(fn, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn``, after one warm-up call."""
+    import time
+
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        torch._int_mm(a, b)
+        fn()
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return best
 
 
 def as_float32(cost: ModelCost, engine) -> ModelCost:
