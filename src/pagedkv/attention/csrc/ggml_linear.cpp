@@ -211,7 +211,7 @@ void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t P, int
 }
 
 // The rows of one panel (P <= 8 rows at w; y points at its first output): 8 at once for few
-// activation rows, else 4 at a time with each widened weight reused by four activation rows.
+// activation rows, else 4 (AVX2: 2) at a time with each widened weight reused by four activation rows.
 template <int64_t Q>
 void panel_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t P, float* y, int64_t N) {
   int64_t r = 0;
@@ -219,8 +219,11 @@ void panel_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
     rows<Q, 8, 1>(x, M, K, w, P, 0, y, N);
     return;
   }
+  // AVX2: 2 rows x 4 activation rows of accumulators (4 x 4 filled all 16 registers and
+  // spilled): products at 64 rows 1.3x faster on an AVX2-only AMD EPYC (family 25).
+  constexpr int kR = kStep == 8 ? 2 : 4;
   if (M >= 4)
-    for (; r + 4 <= P; r += 4) rows<Q, 4, 4>(x, M, K, w, P, r, y, N);
+    for (; r + kR <= P; r += kR) rows<Q, kR, 4>(x, M, K, w, P, r, y, N);
   for (; r < P; ++r) rows<Q, 1, 4>(x, M, K, w, P, r, y, N);
 }
 #define PAGEDKV_GGML_VECTOR 1
