@@ -12,7 +12,7 @@ measured in the same run (:class:`pagedkv.bench.roofline.Machine`):
 Each run also times the attention calls (``paged_attention``) apart from the rest.
 
     python benchmarks/bench_prefill.py --lengths 1024,2048,4096,8192 --repeats 3 \
-        [--weight-dtype int8 --activation-dtype int8]
+        [--activation-dtype int8] [--weight-dtype int8]
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--weight-dtype", default="auto")
-    p.add_argument("--activation-dtype", default="float32", help="int8: W8A8 (needs --weight-dtype int8); the "
-                   "bound then prices the products at the int8 GEMM rate, attention at the fp32 one")
+    p.add_argument("--activation-dtype", default="float32", help="int8: int8 activations (W8A8 with "
+                   "--weight-dtype int8, or the GGUF's own blocks with auto); the bound then prices the products at the int8 GEMM rate, attention at the fp32 one")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
