@@ -137,6 +137,18 @@ def test_stale_build_lock_is_removed(tmp_path):
     kernel._wait_for_lock(lock)  # no lock: returns at once
 
 
+def test_loading_the_kernel_leaves_its_build_directory_where_it_is():
+    """torch's cpp_extension.load appends to the flag lists it is given; the directory
+    ``pagedkv info`` reports after a load must still be the one holding the library."""
+    from pagedkv.attention import kernel
+
+    try:
+        kernel.load_kernel()
+    except kernel.KernelBuildError as e:
+        pytest.skip(f"no kernel on this machine: {e}")
+    assert (kernel.build_directory() / "pagedkv_attention.so").exists()
+
+
 def test_build_directory_names_the_source_version(tmp_path, monkeypatch):
     """Checkouts of different kernel sources must not share (and rebuild over) one library."""
     from pagedkv.attention import kernel

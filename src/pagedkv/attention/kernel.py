@@ -37,7 +37,7 @@ SOURCES = ("paged_attention_kernel.cpp", "paged_attention_op.cpp", "int8_linear.
            "layer_ops.cpp", "copy_blocks.cpp", "decoder_layer.cpp", "w8a8_linear.cpp",
            "ggml_a8_linear.cpp")
 _MARCH = re.compile(r"[A-Za-z0-9._-]+")
-LDFLAGS = ["-fopenmp"]
+LDFLAGS = ["-fopenmp"]  # never handed to torch itself: cpp_extension.load appends to the list it gets
 HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})  # instantiated in the kernel
 KV_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 QUANTIZED_KV_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})  # with fp32 scales
@@ -103,7 +103,7 @@ def _build() -> Callable[..., torch.Tensor]:
         print(f"pagedkv: compiling the CPU kernels into {directory} (once per source version, "
               "up to a minute)", file=sys.stderr, flush=True)
     cpp_extension.load(name="pagedkv_attention", sources=[str(CSRC / s) for s in SOURCES],
-                       extra_cflags=cflags(), extra_ldflags=LDFLAGS, build_directory=str(directory),
+                       extra_cflags=cflags(), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                        is_python_module=False, verbose=False)
     return torch.ops.pagedkv.paged_attention
 
