@@ -63,7 +63,8 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--weight-dtype", default="auto")
     p.add_argument("--activation-dtype", default="float32", help="int8: int8 activations (W8A8 with "
-                   "--weight-dtype int8, or the GGUF's own blocks with auto); the bound then prices the products at the int8 GEMM rate, attention at the fp32 one")
+                   "--weight-dtype int8, or the GGUF's own blocks with auto); the bound then prices "
+                   "the products at the int8 GEMM rate, attention at the fp32 one")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
