@@ -213,6 +213,18 @@ class Kernel {
       float* s = sc + h * bspad_;
       for (int64_t j = n; j < bspad_; ++j) s[j] = kNegInf;
       for (int64_t j = sink_end; j < lo; ++j) s[j] = kNegInf;
+#if PAGEDKV_AVX2_ONLY
+      // a ymm at a time (the same lane-wise operations and sum tree as below: halves of vf lanes)
+      vf8 mx8 = load8(s), p_lo, p_hi;
+      for (int64_t c = 8; c < bspad_; c += 8) mx8 = vmax8(mx8, load8(s + c));
+      const float m_old = ml[2 * h], m_new = std::max(m_old, hmax8(mx8));
+      const float alpha = exp_nonpos8(vf8{} + (m_old - m_new))[0];
+      for (int64_t c = 0; c < bspad_; c += 8) store8(s + c, exp_nonpos8(load8(s + c) - m_new));
+      p_lo = load8(s), p_hi = load8(s + 8);
+      for (int64_t c = kLanes; c < bspad_; c += kLanes) p_lo += load8(s + c), p_hi += load8(s + c + 8);
+      const vf8 a = p_lo + p_hi;
+      const float lsum = (a[0] + a[4] + (a[2] + a[6])) + (a[1] + a[5] + (a[3] + a[7]));
+#else
       vf mx = loadv(s);
       for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));
       const float m_old = ml[2 * h], m_new = std::max(m_old, hmax(mx));
@@ -221,6 +233,7 @@ class Kernel {
       vf psum = loadv(s);  // masked lanes are exactly 0: a fixed lane-wise tree, whatever n is
       for (int64_t c = kLanes; c < bspad_; c += kLanes) psum += loadv(s + c);
       const float lsum = hsum(psum);
+#endif
       ml[2 * h] = m_new;
       ml[2 * h + 1] = ml[2 * h + 1] * alpha + lsum;
       alphas[h] = alpha;
@@ -296,15 +309,17 @@ class Kernel {
   // 128-bit add, a fixed tree that depends on that key's products alone.
   vf dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride) const {
     float out[kLanes];
+    __m256 qv[2 * NV];  // the query, loaded once for the 16 keys (each key then needs 2 NV loads, not 4 NV)
+    for (int c = 0; c < 2 * NV; ++c) qv[c] = _mm256_loadu_ps(q + c * 8);
     for (int g4 = 0; g4 < kLanes / 4; ++g4) {
       __m256 s[4];
       for (int t = 0; t < 4; ++t) {
         const float* kj = k + std::min<int64_t>(j0 + 4 * g4 + t, n - 1) * stride;
-        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
-        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(kj + 8));
+        __m256 lo = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+        __m256 hi = _mm256_mul_ps(qv[1], _mm256_loadu_ps(kj + 8));
         for (int c = 1; c < NV; ++c) {
-          lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * kLanes), _mm256_loadu_ps(kj + c * kLanes), lo);
-          hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * kLanes + 8), _mm256_loadu_ps(kj + c * kLanes + 8), hi);
+          lo = _mm256_fmadd_ps(qv[2 * c], _mm256_loadu_ps(kj + c * kLanes), lo);
+          hi = _mm256_fmadd_ps(qv[2 * c + 1], _mm256_loadu_ps(kj + c * kLanes + 8), hi);
         }
         s[t] = _mm256_add_ps(lo, hi);
       }

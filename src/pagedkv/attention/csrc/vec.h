@@ -50,6 +50,14 @@ inline vf splat(float x) {
 #endif
 }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf8 load8(const float* p) { vf8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
+inline vf8 vmax8(vf8 a, vf8 b) { return a > b ? a : b; }
+inline float hmax8(vf8 v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
 
 // Sum of the 16 lanes as a fixed pairwise tree.
 inline float hsum(vf v) {
@@ -106,28 +114,37 @@ inline float hmax(vf v) {
 }
 #endif
 
+// x in every lane of an 8-float vector (one ymm register: GCC broadcasts it directly).
+typedef int32_t vi8 __attribute__((vector_size(32)));
+template <class F> inline F lanes(float x) { if constexpr (sizeof(F) == sizeof(vf)) return splat(x); else return F{} + x; }
+
 // e^x for x <= 0; lanes below ln(FLT_MIN) (and -inf) give 0. Cephes expf: x = n ln2 + r,
 // |r| <= ln2/2, degree-5 polynomial for e^r, 2^n built in the exponent bits (~1 ulp).
-inline vf exp_nonpos(vf x) {
+// F, I: vf and vi, or vf8 and vi8 (AVX2 builds: the same operations a ymm at a time; GCC
+// moves 16-lane vectors through the stack there). A lane's result is the same either way.
+template <class F, class I>
+inline F exp_nonpos_t(F x) {
   const float lo = -87.33654f, magic = 12582912.0f;  // 1.5 * 2^23: round to integer
-  const vi under = x < splat(lo);
-  x = under ? splat(lo) : x;
-  const vf t = x * 1.44269504088896341f + magic;
-  const vf n = t - magic;
-  const vi ni = (vi)t - (vi)splat(magic);
-  vf r = x - n * 0.693359375f;
+  const I under = x < lanes<F>(lo);
+  x = under ? lanes<F>(lo) : x;
+  const F t = x * 1.44269504088896341f + magic;
+  const F n = t - magic;
+  const I ni = (I)t - (I)lanes<F>(magic);
+  F r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vf y = splat(1.9875691500e-4f);
+  F y = lanes<F>(1.9875691500e-4f);
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
-  const vi bits = (ni + 127) << 23;
-  const vf res = y * (vf)bits;
-  return under ? splat(0.0f) : res;
+  const I bits = (ni + 127) << 23;
+  const F res = y * (F)bits;
+  return under ? lanes<F>(0.0f) : res;
 }
+inline vf exp_nonpos(vf x) { return exp_nonpos_t<vf, vi>(x); }
+inline vf8 exp_nonpos8(vf8 x) { return exp_nonpos_t<vf8, vi8>(x); }
 
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
