@@ -175,7 +175,7 @@ class Kernel {
 
   void score_scaled(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
 #if PAGEDKV_AVX2_ONLY
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) storev(s + j0, dot16(q, k, j0, n, stride) * splat(a_.scale));
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) dot16(q, k, j0, n, stride, s + j0);
 #else
     vf qh[NV];
     for (int c = 0; c < NV; ++c) qh[c] = loadv(q + c * kLanes);
@@ -266,18 +266,23 @@ class Kernel {
         const __m256 a = _mm256_set1_ps(alpha[t]);
         for (int c = 0; c < W; ++c) o[t][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + t * D + (c0 + c) * 8), a);
       }
-      for (int64_t j = 0; j < n; ++j) {
-        if (c0 == 0) {
-          pf.key(j, g);
-          if (j == n - 1)
-            for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
-        }
+      const auto step = [&](int64_t j) {
         __m256 vj[W];
         for (int c = 0; c < W; ++c) vj[c] = _mm256_loadu_ps(v + j * stride + (c0 + c) * 8);
         for (int t = 0; t < HB; ++t) {
           const __m256 pj = _mm256_broadcast_ss(p + t * bspad_ + j);
           for (int c = 0; c < W; ++c) o[t][c] = _mm256_fmadd_ps(pj, vj[c], o[t][c]);
         }
+      };
+      if (c0 == 0 && pf.k != nullptr) {  // prefetching the next page a key at a time (decodes)
+        for (int64_t j = 0; j < n; ++j) {
+          pf.key(j, g);
+          if (j == n - 1)
+            for (int64_t jj = n; jj < BS_; ++jj) pf.key(jj, g);
+          step(j);
+        }
+      } else {  // no prefetch: a loop of loads and FMAs alone (a prefill tile's later rows)
+        for (int64_t j = 0; j < n; ++j) step(j);
       }
       for (int t = 0; t < HB; ++t)
         for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + t * D + (c0 + c) * 8, o[t][c]);
@@ -303,12 +308,12 @@ class Kernel {
   }
 
 #if PAGEDKV_AVX2_ONLY
-  // Scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head qh: lane jj
-  // is q . k_{j0+jj}, in ymm registers (GCC spills 64-byte vector values on AVX2): each
-  // key's products are summed into two ymm, added, and four keys folded by two hadds and a
+  // Scaled scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head q
+  // into out[0..15]: out[jj] is (q . k_{j0+jj}) * scale, in ymm and xmm registers (GCC
+  // moves 64-byte vector values through the stack on AVX2): each key's products are summed into two ymm, added, and four keys folded by two hadds and a
   // 128-bit add, a fixed tree that depends on that key's products alone.
-  vf dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride) const {
-    float out[kLanes];
+  void dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride, float* out) const {
+    const __m128 scale = _mm_set1_ps(a_.scale);
     __m256 qv[2 * NV];  // the query, loaded once for the 16 keys (each key then needs 2 NV loads, not 4 NV)
     for (int c = 0; c < 2 * NV; ++c) qv[c] = _mm256_loadu_ps(q + c * 8);
     for (int g4 = 0; g4 < kLanes / 4; ++g4) {
@@ -324,9 +329,8 @@ class Kernel {
         s[t] = _mm256_add_ps(lo, hi);
       }
       const __m256 f = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
-      _mm_storeu_ps(out + 4 * g4, _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1)));
+      _mm_storeu_ps(out + 4 * g4, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1)), scale));
     }
-    return loadv(out);
   }
 #endif
 
