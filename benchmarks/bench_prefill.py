@@ -9,7 +9,9 @@ measured in the same run (:class:`pagedkv.bench.roofline.Machine`):
     FLOPs = 2 * (matmul parameters) * N  +  attention 2 * layers * heads * 2 * head_dim * N(N+1)/2
 
 (QK^T and PV, causal: query i sees i+1 keys; the LM head is applied to the last row only).
-Each run also times the attention calls (``paged_attention``) apart from the rest.
+With ``--per-op`` the layers run op by op (no fused ``decoder_stack`` call), so the attention
+calls (``paged_attention``) can be timed apart from the rest; the fused default runs them
+inside one C++ call, where the column shows ``-``.
 
     python benchmarks/bench_prefill.py --lengths 1024,2048,4096,8192 --repeats 3 \
         [--activation-dtype int8] [--weight-dtype int8]
@@ -65,6 +67,7 @@ def main() -> int:
     p.add_argument("--activation-dtype", default="float32", help="int8: int8 activations (W8A8 with "
                    "--weight-dtype int8, or the GGUF's own blocks with auto); the bound then prices "
                    "the products at the int8 GEMM rate, attention at the fp32 one")
+    p.add_argument("--per-op", action="store_true", help="run the layers op by op to time attention apart")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -73,6 +76,7 @@ def main() -> int:
               activation_dtype=a.activation_dtype)
     ids = llm.get_tokenizer()(TEXT.read_text(encoding="utf-8")[:200_000], add_special_tokens=False).input_ids
     cost = model_cost(llm.engine)
+    llm.engine.model.fused_layers = not a.per_op
     machine = Machine.measure("probe")
     sink = [0.0]
     inner, wrapper = timed_attention(sink)
@@ -88,10 +92,11 @@ def main() -> int:
                 t = time.perf_counter()
                 llm.generate([{"prompt_token_ids": ids[r * 97:r * 97 + n]}], SamplingParams(max_tokens=1))
                 runs.append((time.perf_counter() - t, sink[0]))
-            sec, att = statistics.median(x[0] for x in runs), statistics.median(x[1] for x in runs)
+            sec = statistics.median(x[0] for x in runs)
+            att = statistics.median(x[1] for x in runs) if a.per_op else None
             bound = prefill_bound(cost, n, machine, a.activation_dtype == "int8")
             rows.append({"tokens": n, "seconds": sec, "tokens_per_s": n / sec, "attention_s": att,
-                         "attention_share": att / sec, "compute_bound_s": bound, "fraction_of_bound": bound / sec})
+                         "attention_share": None if att is None else att / sec, "compute_bound_s": bound, "fraction_of_bound": bound / sec})
     finally:
         llama_module.paged_attention = inner
     if a.json:
@@ -101,9 +106,13 @@ def main() -> int:
           f"(best probes this run); medians of {a.repeats}; weights {a.weight_dtype}, activations {a.activation_dtype}")
     print(f"{'tokens':>7} {'seconds':>8} {'tok/s':>7} {'attention':>10} {'bound s':>8} {'of bound':>8}")
     for r in rows:
-        print(f"{r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>7.1f} {r['attention_share']:>9.0%} "
+        print(f"{r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>7.1f} {_share(r['attention_share']):>10} "
               f"{r['compute_bound_s']:>8.2f} {r['fraction_of_bound']:>8.0%}")
     return 0
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 if __name__ == "__main__":
