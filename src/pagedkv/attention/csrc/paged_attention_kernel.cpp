@@ -309,27 +309,25 @@ class Kernel {
 
 #if PAGEDKV_AVX2_ONLY
   // Scaled scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head q
-  // into out[0..15]: out[jj] is (q . k_{j0+jj}) * scale, in ymm and xmm registers (GCC
-  // moves 64-byte vector values through the stack on AVX2): each key's products are summed into two ymm, added, and four keys folded by two hadds and a
-  // 128-bit add, a fixed tree that depends on that key's products alone.
+  // into out[0..15]: out[jj] is (q . k_{j0+jj}) * scale, in ymm registers (GCC moves 64-byte
+  // vector values through the stack on AVX2). Each key's products go into one ymm in order
+  // of the dimensions; eight keys are then folded by a fixed tree of hadds and one add, which
+  // for each key depends on its own products alone.
   void dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride, float* out) const {
-    const __m128 scale = _mm_set1_ps(a_.scale);
-    __m256 qv[2 * NV];  // the query, loaded once for the 16 keys (each key then needs 2 NV loads, not 4 NV)
+    const __m256 scale = _mm256_set1_ps(a_.scale);
+    __m256 qv[2 * NV];  // the query, loaded once for the 16 keys
     for (int c = 0; c < 2 * NV; ++c) qv[c] = _mm256_loadu_ps(q + c * 8);
-    for (int g4 = 0; g4 < kLanes / 4; ++g4) {
-      __m256 s[4];
-      for (int t = 0; t < 4; ++t) {
-        const float* kj = k + std::min<int64_t>(j0 + 4 * g4 + t, n - 1) * stride;
-        __m256 lo = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
-        __m256 hi = _mm256_mul_ps(qv[1], _mm256_loadu_ps(kj + 8));
-        for (int c = 1; c < NV; ++c) {
-          lo = _mm256_fmadd_ps(qv[2 * c], _mm256_loadu_ps(kj + c * kLanes), lo);
-          hi = _mm256_fmadd_ps(qv[2 * c + 1], _mm256_loadu_ps(kj + c * kLanes + 8), hi);
-        }
-        s[t] = _mm256_add_ps(lo, hi);
+    for (int g8 = 0; g8 < kLanes / 8; ++g8) {
+      __m256 s[8];
+      for (int t = 0; t < 8; ++t) {
+        const float* kj = k + std::min<int64_t>(j0 + 8 * g8 + t, n - 1) * stride;
+        s[t] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+        for (int c = 1; c < 2 * NV; ++c) s[t] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + c * 8), s[t]);
       }
-      const __m256 f = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
-      _mm_storeu_ps(out + 4 * g4, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1)), scale));
+      const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+      const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+      const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+      _mm256_storeu_ps(out + 8 * g8, _mm256_mul_ps(sum, scale));
     }
   }
 #endif
