@@ -34,7 +34,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention_kernel.cpp", "paged_attention_op.cpp", "int8_linear.cpp", "ggml_linear.cpp",
-           "layer_ops.cpp", "copy_blocks.cpp", "decoder_layer.cpp", "w8a8_linear.cpp",
+           "ggml_linear_widened.cpp", "layer_ops.cpp", "copy_blocks.cpp", "decoder_layer.cpp", "w8a8_linear.cpp",
            "ggml_a8_linear.cpp")
 _MARCH = re.compile(r"[A-Za-z0-9._-]+")
 LDFLAGS = ["-fopenmp"]  # never handed to torch itself: cpp_extension.load appends to the list it gets

@@ -34,31 +34,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "ggml_blocks.h"
 
 namespace pagedkv {
 namespace {
 
-constexpr int64_t kGroup = 32;        // weights per block
-constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;  // ggml_type values
-constexpr int64_t kRowsPerTask = 64;  // output channels per parallel task
-constexpr int64_t kPanel = 8;         // rows whose blocks are interleaved (see the header)
-
-inline int64_t block_bytes(int64_t qtype) { return qtype == kQ4_1 ? 20 : 34; }
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);  // one instruction; c10::Half converts in software
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
+using namespace ggml;  // NOLINT: the block formats and vector helpers
 
 // The 32 weights of one block as fp32 (the scalar path and the reference for the vector one).
 void dequantize_block(const uint8_t* b, int64_t qtype, float* w) {
@@ -74,70 +56,7 @@ void dequantize_block(const uint8_t* b, int64_t qtype, float* w) {
   }
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#if defined(__AVX512F__)
-constexpr int kStep = 16;
-using Vec = __m512;
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline Vec load_x(const float* p) { return _mm512_loadu_ps(p); }
-inline void store_x(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec splat(float v) { return _mm512_set1_ps(v); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-// Piece p (0, 1) of a Q4_1 block, weights 16p .. 16p + 15 (all 16 bytes' low or high
-// nibbles), looked up in the block's table of its 16 values d * q + m: the permute reads
-// only an index's low 4 bits, so the low nibbles need no mask.
-inline Vec q4_piece(const uint8_t* qs, int p, Vec table) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-  return _mm512_permutexvar_ps(p == 0 ? v : _mm512_srli_epi32(v, 4), table);
-}
-inline Vec q4_table(Vec d, Vec m) {
-  return fma(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
-}
-inline Vec q8_piece(const uint8_t* qs, int p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * p))));
-}
-inline float lane_sum(Vec v) {  // fixed tree: halves, then quarters, ...
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
-#else
-constexpr int kStep = 8;
-using Vec = __m256;
-inline Vec zero() { return _mm256_setzero_ps(); }
-inline Vec load_x(const float* p) { return _mm256_loadu_ps(p); }
-inline void store_x(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec splat(float v) { return _mm256_set1_ps(v); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-// Piece p (0..3) of a Q4_1 block: weights 8p .. 8p + 7: bytes 8 (p % 2) .. + 7, low
-// nibbles for p < 2, high ones after.
-inline Vec q4_piece_q(const uint8_t* qs, int p) {
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * (p & 1))));
-  const __m256i n = p < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(v, 4);
-  return _mm256_cvtepi32_ps(n);
-}
-struct Q4Table { Vec d, m; };  // AVX2 widens and scales: an 8-entry permute cannot hold 16 values
-inline Q4Table q4_table(Vec d, Vec m) { return {d, m}; }
-inline Vec q4_piece(const uint8_t* qs, int p, Q4Table t) { return fma(t.d, q4_piece_q(qs, p), t.m); }
-inline Vec q8_piece(const uint8_t* qs, int p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * p))));
-}
-inline float lane_sum(Vec v) {
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
-#endif
-constexpr int kPieces = kGroup / kStep;
-constexpr int64_t kPrefetch = 256;  // bytes ahead in each weight row
-
-
+#ifdef PAGEDKV_GGML_VECTOR
 // R fp16 values at p (consecutive) as fp32 in out.
 template <int R>
 inline void halves(const uint8_t* p, float* out) {
@@ -230,71 +149,6 @@ void panel_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   for (; r < P; ++r) rows<Q, 1, 4>(x, M, K, w, P, r, y, N);
 }
 
-// Many activation rows (prefill chunks, large batches): a task's weights are widened once
-// into fp32 rows (the very values the tiles above compute in registers), then multiplied
-// from cache (the tiles above widen each block again for every 4 activation rows, and
-// stream all M rows past each pair of weight rows: 44 GFLOP/s at M = 2,048). An output's sequence of FMAs is the tiles' own: the same bits.
-constexpr int64_t kBigM = 12; // activation rows from which the widened path is taken
-
-template <int64_t Q>
-void widen_rows(const uint8_t* w, int64_t P, int64_t K, float* out) {
-  constexpr int64_t bb = Q == kQ4_1 ? 20 : 34, hdr = Q == kQ4_1 ? 4 : 2, qsb = bb - hdr;
-  for (int64_t g = 0; g < K / kGroup; ++g) {
-    const uint8_t* chunk = w + g * P * bb;
-    for (int64_t r = 0; r < P; ++r) {
-      const Vec dv = splat(half_at(chunk + 2 * r));
-      const uint8_t* qs = chunk + hdr * P + qsb * r;
-      for (int p = 0; p < kPieces; ++p) {
-        Vec wv;
-        if constexpr (Q == kQ4_1) wv = q4_piece(qs, p, q4_table(dv, splat(half_at(chunk + 2 * P + 2 * r))));
-        else wv = mul(q8_piece(qs, p), dv);
-        store_x(out + r * K + g * kGroup + p * kStep, wv);
-      }
-    }
-  }
-}
-
-// MR activation rows x R widened weight rows (w, row stride K): y[m * N + r].
-template <int MR, int R>
-inline void dot_tile(const float* x, const float* w, int64_t K, float* y, int64_t N) {
-  Vec acc[MR][R];
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = zero();
-  for (int64_t k = 0; k < K; k += kStep) {
-    Vec wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load_x(w + r * K + k);
-    for (int m = 0; m < MR; ++m) {
-      const Vec xv = load_x(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = fma(xv, wv[r], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) y[m * N + r] = lane_sum(acc[m][r]);
-}
-
-template <int64_t Q>
-void widened_task(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
-                  int64_t n1, float* y, int64_t N, float* buf) {
-  for (int64_t n = n0; n < n1; n += kPanel)
-    widen_rows<Q>(w + n * row_bytes, std::min(kPanel, n1 - n), K, buf + (n - n0) * K);
-  // 3 activation rows x 4 weight rows (12 accumulators of 16 registers), the activation
-  // rows held in L1 while the task's widened rows stream past them from L2.
-  constexpr int MR = 3, R = 4;
-  int64_t m = 0;
-  for (; m < M; m += MR) {
-    const int64_t mr = std::min<int64_t>(MR, M - m);
-    int64_t r = n0;
-    for (; r + R <= n1; r += R) {
-      const float* wr = buf + (r - n0) * K;
-      if (mr == MR) dot_tile<MR, R>(x + m * K, wr, K, y + m * N + r, N);
-      else
-        for (int64_t i = 0; i < mr; ++i) dot_tile<1, R>(x + (m + i) * K, wr, K, y + (m + i) * N + r, N);
-    }
-    for (; r < n1; ++r)
-      for (int64_t i = 0; i < mr; ++i) dot_tile<1, 1>(x + (m + i) * K, buf + (r - n0) * K, K, y + (m + i) * N + r, N);
-  }
-}
-#define PAGEDKV_GGML_VECTOR 1
 #endif
 
 void scalar_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype, int64_t P, float* y,
@@ -321,16 +175,7 @@ void ggml_linear_cpu(const float* x, const uint8_t* w, int64_t qtype, float* y, 
   const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask, row_bytes = K / kGroup * block_bytes(qtype);
 #ifdef PAGEDKV_GGML_VECTOR
   if (kStep == 8 && M >= kBigM) {
-#pragma omp parallel if (tasks > 1)
-    {
-      std::vector<float> buf(kRowsPerTask * K);
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
-        if (qtype == kQ4_1) widened_task<kQ4_1>(x, M, K, w, row_bytes, n0, n1, y, N, buf.data());
-        else widened_task<kQ8_0>(x, M, K, w, row_bytes, n0, n1, y, N, buf.data());
-      }
-    }
+    ggml_linear_widened(x, w, qtype, y, M, K, N);
     return;
   }
 #endif
