@@ -156,9 +156,11 @@ def test_int8_ceiling_is_the_faster_library(monkeypatch):
 
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("this torch has no FBGEMM engine")
-    n, slow = 128, 0.05
+    # the slow path alone gives 2 n^3 / slow = 21 MOP/s; FBGEMM at n = 128 read 280 MOP/s on a
+    # loaded 2-core machine, where an earlier threshold of 420 MOP/s failed
+    n, slow = 128, 0.2
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: time.sleep(slow))
-    assert roofline.int8_rate(n, 2) > 5 * 2 * n**3 / slow
+    assert roofline.int8_rate(n, 2) > 2 * 2 * n**3 / slow
 
 
 def test_ratio_and_goal_bookkeeping():
