@@ -18,11 +18,7 @@ namespace ggml {
 namespace {
 
 #ifdef PAGEDKV_GGML_VECTOR
-// Many activation rows (prefill chunks, large batches): a task's weights are widened once
-// into fp32 rows (the very values the tiles above compute in registers), then multiplied
-// from cache (the tiles above widen each block again for every 4 activation rows, and
-// stream all M rows past each pair of weight rows: 44 GFLOP/s at M = 2,048). An output's sequence of FMAs is the tiles' own: the same bits.
-
+// The P rows of a panel at w (ggml_linear.cpp's layout) as fp32 rows out[P][K].
 template <int64_t Q>
 void widen_rows(const uint8_t* w, int64_t P, int64_t K, float* out) {
   constexpr int64_t bb = Q == kQ4_1 ? 20 : 34, hdr = Q == kQ4_1 ? 4 : 2, qsb = bb - hdr;
@@ -31,9 +27,10 @@ void widen_rows(const uint8_t* w, int64_t P, int64_t K, float* out) {
     for (int64_t r = 0; r < P; ++r) {
       const Vec dv = splat(half_at(chunk + 2 * r));
       const uint8_t* qs = chunk + hdr * P + qsb * r;
+      const auto tab = q4_table(dv, splat(Q == kQ4_1 ? half_at(chunk + 2 * P + 2 * r) : 0.0f));  // Q4_1 only
       for (int p = 0; p < kPieces; ++p) {
         Vec wv;
-        if constexpr (Q == kQ4_1) wv = q4_piece(qs, p, q4_table(dv, splat(half_at(chunk + 2 * P + 2 * r))));
+        if constexpr (Q == kQ4_1) wv = q4_piece(qs, p, tab);
         else wv = mul(q8_piece(qs, p), dv);
         store_x(out + r * K + g * kGroup + p * kStep, wv);
       }

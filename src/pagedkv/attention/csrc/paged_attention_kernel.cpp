@@ -215,15 +215,14 @@ class Kernel {
       for (int64_t j = sink_end; j < lo; ++j) s[j] = kNegInf;
 #if PAGEDKV_AVX2_ONLY
       // a ymm at a time (the same lane-wise operations and sum tree as below: halves of vf lanes)
-      vf8 mx8 = load8(s), p_lo, p_hi;
+      vf8 mx8 = load8(s);
       for (int64_t c = 8; c < bspad_; c += 8) mx8 = vmax8(mx8, load8(s + c));
       const float m_old = ml[2 * h], m_new = std::max(m_old, hmax8(mx8));
       const float alpha = exp_nonpos8(vf8{} + (m_old - m_new))[0];
       for (int64_t c = 0; c < bspad_; c += 8) store8(s + c, exp_nonpos8(load8(s + c) - m_new));
-      p_lo = load8(s), p_hi = load8(s + 8);
+      vf8 p_lo = load8(s), p_hi = load8(s + 8);
       for (int64_t c = kLanes; c < bspad_; c += kLanes) p_lo += load8(s + c), p_hi += load8(s + c + 8);
-      const vf8 a = p_lo + p_hi;
-      const float lsum = (a[0] + a[4] + (a[2] + a[6])) + (a[1] + a[5] + (a[3] + a[7]));
+      const float lsum = hsum8(p_lo + p_hi);
 #else
       vf mx = loadv(s);
       for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));

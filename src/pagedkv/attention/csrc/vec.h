@@ -32,6 +32,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 typedef float vf __attribute__((vector_size(kLanes * 4)));
 typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
 typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 
 inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
@@ -59,13 +60,17 @@ inline float hmax8(vf8 v) {
   return m;
 }
 
-// Sum of the 16 lanes as a fixed pairwise tree.
-inline float hsum(vf v) {
-  vf8 lo, hi; std::memcpy(&lo, &v, 32); std::memcpy(&hi, reinterpret_cast<char*>(&v) + 32, 32);
-  vf8 a = lo + hi;
+// Sum of the 8 lanes as a fixed pairwise tree: halves, then (0 + 2) + (1 + 3).
+inline float hsum8(vf8 a) {
   vf4 b, c; std::memcpy(&b, &a, 16); std::memcpy(&c, reinterpret_cast<char*>(&a) + 16, 16);
   vf4 d = b + c;
   return (d[0] + d[2]) + (d[1] + d[3]);
+}
+
+// Sum of the 16 lanes as a fixed pairwise tree: halves, then hsum8.
+inline float hsum(vf v) {
+  vf8 lo, hi; std::memcpy(&lo, &v, 32); std::memcpy(&hi, reinterpret_cast<char*>(&v) + 32, 32);
+  return hsum8(lo + hi);
 }
 
 #if defined(__clang__) || __GNUC__ >= 12
@@ -114,8 +119,7 @@ inline float hmax(vf v) {
 }
 #endif
 
-// x in every lane of an 8-float vector (one ymm register: GCC broadcasts it directly).
-typedef int32_t vi8 __attribute__((vector_size(32)));
+// x in every lane of a vf (splat) or a vf8 (one ymm register: GCC broadcasts it directly).
 template <class F> inline F lanes(float x) { if constexpr (sizeof(F) == sizeof(vf)) return splat(x); else return F{} + x; }
 
 // e^x for x <= 0; lanes below ln(FLT_MIN) (and -inf) give 0. Cephes expf: x = n ln2 + r,
