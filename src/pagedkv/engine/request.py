@@ -24,7 +24,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is one live object (list membership must not compare fields)
 class Request:
     """A request's tokens, progress and timings (seconds on the engine core's clock).
     The scheduler is its only writer; no torch state (runners keep their own)."""

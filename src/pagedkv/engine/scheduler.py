@@ -288,11 +288,13 @@ class Scheduler:
             self.preemption.observe([(self.requests[r].num_computed_tokens, sched.num_scheduled_tokens[r])
                                      for r in sched.req_ids if r in self.requests], result.execute_seconds)
         spec, sampled_by, scheduled = sched.scheduled_spec_decode_tokens, result.sampled, sched.num_scheduled_tokens
+        spec_ids, keep, invalid = result.spec_token_ids, result.kv_keep, result.invalid_block_ids
+        cache_full_blocks = self.kv.cache_full_blocks
         for rid in sched.req_ids:  # (once per request and step: written for speed)
             req = self.requests.get(rid)
             if req is None or req.status is RequestStatus.FINISHED:  # ended while the step ran
                 continue
-            if result.invalid_block_ids and self._roll_back(req, result.invalid_block_ids):
+            if invalid and self._roll_back(req, invalid):
                 if getattr(self.connector, "load_failure_policy", "recompute") == "fail":
                     req.error = "loading the prompt's KV from the prefill instance failed (kv_load_failure_policy fail)"
                     self.finish(rid, "abort")
@@ -302,7 +304,7 @@ class Scheduler:
             sampled = sampled_by.get(rid)
             accepted = len(sampled.token_ids) - 1 if drafts and sampled is not None and sampled.token_ids else 0
             req.num_computed_tokens += scheduled[rid] - (len(drafts) - accepted)
-            self.kv.cache_full_blocks(req, min(req.num_computed_tokens, len(req.all_token_ids)))
+            cache_full_blocks(req, min(req.num_computed_tokens, len(req.all_token_ids)))
             if result.prompt_logprobs:
                 prompt_lp = result.prompt_logprobs.get(rid)
                 if prompt_lp is not None:
@@ -312,9 +314,12 @@ class Scheduler:
             if drafts:
                 self._after_verification(req, len(drafts), accepted)
             if req.status is not RequestStatus.FINISHED:
-                req.spec_token_ids = result.spec_token_ids.get(rid, []) if result.spec_token_ids else []
-                if rid in result.kv_keep:  # chosen among the tokens cached now
-                    req.kv_keep = (result.kv_keep[rid], req.num_computed_tokens - req.num_evicted_tokens)
+                if spec_ids:
+                    req.spec_token_ids = spec_ids.get(rid, [])
+                elif req.spec_token_ids:
+                    req.spec_token_ids = []
+                if keep and rid in keep:  # chosen among the tokens cached now
+                    req.kv_keep = (keep[rid], req.num_computed_tokens - req.num_evicted_tokens)
         if self.connector is not None:
             self.connector.update_connector_output(result.kv_connector_output)
         self._finish_transfers(result)

@@ -90,6 +90,10 @@ class KVCacheManager:
         self.groups: list[FullAttentionManager] = [manager_for(g.spec, i, self.pool)
                                                    for i, g in enumerate(self.kv_groups)]
         self._hashes: dict[str, list[BlockHash]] = {}
+        # the one group when it is plain full attention (no skipped pages, tokens held = computed):
+        # the decode steps whose last page has room then skip the general path
+        only = self.groups[0] if len(self.groups) == 1 else None
+        self._plain = only if type(only) is FullAttentionManager else None
         self.prefix_queries = 0  # tokens looked up, counted when a lookup is admitted
         self.prefix_hits = 0     # tokens found
 
@@ -134,6 +138,10 @@ class KVCacheManager:
 
         Returns False, allocating nothing, when the pool cannot supply them all.
         """
+        if self._plain is not None and not hit.num_tokens:  # (once per request and step: written for speed)
+            table = self._plain.block_tables.get(req.request_id)
+            if table is not None and cached_tokens(req) + num_new_tokens <= len(table) * self.block_size:
+                return True
         groups = self.groups
         for g in groups:
             g.remove_skipped(req, req.num_computed_tokens)
@@ -212,6 +220,8 @@ class KVCacheManager:
     # ---- tables ----------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table in each group (empty lists if it holds none)."""
+        if self._plain is not None:
+            return (self._plain.block_tables.get(request_id, []),)
         return tuple([g.block_tables.get(request_id, []) for g in self.groups])
 
     @property

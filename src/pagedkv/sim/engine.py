@@ -40,7 +40,7 @@ from pagedkv.sim.runner import SimRunner
 from pagedkv.sim.tier import TierCosts, sim_tier
 
 
-@dataclass
+@dataclass(slots=True)
 class SimOutput:
     """A request's state after a step: its output token ids so far (the live list: read, do
     not keep), whether it ended."""

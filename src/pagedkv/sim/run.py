@@ -15,8 +15,10 @@ the benchmark's own driver (:func:`pagedkv.bench.driver.drive`), so the metrics 
 
 from __future__ import annotations
 
+import gc
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 from pagedkv.bench.driver import EngineRun, drive
@@ -277,11 +279,29 @@ def build_requests(workload: str | list[BenchRequest], num_prompts: int, request
     return with_poisson_arrivals(reqs, request_rate, seed)
 
 
+@contextmanager
+def _no_cycle_collection():
+    """Pause the cyclic garbage collector (collecting once after). A run allocates a few
+    objects per request and step and keeps many alive (requests, token lists, the step
+    records), so the collector's periodic passes over the growing heap took ~30% of a
+    10,000-request run; what a run allocates is freed by reference counting (no cycles:
+    peak memory was the same with the collector off)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+            gc.collect()
+
+
 def run_setup(setup: SimSetup, requests: list[BenchRequest]) -> SimResult:
     """Drive ``requests`` through a fresh simulated engine of ``setup``."""
     engine = setup.engine()
     t0 = time.perf_counter()
-    run = drive(engine, requests, clock=engine.clock, sleep=engine.runner.sleep)
+    with _no_cycle_collection():
+        run = drive(engine, requests, clock=engine.clock, sleep=engine.runner.sleep)
     wall = time.perf_counter() - t0
     events = len(run.steps) + 2 * len(requests)
     timeline = {"t_s": run.step_starts, "kv_blocks_used": run.blocks_used, "running": run.running_after,
