@@ -8,7 +8,14 @@ and once per real run with the cost model replaced by that run's recorded step t
 (the schedule must then match it exactly: preemptions, peak KV blocks, steps).
 Scenarios (the ``pagedkv bench`` defaults): throughput (arena-hard, 64 prompts, all at
 once), capacity (hh-rlhf at a 128 MiB KV budget, paged and contiguous) and online
-(arena-hard, 32 prompts, Poisson at 0.5 (well below saturation), 2 and 4 requests/s).
+(arena-hard, 32 prompts of 64 output tokens, Poisson arrivals at three rates).
+
+The online rates are fractions (0.15, 0.4, 0.7) of this machine's saturation rate, so that
+one is well below saturation on any CPU: the saturation rate is estimated from the
+throughput scenario's real run (its output tokens/s over the online requests' 64 tokens;
+an upper estimate, since those requests have more prompt per output token). Fixed rates
+(``--rates 0.5,2,4``, the rates used before 2026-12-03) put 4 req/s far past saturation on
+an AVX2-only CPU, where queueing multiplies any step error into TTFT.
 
 The machine drifts (20-30% within minutes here), and the simulator cannot know the
 weather of a later run. So a drift probe (:func:`pagedkv.sim.calibrate.reference_seconds`,
@@ -44,10 +51,9 @@ SCENARIOS = [  # name, dataset, prompts, max prompt tokens, max tokens, rate, en
     ("capacity", "hh-rlhf", 64, 512, 256, float("inf"), {"kv_cache_memory": "128MiB"}),
     ("capacity-contiguous", "hh-rlhf", 64, 512, 256, float("inf"),
      {"kv_cache_memory": "128MiB", "kv_allocator": "contiguous"}),
-    ("online-0.5", "arena-hard", 32, 512, 64, 0.5, {}),
-    ("online-2", "arena-hard", 32, 512, 64, 2.0, {}),
-    ("online-4", "arena-hard", 32, 512, 64, 4.0, {}),
 ]
+ONLINE = ("arena-hard", 32, 512, 64)  # dataset, prompts, max prompt tokens, max tokens (rate and flags added)
+RATE_FRACTIONS = (0.15, 0.4, 0.7)  # of the estimated saturation rate (see the module docstring)
 ERROR_KEYS = ("output_tokens_per_s", "ttft_p50", "tpot_p50")
 
 
@@ -105,13 +111,27 @@ def scenario(tok, repeats, probe, ref0, name, dataset, n, cap, max_tokens, rate,
     return out
 
 
+def online_rates(spec: str, results: dict) -> list[float]:
+    """The online scenarios' rates (req/s): given, or fractions of the saturation rate
+    estimated from the throughput scenario's real output tokens/s."""
+    if spec != "auto":
+        return [float(r) for r in spec.split(",")]
+    saturation = results["throughput"]["real"]["output_tokens_per_s"] / ONLINE[3]
+    return [round(f * saturation, 2) for f in RATE_FRACTIONS]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", required=True)
     p.add_argument("--only", help="comma list of scenario names")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-calibrate", action="store_true", help="use the cached calibration")
+    p.add_argument("--rates", default="auto",
+                   help="the online scenarios' request rates (req/s, comma list), or auto: fractions "
+                        f"{RATE_FRACTIONS} of the saturation rate the throughput scenario measured")
     a = p.parse_args()
+    if a.rates == "auto" and a.only and "throughput" not in a.only.split(","):
+        p.error("--rates auto needs the throughput scenario (it measures the saturation rate)")
     t0 = time.time()
     if not a.no_calibrate or cached(EngineConfig(), DEFAULT_MODEL) is None:
         calibrate(EngineConfig())
@@ -124,12 +144,16 @@ def main() -> None:
     only = set(a.only.split(",")) if a.only else None
     results = {s[0]: scenario(tok, a.repeats, probe, cal.reference_s, *s) for s in SCENARIOS
                if only is None or s[0] in only}
+    for rate in online_rates(a.rates, results):
+        name = f"online-{rate:.3g}"
+        if only is None or name in only or "online" in only:
+            results[name] = scenario(tok, a.repeats, probe, cal.reference_s, name, *ONLINE[:4], rate, {})
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
     doc = {"cpu": model_name, "host": platform.node(), "efficiency": cal.efficiency.to_dict(),
            "calibration_reference_s": cal.reference_s, "scenarios": results, "repeats": a.repeats,
            "wall_s": time.time() - t0,
-           "command": f"python benchmarks/sim_accuracy.py --output {a.output} --repeats {a.repeats}"}
+           "command": f"python benchmarks/sim_accuracy.py --output {a.output} --repeats {a.repeats} --rates {a.rates}"}
     with open(a.output, "w") as f:
         json.dump(doc, f, indent=2)
 
