@@ -69,7 +69,7 @@ def simulated(setup, requests, recording=None, scale: float = 1.0) -> dict:
     engine = setup.engine()
     clock = engine.clock
     if recording is not None:  # the cost model replaced by the real run's step times
-        engine.core.runner = SimRunner(clock, replay=RecordedTimes(recording.step_starts, recording.step_seconds))
+        engine.core.runner = SimRunner(clock, replay=RecordedTimes.of(recording))
     elif scale != 1.0:
         times = engine.runner.times
         engine.runner.times = lambda i, work, n: scale * times(i, work, n)

@@ -260,14 +260,16 @@ class KVCacheManager:
         bs, pool = self.block_size, self.pool
         tails: list[int] = []
         partial: dict[int, int] = {}
-        for g in self.groups:
+        get = num_written.get
+        for g in self.groups:  # (every step, over every table: written for speed)
             for rid, table in g.block_tables.items():
-                n = max(0, num_written.get(rid, 0))
-                k = min(len(table), n // bs)
+                n = get(rid, 0)
+                k = n // bs if n > 0 else 0
                 if k < len(table):
                     tails += table[k:]
-                    if n > k * bs:
-                        partial[table[k]] = max(partial.get(table[k], 0), n - k * bs)
+                    r = n - k * bs
+                    if r > 0 and r > partial.get(table[k], 0):
+                        partial[table[k]] = r
         only = [b for b, c in Counter(tails).items() if b != pool.null_block and pool.ref_cnt[b] == c]
         return pool.num_used * bs, bs * (pool.num_used - len(only)) + sum(partial.get(b, 0) for b in only)
 
