@@ -31,7 +31,8 @@ def test_plan_sorts_destinations_and_cuts_runs():
     assert valid_plan(order, chunks, 6, layout)
 
 
-def test_short_runs_are_staged_and_staged_chunks_are_bounded():
+def test_short_runs_are_staged_and_staged_chunks_are_bounded(monkeypatch):
+    monkeypatch.setattr(pd_chunks, "MIN_PIECE_BYTES", 256 << 10)
     layout = _Layout(page_bytes=4 << 20, num_tensors=64)  # 64 KiB pieces: a run needs 4 pages to go straight
     dst = [0, 1, 2, 3, 4] + list(range(10, 40, 2))  # one run of 5, then 15 lone pages
     order, chunks = plan_chunks(dst, layout)
