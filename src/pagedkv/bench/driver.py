@@ -44,6 +44,7 @@ class EngineRun:
     step_starts: list[float] = field(default_factory=list)  # clock at each step's start, from t0
     running_after: list[int] = field(default_factory=list)  # requests running after each step
     waiting: list[int] = field(default_factory=list)        # requests waiting after each step
+    idle_after: list[bool] = field(default_factory=list)    # the driver waited for an arrival after each step
 
     def metrics(self) -> dict:
         m = summarize_requests(self.records, self.duration_s)
@@ -115,6 +116,8 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
             targets[req.request_id] = (r.output_len, req, index)
             i += 1
         if not engine.has_unfinished_requests():
+            if run.idle_after:
+                run.idle_after[-1] = True
             sleep(max(0.0, pending[i][1].arrival_s - (clock() - t0)))
             continue
         seen.clear()
@@ -122,6 +125,7 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
         ts = clock()
         outs = engine.step()
         run.step_seconds.append(clock() - ts)
+        run.idle_after.append(False)
         tb = clock()
         _record_step(run, seen, kv, sched, sample_waste, sum(1 for o in outs if o.token_ids))
         for out in outs:

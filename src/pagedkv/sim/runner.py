@@ -76,10 +76,13 @@ class RecordedTimes:
 
     @classmethod
     def of(cls, run) -> RecordedTimes:
-        """The recording of a driven run (:class:`~pagedkv.bench.driver.EngineRun`): a step
-        after which no request was running or waiting was followed by an idle wait."""
-        idle = [r == 0 and w == 0 for r, w in zip(run.running_after, run.waiting)]
-        return cls(run.step_starts, run.step_seconds, idle if len(idle) == len(run.step_starts) else None)
+        """The recording of a driven run (:class:`~pagedkv.bench.driver.EngineRun`), with the
+        steps after which its driver waited for an arrival.
+
+        Raises:
+            ValueError: a run whose lists are not one entry per step.
+        """
+        return cls(run.step_starts, run.step_seconds, run.idle_after)
 
     def start(self, index: int) -> float | None:
         """When step ``index`` started (None past the last one)."""
