@@ -42,14 +42,10 @@ class EngineCoreOutput:
     @classmethod
     def of(cls, req: Request, new_ids: list[int], new_logprobs: list[dict[int, float]]) -> EngineCoreOutput:
         """Snapshot of ``req`` after ``new_ids`` were appended (prompt log-probs on its first output)."""
-        cached = req.num_cached_tokens if req.num_cached_tokens > 0 else 0
-        if req.sampling_params.prompt_logprobs is None:  # (once per request and step: the common case first)
-            return cls(req.request_id, list(new_ids), list(new_logprobs), req.last_token_time,
-                       req.finish_reason, req.stop_reason, req.error, cached, req.num_preemptions)
-        first = len(req.output_token_ids) == len(new_ids)
-        wants = first or req.is_finished
+        wants = req.sampling_params.prompt_logprobs is not None and (
+            len(req.output_token_ids) == len(new_ids) or req.is_finished)  # (first output, or the last)
         return cls(req.request_id, list(new_ids), list(new_logprobs), req.last_token_time,
-                   req.finish_reason, req.stop_reason, req.error, cached,
+                   req.finish_reason, req.stop_reason, req.error, max(req.num_cached_tokens, 0),
                    req.num_preemptions, dict(req.prompt_logprobs) if wants else None,
                    dict(req.prompt_top_logprobs) if wants else None)
 

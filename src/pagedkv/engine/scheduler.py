@@ -249,7 +249,7 @@ class Scheduler:
                                           self._compactions.pop(rid, None) if self._compactions else None)
             if trimmed:
                 self._trimmed.discard(rid)
-        self._sent[rid] = (len(req.all_token_ids), [len(blocks[0])] if len(blocks) == 1 else [len(g) for g in blocks])
+        self._sent[rid] = (len(req.all_token_ids), [len(g) for g in blocks])
 
     def _preempt(self, req: Request) -> None:
         mode = "swap" if self._swap_out(req) else "recompute"
