@@ -124,6 +124,33 @@ def test_row_alone_equals_row_in_big_batch_and_chunk(op):
                 assert torch.equal(run(op, q[row:row + 1], k, v, alone, split), full[row:row + 1]), (s, r)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window,softcap", [
+    (9, 3, 64, 16, 0, 0.0),     # SmolLM2: four rows x three heads per KV head
+    (4, 4, 16, 8, 0, 0.0),      # MHA, the smallest head
+    (16, 1, 80, 12, 0, 0.0),    # MQA, sixteen heads per KV head, an odd number of ymm
+    (20, 1, 32, 16, 0, 0.0),    # more heads per KV head than prefill tiles batch: row by row
+    (6, 2, 128, 6, 0, 0.0),     # a page of a size that is not a multiple of 4 keys
+    (8, 2, 256, 16, 40, 0.0),   # a window: pages wholly inside it, and pages it cuts
+    (9, 3, 48, 16, 0, 3.0),     # soft-capped scores
+])
+def test_prefill_tile_rows_equal_rows_alone(op, heads, kv_heads, head_dim, block_size, window, softcap):
+    """A prefill chunk's rows that see whole pages are batched across the tile's heads (AVX2
+    builds); each row must still be bit-identical to the same row computed alone, as a decode,
+    and the chunk must match the reference."""
+    q, k, v, meta = make_batch([(45, 170)], heads, kv_heads, head_dim, block_size, seed=13)
+    scale = head_dim ** -0.5
+    args = (scale, -1, None, None, window, 0, None, softcap)
+    full = op(q, k, v, *meta.packed, *args)
+    ref = paged_attention_reference(q, k, v, meta, scale, window=window, softcap=softcap)
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    s = meta.seqs[0]
+    for r in (0, 3, 4, 21, 44):
+        ctx = s.context_len - s.query_len + r + 1
+        alone = AttentionMetadata(torch.zeros(1, dtype=torch.int64),
+                                  [SeqAttention(0, 1, ctx, s.block_table[:-(-ctx // block_size)])])
+        assert torch.equal(op(q[r:r + 1], k, v, *alone.packed, *args), full[r:r + 1]), r
+
+
 def test_thread_count_does_not_change_bits(op):
     q, k, v, meta = make_batch([(1, 700), (30, 400), (1, 5)], seed=4)
     threads = torch.get_num_threads()

@@ -36,6 +36,9 @@ using namespace vec;  // NOLINT: the kernel is written in these helpers
 constexpr int64_t kPartitionTokens = 256;  // keys per partition (rounded down to whole pages)
 constexpr int64_t kPrefillTile = 4;        // query rows per tile of a multi-token chunk
 constexpr int64_t kMinParallelWork = 1 << 19;  // multiply-adds below which one thread is quicker
+constexpr int64_t kMaxGroup = 16;       // query heads per KV head that take update_tile_page (AVX2)
+constexpr int64_t kPairsPerPass = 6;    // (row, head) pairs per V load there: 12 accumulators
+constexpr int64_t kTilePairs = kPrefillTile * kMaxGroup;  // (row, head) pairs of a KV head in a tile
 
 // The next page's K/V bytes, prefetched a key at a time while the current page is computed
 // (block tables are shuffled, so hardware prefetchers cannot guess the next page).
@@ -127,7 +130,7 @@ class Kernel {
     explicit Workspace(const Kernel& k) {
       const int64_t R = kPrefillTile * k.H_;
       if (k.a_.kv_type != KVType::f32) kbuf.resize(k.BS_ * k.Hkv_ * D), vbuf.resize(k.BS_ * k.Hkv_ * D);
-      scores.resize(k.G_ * (k.bspad_ + 1) + k.bspad_);
+      scores.resize(std::max(k.G_ * (k.bspad_ + 1) + k.bspad_, kPrefillTile * k.G_ * k.bspad_ + 2 * kTilePairs));
       cur_ml.resize(R * 2), cur_acc.resize(R * D), run_ml.resize(R * 2), run_acc.resize(R * D);
     }
   };
@@ -169,8 +172,12 @@ class Kernel {
   // (and soft-capped), into s[0..n rounded up to 16): keys >= n repeat key n-1.
   void score_keys(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
     score_scaled(q, k, n, stride, s);
-    if (a_.softcap > 0.0f)  // as HF's Gemma 2: divide, tanh, multiply, each rounded once
-      for (int64_t j = 0; j < (n + kLanes - 1) / kLanes * kLanes; ++j) s[j] = std::tanh(s[j] / a_.softcap) * a_.softcap;
+    if (a_.softcap > 0.0f) apply_softcap(s, n);
+  }
+
+  // As HF's Gemma 2: divide, tanh, multiply, each rounded once (s[0..n rounded up to 16)).
+  void apply_softcap(float* s, int64_t n) const {
+    for (int64_t j = 0; j < (n + kLanes - 1) / kLanes * kLanes; ++j) s[j] = std::tanh(s[j] / a_.softcap) * a_.softcap;
   }
 
   void score_scaled(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
@@ -189,6 +196,47 @@ class Kernel {
       storev(s + j0, hsum16(part) * a_.scale);
     }
 #endif
+  }
+
+#if PAGEDKV_AVX2_ONLY
+  // The largest of a page's scores s[0..bspad), a ymm at a time.
+  float page_max(const float* s) const {
+    vf8 mx8 = load8(s);
+    for (int64_t c = 8; c < bspad_; c += 8) mx8 = vmax8(mx8, load8(s + c));
+    return hmax8(mx8);
+  }
+
+  // s <- e^(s - m) for a page's scores; returns their sum (a fixed lane-wise tree: the
+  // same lane operations and sum tree as the 16-lane code, halves of vf lanes).
+  float page_exp_sum(float* s, float m) const {
+    for (int64_t c = 0; c < bspad_; c += 8) store8(s + c, exp_nonpos8(load8(s + c) - m));
+    vf8 p_lo = load8(s), p_hi = load8(s + 8);
+    for (int64_t c = kLanes; c < bspad_; c += kLanes) p_lo += load8(s + c), p_hi += load8(s + c + 8);
+    return hsum8(p_lo + p_hi);
+  }
+#endif
+
+  // Online-softmax step of one (row, head) over a page's scores s[0..bspad) (masked keys
+  // -inf): s becomes the probabilities e^(s - m_new), ml = (m, l) is updated; returns the
+  // factor alpha = e^(m_old - m_new) that rescales the accumulator.
+  float softmax_update(float* s, float* ml) const {
+#if PAGEDKV_AVX2_ONLY
+    const float m_old = ml[0], m_new = std::max(m_old, page_max(s));
+    const float alpha = exp_nonpos8(vf8{} + (m_old - m_new))[0];
+    const float lsum = page_exp_sum(s, m_new);
+#else
+    vf mx = loadv(s);
+    for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));
+    const float m_old = ml[0], m_new = std::max(m_old, hmax(mx));
+    const float alpha = exp_nonpos(splat(m_old - m_new))[0];
+    for (int64_t c = 0; c < bspad_; c += kLanes) storev(s + c, exp_nonpos(loadv(s + c) - m_new));
+    vf psum = loadv(s);  // masked lanes are exactly 0: a fixed lane-wise tree, whatever n is
+    for (int64_t c = kLanes; c < bspad_; c += kLanes) psum += loadv(s + c);
+    const float lsum = hsum(psum);
+#endif
+    ml[0] = m_new;
+    ml[1] = ml[1] * alpha + lsum;
+    return alpha;
   }
 
   // Online-softmax update of the G query heads of one row (q: [G, D]) with keys 0..sink_end-1
@@ -213,29 +261,7 @@ class Kernel {
       float* s = sc + h * bspad_;
       for (int64_t j = n; j < bspad_; ++j) s[j] = kNegInf;
       for (int64_t j = sink_end; j < lo; ++j) s[j] = kNegInf;
-#if PAGEDKV_AVX2_ONLY
-      // a ymm at a time (the same lane-wise operations and sum tree as below: halves of vf lanes)
-      vf8 mx8 = load8(s);
-      for (int64_t c = 8; c < bspad_; c += 8) mx8 = vmax8(mx8, load8(s + c));
-      const float m_old = ml[2 * h], m_new = std::max(m_old, hmax8(mx8));
-      const float alpha = exp_nonpos8(vf8{} + (m_old - m_new))[0];
-      for (int64_t c = 0; c < bspad_; c += 8) store8(s + c, exp_nonpos8(load8(s + c) - m_new));
-      vf8 p_lo = load8(s), p_hi = load8(s + 8);
-      for (int64_t c = kLanes; c < bspad_; c += kLanes) p_lo += load8(s + c), p_hi += load8(s + c + 8);
-      const float lsum = hsum8(p_lo + p_hi);
-#else
-      vf mx = loadv(s);
-      for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));
-      const float m_old = ml[2 * h], m_new = std::max(m_old, hmax(mx));
-      const float alpha = exp_nonpos(splat(m_old - m_new))[0];
-      for (int64_t c = 0; c < bspad_; c += kLanes) storev(s + c, exp_nonpos(loadv(s + c) - m_new));
-      vf psum = loadv(s);  // masked lanes are exactly 0: a fixed lane-wise tree, whatever n is
-      for (int64_t c = kLanes; c < bspad_; c += kLanes) psum += loadv(s + c);
-      const float lsum = hsum(psum);
-#endif
-      ml[2 * h] = m_new;
-      ml[2 * h + 1] = ml[2 * h + 1] * alpha + lsum;
-      alphas[h] = alpha;
+      alphas[h] = softmax_update(s, ml + 2 * h);
     }
     constexpr int64_t kHeads = kHeadsPerPass;
     for (int64_t h = 0; h < G_;) {
@@ -307,6 +333,111 @@ class Kernel {
   }
 
 #if PAGEDKV_AVX2_ONLY
+  // Rows 0..rows-1 of a prefill tile, all of which see every key of a page (no mask): the
+  // same operations for each (row, head) as update_group, batched over the tile's heads of
+  // KV head g: scores two heads at a time (each K load used twice), the rescale factors of
+  // eight heads in one exponential, PV for up to 6 (row, head) pairs per V load. q: the
+  // first row's queries [H, D], rows H * D apart; ml, acc: the first row's states [H, 2],
+  // [H, D], rows H apart. sc: [kPrefillTile * G, bspad] scores, then 2 * kTilePairs floats.
+  void update_tile_page(const float* q, int64_t rows, const float* k, const float* v, float* sc, float* ml,
+                        float* acc, const Prefetch& pf, int64_t g) const {
+    const int64_t stride = Hkv_ * D, pairs = rows * G_;
+    float* alphas = sc + kPrefillTile * G_ * bspad_;  // [pairs], then m_old - m_new [pairs]
+    float* diffs = alphas + kTilePairs;
+    const float* qs[kTilePairs];
+    float *p[kTilePairs], *o[kTilePairs], *mls[kTilePairs], m_new[kTilePairs];
+    for (int64_t t = 0; t < pairs; ++t) {
+      const int64_t r = (t / G_) * H_ + g * G_ + t % G_;  // (row, head) of pair t
+      qs[t] = q + r * D, mls[t] = ml + 2 * r, o[t] = acc + r * D, p[t] = sc + t * bspad_;
+    }
+    int64_t t = 0;
+    if (BS_ % 4 == 0)
+      for (; t + 2 <= pairs; t += 2) dot_2x4(qs[t], qs[t + 1], k, stride, p[t], p[t + 1]);
+    for (; t < pairs; ++t) score_scaled(qs[t], k, BS_, stride, p[t]);
+    for (t = 0; t < pairs; ++t) {
+      if (a_.softcap > 0.0f) apply_softcap(p[t], BS_);
+      for (int64_t j = BS_; j < bspad_; ++j) p[t][j] = kNegInf;
+      m_new[t] = std::max(mls[t][0], page_max(p[t]));
+      diffs[t] = mls[t][0] - m_new[t];
+    }
+    for (t = 0; t < pairs; t += 8) store8(alphas + t, exp_nonpos8(load8(diffs + t)));  // lane-wise: as one at a time
+    for (t = 0; t < pairs; ++t) {
+      const float lsum = page_exp_sum(p[t], m_new[t]);
+      mls[t][0] = m_new[t];
+      mls[t][1] = mls[t][1] * alphas[t] + lsum;
+      if (t < BS_) pf.key(t, g);  // the next page, a key per pair (outside the FMA loops: GCC spills there)
+    }
+    for (int64_t j = pairs; j < BS_; ++j) pf.key(j, g);
+    for (t = 0; t < pairs; t += kPairsPerPass) {
+      switch (std::min(pairs - t, kPairsPerPass)) {
+        case 6: accumulate_pairs<6>(p + t, alphas + t, o + t, v); break;
+        case 5: accumulate_pairs<5>(p + t, alphas + t, o + t, v); break;
+        case 4: accumulate_pairs<4>(p + t, alphas + t, o + t, v); break;
+        case 3: accumulate_pairs<3>(p + t, alphas + t, o + t, v); break;
+        case 2: accumulate_pairs<2>(p + t, alphas + t, o + t, v); break;
+        default: accumulate_pairs<1>(p + t, alphas + t, o + t, v);
+      }
+    }
+  }
+
+  // Scaled scores of keys 0..BS-1 (BS a multiple of 4) against two query heads qa, qb into
+  // sa, sb: for each (head, key) the operations of dot16 (products into one ymm in order of
+  // the dimensions, then the same hadd tree), four keys at a time, each K load serving both.
+  void dot_2x4(const float* qa, const float* qb, const float* k, int64_t stride, float* sa, float* sb) const {
+    const __m128 scale = _mm_set1_ps(a_.scale);
+    for (int64_t j0 = 0; j0 < BS_; j0 += 4) {
+      const float* kj = k + j0 * stride;
+      __m256 ra[4], rb[4];
+      const __m256 qa0 = _mm256_loadu_ps(qa), qb0 = _mm256_loadu_ps(qb);
+      for (int t = 0; t < 4; ++t) {
+        const __m256 kt = _mm256_loadu_ps(kj + t * stride);
+        ra[t] = _mm256_mul_ps(qa0, kt), rb[t] = _mm256_mul_ps(qb0, kt);
+      }
+      for (int c = 1; c < 2 * NV; ++c) {
+        const __m256 qac = _mm256_loadu_ps(qa + c * 8), qbc = _mm256_loadu_ps(qb + c * 8);
+        for (int t = 0; t < 4; ++t) {
+          const __m256 kt = _mm256_loadu_ps(kj + t * stride + c * 8);
+          ra[t] = _mm256_fmadd_ps(qac, kt, ra[t]), rb[t] = _mm256_fmadd_ps(qbc, kt, rb[t]);
+        }
+      }
+      _mm_storeu_ps(sa + j0, _mm_mul_ps(fold4(ra), scale));
+      _mm_storeu_ps(sb + j0, _mm_mul_ps(fold4(rb), scale));
+    }
+  }
+
+  // Lane sums of four keys' product vectors: dot16's tree (pairs, then pairs of pairs, then
+  // the low half plus the high half), for keys 0..3 of its eight.
+  static __m128 fold4(const __m256* r) {
+    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  }
+
+  // o[t] = o[t] * alpha[t] + sum_j p[t][j] v_j over the page's BS keys for NP pairs, two ymm
+  // columns per pass: 2 NP accumulators and two V loads per key (the operations of
+  // accumulate, in the same order for each lane).
+  template <int NP>
+  void accumulate_pairs(const float* const* p, const float* alpha, float* const* o, const float* v) const {
+    const int64_t stride = Hkv_ * D;
+    for (int c0 = 0; c0 < 2 * NV; c0 += 2) {
+      __m256 r[NP][2];
+      for (int t = 0; t < NP; ++t) {
+        const __m256 a = _mm256_set1_ps(alpha[t]);
+        for (int c = 0; c < 2; ++c) r[t][c] = _mm256_mul_ps(_mm256_loadu_ps(o[t] + (c0 + c) * 8), a);
+      }
+      const auto step = [&](int64_t j) {
+        const __m256 v0 = _mm256_loadu_ps(v + j * stride + c0 * 8), v1 = _mm256_loadu_ps(v + j * stride + c0 * 8 + 8);
+        for (int t = 0; t < NP; ++t) {
+          const __m256 pj = _mm256_broadcast_ss(p[t] + j);
+          r[t][0] = _mm256_fmadd_ps(pj, v0, r[t][0]);
+          r[t][1] = _mm256_fmadd_ps(pj, v1, r[t][1]);
+        }
+      };
+      for (int64_t j = 0; j < BS_; ++j) step(j);
+      for (int t = 0; t < NP; ++t)
+        for (int c = 0; c < 2; ++c) _mm256_storeu_ps(o[t] + (c0 + c) * 8, r[t][c]);
+    }
+  }
+
   // Scaled scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head q
   // into out[0..15]: out[jj] is (q . k_{j0+jj}) * scale, in ymm registers (GCC moves 64-byte
   // vector values through the stack on AVX2). Each key's products go into one ymm in order
@@ -314,14 +445,16 @@ class Kernel {
   // for each key depends on its own products alone.
   void dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride, float* out) const {
     const __m256 scale = _mm256_set1_ps(a_.scale);
-    __m256 qv[2 * NV];  // the query, loaded once for the 16 keys
-    for (int c = 0; c < 2 * NV; ++c) qv[c] = _mm256_loadu_ps(q + c * 8);
     for (int g8 = 0; g8 < kLanes / 8; ++g8) {
+      const float* kj[8];
+      for (int t = 0; t < 8; ++t) kj[t] = k + std::min<int64_t>(j0 + 8 * g8 + t, n - 1) * stride;
+      // dimension-major: the eight keys' chains interleave (each chain's order is unchanged)
       __m256 s[8];
-      for (int t = 0; t < 8; ++t) {
-        const float* kj = k + std::min<int64_t>(j0 + 8 * g8 + t, n - 1) * stride;
-        s[t] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
-        for (int c = 1; c < 2 * NV; ++c) s[t] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + c * 8), s[t]);
+      const __m256 q0 = _mm256_loadu_ps(q);
+      for (int t = 0; t < 8; ++t) s[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[t]));
+      for (int c = 1; c < 2 * NV; ++c) {
+        const __m256 qc = _mm256_loadu_ps(q + c * 8);
+        for (int t = 0; t < 8; ++t) s[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj[t] + c * 8), s[t]);
       }
       const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
       const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
@@ -363,6 +496,13 @@ class Kernel {
             Hkv_ * D * elem, D * elem};
   }
 
+  // Whether every row first..last of a prefill tile sees every key of page b, unmasked
+  // (AVX2 builds take update_tile_page there).
+  bool whole_page(const Tile& tl, int64_t first, int64_t last, int64_t b) const {
+    if (!PAGEDKV_AVX2_ONLY || tl.nq == 1 || G_ > kMaxGroup) return false;
+    return first - b * BS_ + 1 >= BS_ && (a_.window <= 0 || last - a_.window + 1 <= b * BS_);
+  }
+
   void run_item(const Item& it, Workspace& ws, float* scratch) const {
     const Tile& tl = tiles_[it.tile];
     const int64_t* sq = seq(tl.seq);
@@ -382,6 +522,15 @@ class Kernel {
         if (b < b_win && b >= b_sinks) continue;
         const auto [kp, vp] = page(table[b], std::min(BS_, last - b * BS_ + 1), ws);
         const Prefetch next = b + 1 < b_end ? prefetch(table[b + 1]) : Prefetch{};
+#if PAGEDKV_AVX2_ONLY
+        if (whole_page(tl, pos0 + i0, last, b)) {
+          const int64_t r = i0 * H_;
+          for (int64_t g = 0; g < Hkv_; ++g)
+            update_tile_page(a_.q + (sq[0] + tl.q0 + i0) * H_ * D, tl.nq - i0, kp + g * D, vp + g * D,
+                             ws.scores.data(), ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D, next, g);
+          continue;
+        }
+#endif
         for (int64_t i = i0; i < tl.nq; ++i) {
           const int64_t n = std::min(BS_, pos0 + i - b * BS_ + 1);
           const int64_t lo = a_.window > 0 ? std::max<int64_t>(0, pos0 + i - a_.window + 1 - b * BS_) : 0;
