@@ -27,6 +27,7 @@
 #endif
 
 #include "vec.h"
+#include "attention_avx2.h"
 
 namespace pagedkv {
 namespace {
@@ -182,7 +183,7 @@ class Kernel {
 
   void score_scaled(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
 #if PAGEDKV_AVX2_ONLY
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) dot16(q, k, j0, n, stride, s + j0);
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) avx2::dot16<NV>(q, k, j0, n, stride, a_.scale, s + j0);
 #else
     vf qh[NV];
     for (int c = 0; c < NV; ++c) qh[c] = loadv(q + c * kLanes);
@@ -198,32 +199,14 @@ class Kernel {
 #endif
   }
 
-#if PAGEDKV_AVX2_ONLY
-  // The largest of a page's scores s[0..bspad), a ymm at a time.
-  float page_max(const float* s) const {
-    vf8 mx8 = load8(s);
-    for (int64_t c = 8; c < bspad_; c += 8) mx8 = vmax8(mx8, load8(s + c));
-    return hmax8(mx8);
-  }
-
-  // s <- e^(s - m) for a page's scores; returns their sum (a fixed lane-wise tree: the
-  // same lane operations and sum tree as the 16-lane code, halves of vf lanes).
-  float page_exp_sum(float* s, float m) const {
-    for (int64_t c = 0; c < bspad_; c += 8) store8(s + c, exp_nonpos8(load8(s + c) - m));
-    vf8 p_lo = load8(s), p_hi = load8(s + 8);
-    for (int64_t c = kLanes; c < bspad_; c += kLanes) p_lo += load8(s + c), p_hi += load8(s + c + 8);
-    return hsum8(p_lo + p_hi);
-  }
-#endif
-
   // Online-softmax step of one (row, head) over a page's scores s[0..bspad) (masked keys
   // -inf): s becomes the probabilities e^(s - m_new), ml = (m, l) is updated; returns the
   // factor alpha = e^(m_old - m_new) that rescales the accumulator.
   float softmax_update(float* s, float* ml) const {
 #if PAGEDKV_AVX2_ONLY
-    const float m_old = ml[0], m_new = std::max(m_old, page_max(s));
+    const float m_old = ml[0], m_new = std::max(m_old, avx2::page_max(s, bspad_));
     const float alpha = exp_nonpos8(vf8{} + (m_old - m_new))[0];
-    const float lsum = page_exp_sum(s, m_new);
+    const float lsum = avx2::page_exp_sum(s, m_new, bspad_);
 #else
     vf mx = loadv(s);
     for (int64_t c = kLanes; c < bspad_; c += kLanes) mx = vmax(mx, loadv(s + c));
@@ -352,17 +335,17 @@ class Kernel {
     }
     int64_t t = 0;
     if (BS_ % 4 == 0)
-      for (; t + 2 <= pairs; t += 2) dot_2x4(qs[t], qs[t + 1], k, stride, p[t], p[t + 1]);
+      for (; t + 2 <= pairs; t += 2) avx2::dot_2x4<NV>(qs[t], qs[t + 1], k, stride, BS_, a_.scale, p[t], p[t + 1]);
     for (; t < pairs; ++t) score_scaled(qs[t], k, BS_, stride, p[t]);
     for (t = 0; t < pairs; ++t) {
       if (a_.softcap > 0.0f) apply_softcap(p[t], BS_);
       for (int64_t j = BS_; j < bspad_; ++j) p[t][j] = kNegInf;
-      m_new[t] = std::max(mls[t][0], page_max(p[t]));
+      m_new[t] = std::max(mls[t][0], avx2::page_max(p[t], bspad_));
       diffs[t] = mls[t][0] - m_new[t];
     }
     for (t = 0; t < pairs; t += 8) store8(alphas + t, exp_nonpos8(load8(diffs + t)));  // lane-wise: as one at a time
     for (t = 0; t < pairs; ++t) {
-      const float lsum = page_exp_sum(p[t], m_new[t]);
+      const float lsum = avx2::page_exp_sum(p[t], m_new[t], bspad_);
       mls[t][0] = m_new[t];
       mls[t][1] = mls[t][1] * alphas[t] + lsum;
       if (t < BS_) pf.key(t, g);  // the next page, a key per pair (outside the FMA loops: GCC spills there)
@@ -370,96 +353,13 @@ class Kernel {
     for (int64_t j = pairs; j < BS_; ++j) pf.key(j, g);
     for (t = 0; t < pairs; t += kPairsPerPass) {
       switch (std::min(pairs - t, kPairsPerPass)) {
-        case 6: accumulate_pairs<6>(p + t, alphas + t, o + t, v); break;
-        case 5: accumulate_pairs<5>(p + t, alphas + t, o + t, v); break;
-        case 4: accumulate_pairs<4>(p + t, alphas + t, o + t, v); break;
-        case 3: accumulate_pairs<3>(p + t, alphas + t, o + t, v); break;
-        case 2: accumulate_pairs<2>(p + t, alphas + t, o + t, v); break;
-        default: accumulate_pairs<1>(p + t, alphas + t, o + t, v);
+        case 6: avx2::accumulate_pairs<NV, 6>(p + t, alphas + t, o + t, v, stride, BS_); break;
+        case 5: avx2::accumulate_pairs<NV, 5>(p + t, alphas + t, o + t, v, stride, BS_); break;
+        case 4: avx2::accumulate_pairs<NV, 4>(p + t, alphas + t, o + t, v, stride, BS_); break;
+        case 3: avx2::accumulate_pairs<NV, 3>(p + t, alphas + t, o + t, v, stride, BS_); break;
+        case 2: avx2::accumulate_pairs<NV, 2>(p + t, alphas + t, o + t, v, stride, BS_); break;
+        default: avx2::accumulate_pairs<NV, 1>(p + t, alphas + t, o + t, v, stride, BS_);
       }
-    }
-  }
-
-  // Scaled scores of keys 0..BS-1 (BS a multiple of 4) against two query heads qa, qb into
-  // sa, sb: for each (head, key) the operations of dot16 (products into one ymm in order of
-  // the dimensions, then the same hadd tree), four keys at a time, each K load serving both.
-  void dot_2x4(const float* qa, const float* qb, const float* k, int64_t stride, float* sa, float* sb) const {
-    const __m128 scale = _mm_set1_ps(a_.scale);
-    for (int64_t j0 = 0; j0 < BS_; j0 += 4) {
-      const float* kj = k + j0 * stride;
-      __m256 ra[4], rb[4];
-      const __m256 qa0 = _mm256_loadu_ps(qa), qb0 = _mm256_loadu_ps(qb);
-      for (int t = 0; t < 4; ++t) {
-        const __m256 kt = _mm256_loadu_ps(kj + t * stride);
-        ra[t] = _mm256_mul_ps(qa0, kt), rb[t] = _mm256_mul_ps(qb0, kt);
-      }
-      for (int c = 1; c < 2 * NV; ++c) {
-        const __m256 qac = _mm256_loadu_ps(qa + c * 8), qbc = _mm256_loadu_ps(qb + c * 8);
-        for (int t = 0; t < 4; ++t) {
-          const __m256 kt = _mm256_loadu_ps(kj + t * stride + c * 8);
-          ra[t] = _mm256_fmadd_ps(qac, kt, ra[t]), rb[t] = _mm256_fmadd_ps(qbc, kt, rb[t]);
-        }
-      }
-      _mm_storeu_ps(sa + j0, _mm_mul_ps(fold4(ra), scale));
-      _mm_storeu_ps(sb + j0, _mm_mul_ps(fold4(rb), scale));
-    }
-  }
-
-  // Lane sums of four keys' product vectors: dot16's tree (pairs, then pairs of pairs, then
-  // the low half plus the high half), for keys 0..3 of its eight.
-  static __m128 fold4(const __m256* r) {
-    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  }
-
-  // o[t] = o[t] * alpha[t] + sum_j p[t][j] v_j over the page's BS keys for NP pairs, two ymm
-  // columns per pass: 2 NP accumulators and two V loads per key (the operations of
-  // accumulate, in the same order for each lane).
-  template <int NP>
-  void accumulate_pairs(const float* const* p, const float* alpha, float* const* o, const float* v) const {
-    const int64_t stride = Hkv_ * D;
-    for (int c0 = 0; c0 < 2 * NV; c0 += 2) {
-      __m256 r[NP][2];
-      for (int t = 0; t < NP; ++t) {
-        const __m256 a = _mm256_set1_ps(alpha[t]);
-        for (int c = 0; c < 2; ++c) r[t][c] = _mm256_mul_ps(_mm256_loadu_ps(o[t] + (c0 + c) * 8), a);
-      }
-      const auto step = [&](int64_t j) {
-        const __m256 v0 = _mm256_loadu_ps(v + j * stride + c0 * 8), v1 = _mm256_loadu_ps(v + j * stride + c0 * 8 + 8);
-        for (int t = 0; t < NP; ++t) {
-          const __m256 pj = _mm256_broadcast_ss(p[t] + j);
-          r[t][0] = _mm256_fmadd_ps(pj, v0, r[t][0]);
-          r[t][1] = _mm256_fmadd_ps(pj, v1, r[t][1]);
-        }
-      };
-      for (int64_t j = 0; j < BS_; ++j) step(j);
-      for (int t = 0; t < NP; ++t)
-        for (int c = 0; c < 2; ++c) _mm256_storeu_ps(o[t] + (c0 + c) * 8, r[t][c]);
-    }
-  }
-
-  // Scaled scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head q
-  // into out[0..15]: out[jj] is (q . k_{j0+jj}) * scale, in ymm registers (GCC moves 64-byte
-  // vector values through the stack on AVX2). Each key's products go into one ymm in order
-  // of the dimensions; eight keys are then folded by a fixed tree of hadds and one add, which
-  // for each key depends on its own products alone.
-  void dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride, float* out) const {
-    const __m256 scale = _mm256_set1_ps(a_.scale);
-    for (int g8 = 0; g8 < kLanes / 8; ++g8) {
-      const float* kj[8];
-      for (int t = 0; t < 8; ++t) kj[t] = k + std::min<int64_t>(j0 + 8 * g8 + t, n - 1) * stride;
-      // dimension-major: the eight keys' chains interleave (each chain's order is unchanged)
-      __m256 s[8];
-      const __m256 q0 = _mm256_loadu_ps(q);
-      for (int t = 0; t < 8; ++t) s[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[t]));
-      for (int c = 1; c < 2 * NV; ++c) {
-        const __m256 qc = _mm256_loadu_ps(q + c * 8);
-        for (int t = 0; t < 8; ++t) s[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj[t] + c * 8), s[t]);
-      }
-      const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
-      const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
-      const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-      _mm256_storeu_ps(out + 8 * g8, _mm256_mul_ps(sum, scale));
     }
   }
 #endif

@@ -1,0 +1,123 @@
+// AVX2 micro-kernels of the CPU paged-attention kernel (paged_attention_kernel.cpp), in ymm
+// registers throughout: GCC moves 16-float generic vectors through the stack on AVX2. Each
+// computes, for every (query head, key) or (query head, dimension), the same sequence of
+// rounded operations whichever of them is used, so a row's bits do not depend on whether it
+// is scored alone (decode) or in a prefill tile:
+//   score(q, k_j) = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), then * scale, where
+//   p_l = q_l k_l + q_{l+8} k_{l+8} + ... (one ymm lane, in order of the dimensions);
+//   acc = acc * alpha, then acc += p_j v_j for keys j in order (lane-wise).
+// Shapes: q [D] (D = 16 NV floats), keys and values `stride` floats apart.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace pagedkv {
+namespace avx2 {
+
+using vec::vf8;
+
+// The largest of a page's scores s[0..bspad) (bspad a multiple of 16), a ymm at a time.
+inline float page_max(const float* s, int64_t bspad) {
+  vf8 mx8 = vec::load8(s);
+  for (int64_t c = 8; c < bspad; c += 8) mx8 = vec::vmax8(mx8, vec::load8(s + c));
+  return vec::hmax8(mx8);
+}
+
+// s <- e^(s - m) for a page's scores; returns their sum (a fixed lane-wise tree: the same
+// lane operations and sum tree as the 16-lane code, halves of vf lanes).
+inline float page_exp_sum(float* s, float m, int64_t bspad) {
+  for (int64_t c = 0; c < bspad; c += 8) vec::store8(s + c, vec::exp_nonpos8(vec::load8(s + c) - m));
+  vf8 p_lo = vec::load8(s), p_hi = vec::load8(s + 8);
+  for (int64_t c = vec::kLanes; c < bspad; c += vec::kLanes) p_lo += vec::load8(s + c), p_hi += vec::load8(s + c + 8);
+  return vec::hsum8(p_lo + p_hi);
+}
+
+// Scaled scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head q into
+// out[0..15]. Eight keys at a time, dimension-major so their chains interleave.
+template <int NV>
+inline void dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride, float scale_,
+                  float* out) {
+  const __m256 scale = _mm256_set1_ps(scale_);
+  for (int g8 = 0; g8 < 2; ++g8) {
+    const float* kj[8];
+    for (int t = 0; t < 8; ++t) kj[t] = k + std::min<int64_t>(j0 + 8 * g8 + t, n - 1) * stride;
+    __m256 s[8];
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int t = 0; t < 8; ++t) s[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[t]));
+    for (int c = 1; c < 2 * NV; ++c) {
+      const __m256 qc = _mm256_loadu_ps(q + c * 8);
+      for (int t = 0; t < 8; ++t) s[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj[t] + c * 8), s[t]);
+    }
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    _mm256_storeu_ps(out + 8 * g8, _mm256_mul_ps(sum, scale));
+  }
+}
+
+// Lane sums of four keys' product vectors: dot16's tree (pairs, pairs of pairs, then the
+// low half plus the high half), for keys 0..3 of its eight.
+inline __m128 fold4(const __m256* r) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+
+// Scaled scores of keys 0..bs-1 (bs a multiple of 4) against two query heads qa, qb into
+// sa, sb: dot16's operations for each (head, key), four keys at a time, each K load serving
+// both heads.
+template <int NV>
+inline void dot_2x4(const float* qa, const float* qb, const float* k, int64_t stride, int64_t bs, float scale_,
+                    float* sa, float* sb) {
+  const __m128 scale = _mm_set1_ps(scale_);
+  for (int64_t j0 = 0; j0 < bs; j0 += 4) {
+    const float* kj = k + j0 * stride;
+    __m256 ra[4], rb[4];
+    const __m256 qa0 = _mm256_loadu_ps(qa), qb0 = _mm256_loadu_ps(qb);
+    for (int t = 0; t < 4; ++t) {
+      const __m256 kt = _mm256_loadu_ps(kj + t * stride);
+      ra[t] = _mm256_mul_ps(qa0, kt), rb[t] = _mm256_mul_ps(qb0, kt);
+    }
+    for (int c = 1; c < 2 * NV; ++c) {
+      const __m256 qac = _mm256_loadu_ps(qa + c * 8), qbc = _mm256_loadu_ps(qb + c * 8);
+      for (int t = 0; t < 4; ++t) {
+        const __m256 kt = _mm256_loadu_ps(kj + t * stride + c * 8);
+        ra[t] = _mm256_fmadd_ps(qac, kt, ra[t]), rb[t] = _mm256_fmadd_ps(qbc, kt, rb[t]);
+      }
+    }
+    _mm_storeu_ps(sa + j0, _mm_mul_ps(fold4(ra), scale));
+    _mm_storeu_ps(sb + j0, _mm_mul_ps(fold4(rb), scale));
+  }
+}
+
+// o[t] = o[t] * alpha[t] + sum_j p[t][j] v_j over keys 0..bs-1 for NP (row, head) pairs
+// (p[t]: probabilities, o[t]: accumulator [D]), two ymm columns per pass: 2 NP accumulators
+// and two V loads per key.
+template <int NV, int NP>
+inline void accumulate_pairs(const float* const* p, const float* alpha, float* const* o, const float* v,
+                             int64_t stride, int64_t bs) {
+  for (int c0 = 0; c0 < 2 * NV; c0 += 2) {
+    __m256 r[NP][2];
+    for (int t = 0; t < NP; ++t) {
+      const __m256 a = _mm256_set1_ps(alpha[t]);
+      for (int c = 0; c < 2; ++c) r[t][c] = _mm256_mul_ps(_mm256_loadu_ps(o[t] + (c0 + c) * 8), a);
+    }
+    for (int64_t j = 0; j < bs; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * stride + c0 * 8), v1 = _mm256_loadu_ps(v + j * stride + c0 * 8 + 8);
+      for (int t = 0; t < NP; ++t) {
+        const __m256 pj = _mm256_broadcast_ss(p[t] + j);
+        r[t][0] = _mm256_fmadd_ps(pj, v0, r[t][0]);
+        r[t][1] = _mm256_fmadd_ps(pj, v1, r[t][1]);
+      }
+    }
+    for (int t = 0; t < NP; ++t)
+      for (int c = 0; c < 2; ++c) _mm256_storeu_ps(o[t] + (c0 + c) * 8, r[t][c]);
+  }
+}
+
+}  // namespace avx2
+}  // namespace pagedkv
