@@ -60,40 +60,6 @@ inline void dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t
   }
 }
 
-// Lane sums of four keys' product vectors: dot16's tree (pairs, pairs of pairs, then the
-// low half plus the high half), for keys 0..3 of its eight.
-inline __m128 fold4(const __m256* r) {
-  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-  return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-}
-
-// Scaled scores of keys 0..bs-1 (bs a multiple of 4) against two query heads qa, qb into
-// sa, sb: dot16's operations for each (head, key), four keys at a time, each K load serving
-// both heads.
-template <int NV>
-inline void dot_2x4(const float* qa, const float* qb, const float* k, int64_t stride, int64_t bs, float scale_,
-                    float* sa, float* sb) {
-  const __m128 scale = _mm_set1_ps(scale_);
-  for (int64_t j0 = 0; j0 < bs; j0 += 4) {
-    const float* kj = k + j0 * stride;
-    __m256 ra[4], rb[4];
-    const __m256 qa0 = _mm256_loadu_ps(qa), qb0 = _mm256_loadu_ps(qb);
-    for (int t = 0; t < 4; ++t) {
-      const __m256 kt = _mm256_loadu_ps(kj + t * stride);
-      ra[t] = _mm256_mul_ps(qa0, kt), rb[t] = _mm256_mul_ps(qb0, kt);
-    }
-    for (int c = 1; c < 2 * NV; ++c) {
-      const __m256 qac = _mm256_loadu_ps(qa + c * 8), qbc = _mm256_loadu_ps(qb + c * 8);
-      for (int t = 0; t < 4; ++t) {
-        const __m256 kt = _mm256_loadu_ps(kj + t * stride + c * 8);
-        ra[t] = _mm256_fmadd_ps(qac, kt, ra[t]), rb[t] = _mm256_fmadd_ps(qbc, kt, rb[t]);
-      }
-    }
-    _mm_storeu_ps(sa + j0, _mm_mul_ps(fold4(ra), scale));
-    _mm_storeu_ps(sb + j0, _mm_mul_ps(fold4(rb), scale));
-  }
-}
-
 // o[t] = o[t] * alpha[t] + sum_j p[t][j] v_j over keys 0..bs-1 for NP (row, head) pairs
 // (p[t]: probabilities, o[t]: accumulator [D]), two ymm columns per pass: 2 NP accumulators
 // and two V loads per key.
