@@ -38,20 +38,19 @@ inline float page_exp_sum(float* s, float m, int64_t bspad) {
 }
 
 // Scaled scores of keys j0..j0+15 (keys >= n repeat key n-1) against one query head q into
-// out[0..15]. Eight keys at a time, dimension-major so their chains interleave.
+// out[0..15]: the query held in registers, eight keys folded at a time.
 template <int NV>
 inline void dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t stride, float scale_,
                   float* out) {
   const __m256 scale = _mm256_set1_ps(scale_);
+  __m256 qv[2 * NV];  // the query, loaded once for the 16 keys
+  for (int c = 0; c < 2 * NV; ++c) qv[c] = _mm256_loadu_ps(q + c * 8);
   for (int g8 = 0; g8 < 2; ++g8) {
-    const float* kj[8];
-    for (int t = 0; t < 8; ++t) kj[t] = k + std::min<int64_t>(j0 + 8 * g8 + t, n - 1) * stride;
     __m256 s[8];
-    const __m256 q0 = _mm256_loadu_ps(q);
-    for (int t = 0; t < 8; ++t) s[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[t]));
-    for (int c = 1; c < 2 * NV; ++c) {
-      const __m256 qc = _mm256_loadu_ps(q + c * 8);
-      for (int t = 0; t < 8; ++t) s[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj[t] + c * 8), s[t]);
+    for (int t = 0; t < 8; ++t) {
+      const float* kj = k + std::min<int64_t>(j0 + 8 * g8 + t, n - 1) * stride;
+      s[t] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+      for (int c = 1; c < 2 * NV; ++c) s[t] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + c * 8), s[t]);
     }
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
     const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
