@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine.stop_strings import find_stop, hold_back
-from pagedkv.engine.sampler import _filter_top_k_top_p, sample, sample_row
+from pagedkv.engine.sampler import _filter_top_k_top_p, first_argmax, sample, sample_row
 from pagedkv.engine.sampling_params import SamplingParams
 
 
@@ -327,3 +327,20 @@ def test_streamed_text_is_never_retracted(text, stops):
     for a, b in zip(shown, shown[1:]):
         assert b.startswith(a)
     assert final.startswith(shown[-1])
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (5, 1000), (3, 7), (2, 128), (4, 129)])
+def test_first_argmax_is_torch_argmax(rows, vocab):
+    """The two-level argmax picks torch.argmax's index: the first maximum on ties, the
+    first NaN where a row has one, +inf and all -inf rows, vocabularies that are not a
+    whole number of blocks."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    cases = [torch.randn(rows, vocab, generator=g),
+             torch.randint(-2, 2, (rows, vocab), generator=g).float()]     # many ties
+    nan_inf = torch.randn(rows, vocab, generator=g)
+    nan_inf[0, torch.randint(0, vocab, (3,), generator=g)] = float("nan")
+    nan_inf[-1, torch.randint(0, vocab, (2,), generator=g)] = float("inf")
+    cases.append(nan_inf)
+    cases.append(torch.full((rows, vocab), float("-inf")))
+    for x in cases:
+        assert torch.equal(first_argmax(x), torch.argmax(x, dim=-1))

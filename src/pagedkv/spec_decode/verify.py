@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.engine.sampler import SampledToken, target_probs, token_logprobs
+from pagedkv.engine.sampler import SampledToken, first_argmax, target_probs, token_logprobs
 from pagedkv.engine.sampling_params import SamplingParams
 
 
@@ -45,7 +45,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
 
 
 def _greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    best = torch.argmax(logits, dim=-1)
+    best = first_argmax(logits)
     finite = torch.isfinite(logits.gather(1, best.unsqueeze(1))).squeeze(1).tolist()
     best = best.tolist()
     out = []
