@@ -344,3 +344,7 @@ def test_first_argmax_is_torch_argmax(rows, vocab):
     cases.append(torch.full((rows, vocab), float("-inf")))
     for x in cases:
         assert torch.equal(first_argmax(x), torch.argmax(x, dim=-1))
+
+
+def test_first_argmax_of_an_empty_batch_is_empty():
+    assert first_argmax(torch.zeros(0, 300)).shape == (0,)

@@ -27,15 +27,17 @@ ARGMAX_BLOCK = 128  # logits per block of first_argmax's first level (64-512 mea
 
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, -1)`` for ``[n, V]`` fp32 logits, same indices (the first
-    maximum; the first NaN where a row has one), in two levels: the row maximum of each block
-    of ``ARGMAX_BLOCK`` logits (``amax``, vectorized), the first block holding the row's
-    maximum, then the first maximum within it. torch's CPU argmax runs element by element:
+    maximum; the first NaN where a row has one), in two levels: first the maximum of each
+    ``ARGMAX_BLOCK``-logit block of a row (``amax``, vectorized) and the first block holding
+    the row's maximum; then the first maximum inside that block. torch's CPU argmax runs element by element:
     at ``[64, 49152]`` 3.9 ms against 0.32 ms here, 0.13 ms against 0.04 ms at one row (AMD
-    EPYC family 25, 2 threads).
+    EPYC family 25, AVX2, 2 threads; medians of 100 calls). An empty batch goes to torch.
 
     Returns int64 ``[n]``.
     """
     n, vocab = logits.shape
+    if n == 0 or vocab == 0:
+        return torch.argmax(logits, dim=-1)
     pad = -vocab % ARGMAX_BLOCK
     if pad:  # -inf after the row never wins a tie: the first maximum stays first
         logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
@@ -99,7 +101,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """Sample one token per row of ``logits`` ``[n, V]`` (fp32). A row that cannot be
     sampled (non-finite logits) gets ``error`` set instead of failing the batch."""
     out = []
-    # greedy rows: one batched argmax (same first-maximum rule as per row, ~3x cheaper at 64 rows)
+    # greedy rows: one batched first_argmax (torch.argmax's first-maximum rule, ~12x cheaper at 64 rows)
     greedy = finite = None
     if any(p.greedy for p in params):
         best = first_argmax(logits)  # a NaN wins argmax, so a bad row's pick is non-finite

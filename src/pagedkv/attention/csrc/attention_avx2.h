@@ -1,11 +1,15 @@
-// AVX2 micro-kernels of the CPU paged-attention kernel (paged_attention_kernel.cpp), in ymm
-// registers throughout: GCC moves 16-float generic vectors through the stack on AVX2. Each
-// computes, for every (query head, key) or (query head, dimension), the same sequence of
-// rounded operations whichever of them is used, so a row's bits do not depend on whether it
-// is scored alone (decode) or in a prefill tile:
+// AVX2 micro-kernels of the CPU paged-attention kernel (paged_attention_kernel.cpp), used
+// only when it is built for AVX2 without AVX-512 (PAGEDKV_AVX2_ONLY, vec.h), in ymm
+// registers throughout: GCC moves 16-float generic vectors through the stack on AVX2. The
+// row-by-row path (Kernel::score_scaled, softmax_update, accumulate) and the prefill-tile
+// path (update_tile_page) give each (query head, key) score and each (query head, dimension)
+// output lane the same sequence of rounded operations, so a row's bits do not depend on
+// whether it runs alone (decode) or in a prefill tile. Kernel::accumulate repeats the PV
+// rule below in its own loop: change both together.
 //   score(q, k_j) = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), then * scale, where
-//   p_l = q_l k_l + q_{l+8} k_{l+8} + ... (one ymm lane, in order of the dimensions);
-//   acc = acc * alpha, then acc += p_j v_j for keys j in order (lane-wise).
+//   p_l = q_l k_l, then p_l = fma(q_{l+8}, k_{l+8}, p_l), ... (one ymm lane, dimensions in order);
+//   acc = acc * alpha, then acc = fma(p_j, v_j, acc) for keys j in order (lane-wise);
+//   page max and exp-sum: the lane operations and sum tree of the 16-lane generic code.
 // Shapes: q [D] (D = 16 NV floats), keys and values `stride` floats apart.
 #pragma once
 
@@ -60,7 +64,7 @@ inline void dot16(const float* q, const float* k, int64_t j0, int64_t n, int64_t
 }
 
 // o[t] = o[t] * alpha[t] + sum_j p[t][j] v_j over keys 0..bs-1 for NP (row, head) pairs
-// (p[t]: probabilities, o[t]: accumulator [D]), two ymm columns per pass: 2 NP accumulators
+// (p[t]: probabilities, o[t]: accumulator [D]), two ymm columns per pass: 2 x NP accumulators
 // and two V loads per key.
 template <int NV, int NP>
 inline void accumulate_pairs(const float* const* p, const float* alpha, float* const* o, const float* v,
