@@ -173,12 +173,8 @@ class Kernel {
   // (and soft-capped), into s[0..n rounded up to 16): keys >= n repeat key n-1.
   void score_keys(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
     score_scaled(q, k, n, stride, s);
-    if (a_.softcap > 0.0f) apply_softcap(s, n);
-  }
-
-  // As HF's Gemma 2: divide, tanh, multiply, each rounded once (s[0..n rounded up to 16)).
-  void apply_softcap(float* s, int64_t n) const {
-    for (int64_t j = 0; j < (n + kLanes - 1) / kLanes * kLanes; ++j) s[j] = std::tanh(s[j] / a_.softcap) * a_.softcap;
+    if (a_.softcap > 0.0f)  // as HF's Gemma 2: divide, tanh, multiply, each rounded once
+      for (int64_t j = 0; j < (n + kLanes - 1) / kLanes * kLanes; ++j) s[j] = std::tanh(s[j] / a_.softcap) * a_.softcap;
   }
 
   void score_scaled(const float* q, const float* k, int64_t n, int64_t stride, float* s) const {
@@ -318,9 +314,8 @@ class Kernel {
 #if PAGEDKV_AVX2_ONLY
   // Rows 0..rows-1 of a prefill tile, all of which see every key of a page (no mask): the
   // same operations for each (row, head) as update_group, batched over the tile's heads of
-  // KV head g: the rescale factors of
-  // eight heads in one exponential, PV for up to 6 (row, head) pairs per V load. q: the
-  // first row's queries [H, D], rows H * D apart; ml, acc: the first row's states [H, 2],
+  // KV head g: the rescale factors of eight heads in one exponential, PV for up to 6
+  // (row, head) pairs per V load. q: the first row's queries [H, D], rows H * D apart; ml, acc: the first row's states [H, 2],
   // [H, D], rows H apart. sc: [kPrefillTile * G, bspad] scores, then 2 * kTilePairs floats.
   void update_tile_page(const float* q, int64_t rows, const float* k, const float* v, float* sc, float* ml,
                         float* acc, const Prefetch& pf, int64_t g) const {
@@ -333,24 +328,22 @@ class Kernel {
       const int64_t r = (t / G_) * H_ + g * G_ + t % G_;  // (row, head) of pair t
       qs[t] = q + r * D, mls[t] = ml + 2 * r, o[t] = acc + r * D, p[t] = sc + t * bspad_;
     }
-    // (scoring two heads per K load, four keys at a time, measured 12% slower in this loop)
-    for (int64_t t = 0; t < pairs; ++t) score_scaled(qs[t], k, BS_, stride, p[t]);
-    int64_t t = 0;
-    for (; t < pairs; ++t) {
-      if (a_.softcap > 0.0f) apply_softcap(p[t], BS_);
+    // (scoring two heads per K load, four keys at a time, measured no faster in this loop)
+    for (int64_t t = 0; t < pairs; ++t) score_keys(qs[t], k, BS_, stride, p[t]);
+    for (int64_t t = 0; t < pairs; ++t) {
       for (int64_t j = BS_; j < bspad_; ++j) p[t][j] = kNegInf;
       m_new[t] = std::max(mls[t][0], avx2::page_max(p[t], bspad_));
       diffs[t] = mls[t][0] - m_new[t];
     }
-    for (t = 0; t < pairs; t += 8) store8(alphas + t, exp_nonpos8(load8(diffs + t)));  // lane-wise: as one at a time
-    for (t = 0; t < pairs; ++t) {
+    for (int64_t t = 0; t < pairs; t += 8) store8(alphas + t, exp_nonpos8(load8(diffs + t)));  // lane-wise: as one at a time
+    for (int64_t t = 0; t < pairs; ++t) {
       const float lsum = avx2::page_exp_sum(p[t], m_new[t], bspad_);
       mls[t][0] = m_new[t];
       mls[t][1] = mls[t][1] * alphas[t] + lsum;
       if (t < BS_) pf.key(t, g);  // the next page, a key per pair (outside the FMA loops: GCC spills there)
     }
     for (int64_t j = pairs; j < BS_; ++j) pf.key(j, g);
-    for (t = 0; t < pairs; t += kPairsPerPass) {
+    for (int64_t t = 0; t < pairs; t += kPairsPerPass) {
       switch (std::min(pairs - t, kPairsPerPass)) {
         case 6: avx2::accumulate_pairs<NV, 6>(p + t, alphas + t, o + t, v, stride, BS_); break;
         case 5: avx2::accumulate_pairs<NV, 5>(p + t, alphas + t, o + t, v, stride, BS_); break;
