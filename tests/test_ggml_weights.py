@@ -27,7 +27,7 @@ FMTS = pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 
 @FMTS
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 64), (130, 32)], ids=["qkv", "down", "n7", "n-tail"])
-@pytest.mark.parametrize("m", [1, 3, 4, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 17])
 def test_kernel_equals_the_dequantized_product(qtype, n, k, m):
     torch.manual_seed(n * k + m)
     w = GGMLWeight.quantize(torch.randn(n, k), qtype)
@@ -52,6 +52,18 @@ def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(qtype):
     w = GGMLWeight.quantize(torch.randn(576, 576), qtype)
     x = torch.randn(37, 576)
     assert_rows_invariant(w, x)
+
+
+@FMTS
+def test_every_row_count_gives_a_row_the_bits_it_has_alone(qtype):
+    """1-13 activation rows cover each few-row blocking (whole tiles of four, a last tile
+    of two or three, single rows, the many-rows path) and a last panel of 3 weight rows."""
+    torch.manual_seed(3)
+    w = GGMLWeight.quantize(torch.randn(131, 320), qtype)
+    x = torch.randn(13, 320)
+    alone = torch.cat([w(x[i:i + 1]) for i in range(13)])
+    for m in range(2, 14):
+        assert torch.equal(w(x[:m]), alone[:m]), m
 
 
 @pytest.mark.filterwarnings("ignore:pagedkv. quantized weights without")

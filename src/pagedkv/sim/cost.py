@@ -20,8 +20,9 @@ term at its own fraction of the roofline, plus fixed costs::
 
 where ``few_row[M]`` and ``few_row_kv[M]`` correct steps of only ``M`` token rows (decodes
 of a few requests), measured per ``M`` (1 for larger steps): on this CPU the GGML-block
-linear kernel reuses a widened weight for 4 activation rows at a time and goes over the
-weights once per row below that (``attention/csrc/ggml_linear.cpp``), and a decode of one
+linear kernel widens each weight once per tile of up to 4 activation rows, and once per
+row for a lone row (a single-row step, or the row after whole tiles at 5 and 9 rows;
+``attention/csrc/ggml_linear.cpp``), so its cost per row is not flat; and a decode of one
 or two sequences reads its KV far below the rate a batch reaches (a 1-row step measured
 9 us per cached token against 3.8 us modelled from the batch-fitted ``kv_read``): neither
 is a roofline term.
