@@ -101,7 +101,7 @@ def _build() -> Callable[..., torch.Tensor]:
     _wait_for_lock(directory / "lock")
     if not (directory / "pagedkv_attention.so").exists():  # say why the first run is slow
         print(f"pagedkv: compiling the CPU kernels into {directory} (once per source version, "
-              "up to a minute)", file=sys.stderr, flush=True)
+              "about a minute on 2 idle cores)", file=sys.stderr, flush=True)
     cpp_extension.load(name="pagedkv_attention", sources=[str(CSRC / s) for s in SOURCES],
                        extra_cflags=cflags(), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                        is_python_module=False, verbose=False)
