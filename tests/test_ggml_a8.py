@@ -69,6 +69,29 @@ def test_on_the_int8_grid_with_power_of_two_scales_the_product_is_exact(qtype):
     assert torch.equal(w(x).double(), x.double() @ exact.double().T)
 
 
+@FMTS
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_the_largest_integer_sums_do_not_saturate(qtype, m):
+    """Every weight at its largest size (Q4_1 nibbles 15, Q8_0 quants +-127) against
+    activations of +-127: the AVX2 kernel's 16-bit lanes then hold their largest sums (a Q4_1
+    block's 30,480 per lane, a Q8_0 pair's 32,258), which must stay exact."""
+    torch.manual_seed(m)
+    n, k = 48, 128
+    if qtype == Q4_1:
+        q = torch.full((n, k), 15.0)
+        q[:, ::32] = 0.0  # each block's minimum, so that d = 1 and m = 0 are found again
+    else:
+        q = 127.0 * (torch.randint(0, 2, (n, k)).float() * 2 - 1)
+    exact = q  # d = 1 (and m = 0): the weights are their quants
+    w = GGMLA8Weight(GGMLWeight.quantize(exact, qtype))
+    assert torch.equal(w.dequantize(), exact)
+    x = torch.full((m, k), 127.0)
+    x[1:] *= torch.randint(0, 2, (m - 1, k)).float() * 2 - 1  # row 0 all +127, the rest signed
+    y = w(x)
+    assert torch.equal(y, reference(w, x))
+    assert torch.equal(y.double(), x.double() @ exact.double().T)
+
+
 def test_activation_quantization_rounds_half_to_even_and_keeps_zero_blocks_finite():
     x = torch.zeros(1, 64)
     x[0, 0], x[0, 1], x[0, 2], x[0, 3] = 127.0, 2.5, 3.5, -2.5

@@ -23,7 +23,9 @@
 // unsigned weight bytes times signed activations; Q8_0 weights go in as q + 128 (xor 0x80)
 // and 128 * sq comes off; AVX2: vpmaddubsw, then vpmaddwd with ones: Q4_1 as nibbles times
 // xq, summed in int16 over the block and widened once, Q8_0 as |q| times sign(xq, q), whose
-// pair sums stay below 2^15, widened per chunk).
+// pair sums stay below 2^15, widened per chunk). AVX2 keeps one integer chain per (row, half
+// panel) and pins each step of it (see `pinned`); VNNI keeps two, so that consecutive
+// vpdpbusd do not wait on each other's 5-cycle latency.
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -94,7 +96,8 @@ inline IVec bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _m
 inline IVec lo_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 inline IVec hi_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 inline IVec dot_u(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w unsigned
-inline IVec q4_isum(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec q4_widen(IVec a) { return a; }
+constexpr int kChains = 2;  // integer accumulators per (row, panel)
 inline IVec q8_operand(IVec w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline IVec dot_q8(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w = q + 128
 constexpr int32_t kQ8Bias = 128;
@@ -117,14 +120,24 @@ inline IVec bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _m
 inline IVec lo_nibbles(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline IVec hi_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline IVec pairs(IVec p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+// An empty asm that claims to change v: the sums below stay one chain, in program order. Without
+// it GCC reassociates a block's 32 integer additions per (row, half) into a tree, computes every
+// vpmaddubsw first and spills them to the stack (a store and a reload each); with it the
+// 121 products of a 64-row decode step ran 10-20% faster and the Q8_0 LM head 1.3-1.5x
+// (AMD EPYC family 25, BENCHMARKS.md). Integer sums are exact in any order: the bits do not change.
+inline IVec pinned(IVec v) {
+  asm("" : "+x"(v));
+  return v;
+}
 // Q4_1 sums stay in int16 lanes for a whole block and are widened once: a pair of nibbles
 // (0..15) times int8 activations (-127..127) is at most 3,810 in size, and a block adds 8
 // such pairs per lane (30,480 < 2^15), so neither vpmaddubsw nor the adds can saturate.
-inline IVec dot_u(IVec acc, IVec w, IVec x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
-inline IVec q4_isum(IVec a, IVec b) { return pairs(_mm256_add_epi16(a, b)); }
+inline IVec dot_u(IVec acc, IVec w, IVec x) { return pinned(_mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))); }
+inline IVec q4_widen(IVec a) { return pairs(a); }
+constexpr int kChains = 1;
 inline IVec q8_operand(IVec w) { return w; }
 inline IVec dot_q8(IVec acc, IVec w, IVec x) {
-  return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))));
+  return pinned(_mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)))));
 }
 constexpr int32_t kQ8Bias = 0;
 inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
@@ -165,10 +178,11 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
     for (int j = 0; j < NR; ++j)  // the hardware prefetcher alone runs these short streams below the bus
       for (int64_t off = 0; off < pbb; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + j * stride + (b + kPrefetchBlocks) * pbb + off), _MM_HINT_T1);
-    IVec ia[MR][NR][kHalves][2];
+    IVec ia[MR][NR][kHalves][kChains];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NR; ++j)
-        for (int h = 0; h < kHalves; ++h) ia[r][j][h][0] = ia[r][j][h][1] = izero();
+        for (int h = 0; h < kHalves; ++h)
+          for (int i = 0; i < kChains; ++i) ia[r][j][h][i] = izero();
     for (int c = 0; c < kChunks; ++c) {
       for (int j = 0; j < NR; ++j)
         for (int h = 0; h < kHalves; ++h) {
@@ -178,12 +192,12 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
             for (int r = 0; r < MR; ++r) {
               const int8_t* xr = xq + r * K + b * kGroup + 8 * c;
               ia[r][j][h][0] = dot_u(ia[r][j][h][0], lo, bcast(xr));
-              ia[r][j][h][1] = dot_u(ia[r][j][h][1], hi, bcast(xr + 4));
+              ia[r][j][h][kChains - 1] = dot_u(ia[r][j][h][kChains - 1], hi, bcast(xr + 4));
             }
           } else {
             const IVec q = q8_operand(v);
             for (int r = 0; r < MR; ++r)
-              ia[r][j][h][c & 1] = dot_q8(ia[r][j][h][c & 1], q, bcast(xq + r * K + b * kGroup + 4 * c));
+              ia[r][j][h][c % kChains] = dot_q8(ia[r][j][h][c % kChains], q, bcast(xq + r * K + b * kGroup + 4 * c));
           }
         }
     }
@@ -192,7 +206,8 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
         const uint8_t* blk = w + j * stride + b * pbb;
         const FVec d = scales(blk, h);
         for (int r = 0; r < MR; ++r) {
-          IVec isum = Q == kQ4_1 ? q4_isum(ia[r][j][h][0], ia[r][j][h][1]) : iadd(ia[r][j][h][0], ia[r][j][h][1]);
+          IVec isum = kChains == 1 ? ia[r][j][h][0] : iadd(ia[r][j][h][0], ia[r][j][h][kChains - 1]);
+          if constexpr (Q == kQ4_1) isum = q4_widen(isum);
           if constexpr (Q == kQ8_0) isum = isub_splat(isum, kQ8Bias * sq[r * G + b]);
           acc[r][j][h] = fadd(acc[r][j][h], fmul(to_float(isum), fmul(d, fsplat(dx[r * G + b]))));
           if constexpr (Q == kQ4_1) {
