@@ -101,6 +101,23 @@ def test_activation_quantization_rounds_half_to_even_and_keeps_zero_blocks_finit
 
 
 @FMTS
+def test_the_kernel_rounds_activation_halves_to_even_and_caps_at_127(qtype):
+    """Blocks whose largest value is 127 quantize with dx = 1, so values halfway between
+    integers reach the rounding itself (half to even: 2.5 -> 2, 3.5 -> 4, -2.5 -> -2); the
+    kernel's vector quantizer must give the reference's integers, sums and results."""
+    w = weight(40, 128, qtype, 7)
+    torch.manual_seed(7)
+    x = torch.randint(-126, 126, (6, 128)).float() + 0.5
+    x[:, ::32] = 127.0
+    x[1, 64:96] = 0.0  # an all-zero block: dx = 1, xq = 0
+    x[2, 32:64] *= -1  # a block whose largest size is -127
+    xq, dx, sq = quantize_activations(x)
+    assert (xq[0, 0, 1:] % 2 == 0).all() and dx[1, 2] == 1.0 and sq[1, 2] == 0.0
+    assert torch.equal(w(x), reference(w, x))
+    assert torch.equal(w(x[3:4]), reference(w, x[3:4]))
+
+
+@FMTS
 def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(qtype):
     w = weight(576, 576, qtype)
     x = torch.randn(37, 576)
