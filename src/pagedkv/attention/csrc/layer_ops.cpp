@@ -5,7 +5,9 @@
 //       (Zhang & Sennrich 2019). The sum of squares is accumulated in 16 fixed partial sums
 //       then added in a fixed order, so a row's result never depends on T or threads.
 //   silu_and_mul(x [T, 2I]) -> y [T, I]         y = silu(x[:, :I]) * x[:, I:] (SwiGLU,
-//       Shazeer 2020), silu(g) = g / (1 + exp(-g)).
+//       Shazeer 2020), silu(g) = g * sigmoid(g), eight lanes at a time with the attention
+//       kernel's exp of a non-positive number: e = exp(-|g|), sigmoid = 1 / (1 + e) for
+//       g >= 0 and e / (1 + e) below (no overflow either side; within ~2 ulp of fp64).
 //   rope_rotate_(x [T, H, D], cos [T, D], sin [T, D])   in place, HF's rotate-half layout:
 //       x = x * cos + cat(-x2, x1) * sin, each product and the sum rounded once (this file
 //       is compiled without FMA contraction), so it equals the torch composite bit for bit.
@@ -21,6 +23,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "vec.h"
 
 #include <cmath>
 #include <cstdint>
@@ -60,6 +63,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+// One row: every element goes through the same lane arithmetic, the tail in a padded vector
+// (a scalar libm exp per element took 10 ns here: 10 ms of a 64-row decode step).
+vec::vf8 silu_times(vec::vf8 g, vec::vf8 u) {
+  const vec::vi8 neg = g < 0.0f;
+  const vec::vf8 e = vec::exp_nonpos8(neg ? g : -g);
+  return g * ((neg ? e : vec::vf8{} + 1.0f) / (e + 1.0f)) * u;
+}
+
+void silu_and_mul_row(const float* gate, const float* up, float* y, int64_t I) {
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) vec::store8(y + i, silu_times(vec::load8(gate + i), vec::load8(up + i)));
+  if (i == I) return;
+  float g[8] = {}, u[8] = {}, r[8];
+  std::memcpy(g, gate + i, (I - i) * sizeof(float));
+  std::memcpy(u, up + i, (I - i) * sizeof(float));
+  vec::store8(r, silu_times(vec::load8(g), vec::load8(u)));
+  std::memcpy(y + i, r, (I - i) * sizeof(float));
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 * I]");
@@ -67,12 +89,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor y = at::empty({T, I}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = xp[t * 2 * I + i];
-        yp[t * I + i] = g / (1.0f + std::exp(-g)) * xp[t * 2 * I + I + i];
-      }
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) silu_and_mul_row(xp + t * 2 * I, xp + t * 2 * I + I, yp + t * I, I);
   });
   return y;
 }

@@ -1,8 +1,8 @@
 // Vector helpers of the CPU paged-attention kernel: 16-float GCC/Clang vector types (one
 // AVX-512 register, two AVX2 or four NEON ones under -march=native), a fixed-order lane sum,
 // exp for non-positive inputs, fp16/bf16 -> fp32 page conversion and int8/fp8 page
-// dequantization. Header-only; included
-// by paged_attention_kernel.cpp alone.
+// dequantization. Header-only; included by paged_attention_kernel.cpp, and by layer_ops.cpp
+// for silu's exponential.
 #pragma once
 
 #include <algorithm>
