@@ -1,13 +1,16 @@
-"""Every layer's product of the default model's GGUF blocks (fp32 activations), by activation rows.
+"""Every layer's product of the default model's GGUF blocks, by activation rows.
 
-Times ``torch.ops.pagedkv.ggml_linear`` (``attention/csrc/ggml_linear.cpp``) over all of
-SmolLM2's decoder-layer weights as the engine holds them (``--weight-dtype auto``: Q4_1 and
-Q8_0 blocks in panels), for each row count M in ``--rows``: the products of one decode step of
-M requests, without attention, norms or the LM head. Rounds alternate over the row counts;
-the median of ``--rounds`` per M is printed in milliseconds, with milliseconds per row (the
-kernel's cost per row is not flat: it widens each weight once per tile of activation rows).
+Times ``torch.ops.pagedkv.ggml_linear`` (``attention/csrc/ggml_linear.cpp``, fp32
+activations) over all of SmolLM2's decoder-layer weights as the engine holds them
+(``--weight-dtype auto``: Q4_1 and Q8_0 blocks in panels), for each row count M in ``--rows``:
+the products of one decode step of M requests, without attention, norms or the LM head. With
+``--activation-dtype int8`` it times ``ggml_a8_linear`` (``ggml_a8_linear.cpp``, activations
+quantized inside the op) instead, and the LM head (Q8_0) on its own line. Rounds alternate
+over the row counts; the median of ``--rounds`` per M is printed in milliseconds, with
+milliseconds per row and the rate in G operations per second (2 per multiply-add).
 
     python benchmarks/bench_ggml_rows.py --rows 1,2,3,4,5,6,7,8,11 --rounds 7
+    python benchmarks/bench_ggml_rows.py --rows 1,16,64 --rounds 9 --activation-dtype int8
 """
 
 from __future__ import annotations
@@ -37,35 +40,62 @@ def layer_weights(model) -> list[tuple[torch.Tensor, int, int]]:
     return out
 
 
+def a8_products(model) -> dict[str, list[tuple]]:
+    """``{"layers": [...], "LM head": [...]}`` of (packed, in features, out features, ggml type)
+    of every GGMLA8Weight."""
+    layers = [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]
+    return {group: [(w.packed, w.shape[1], w.shape[0], w.qtype) for w in ws] for group, ws in
+            (("layers", layers), ("LM head", [model.lm_head]))}
+
+
+def time_rows(products: dict[str, list[tuple]], call, rows: list[int], rounds: int) -> dict:
+    """Median seconds per (group, M) over ``rounds`` alternating rounds."""
+    xs = {m: {k: torch.randn(m, k) for k in {p[1] for ps in products.values() for p in ps}} for m in rows}
+    times = {(g, m): [] for g in products for m in rows}
+    for _ in range(rounds):
+        for m in rows:
+            for g, ps in products.items():
+                t = time.perf_counter()
+                for p in ps:
+                    call(xs[m][p[1]], p)
+                times[(g, m)].append(time.perf_counter() - t)
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,10,11,12")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--activation-dtype", choices=("float32", "int8"), default="float32")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    op = kernel_op("ggml_linear")
+    name = "ggml_linear" if a.activation_dtype == "float32" else "ggml_a8_linear"
+    op = kernel_op(name)
     if op is None:
-        raise SystemExit("the ggml_linear kernel is not available here (see the warning above)")
-    weights = layer_weights(LLMEngine(EngineConfig()).model)
-    if any(q not in (3, 8) for _, q, _ in weights):
-        raise SystemExit("the default model's layers are not all GGUF blocks here")
+        raise SystemExit(f"the {name} kernel is not available here (see the warning above)")
+    model = LLMEngine(EngineConfig(activation_dtype=a.activation_dtype)).model
+    if a.activation_dtype == "int8":
+        products = a8_products(model)
+        call = lambda x, p: op(x, p[0], p[3], p[2])  # noqa: E731
+    else:
+        weights = layer_weights(model)
+        if any(q not in (3, 8) for _, q, _ in weights):
+            raise SystemExit("the default model's layers are not all GGUF blocks here")
+        products = {"layers": [(values, k, values.shape[0], qtype) for values, qtype, k in weights]}
+        call = lambda x, p: op(x, p[0], p[3])  # noqa: E731
     rows = [int(m) for m in a.rows.split(",")]
-    xs = {m: {k: torch.randn(m, k) for k in {k for _, _, k in weights}} for m in rows}
-    times = {m: [] for m in rows}
-    for _ in range(a.rounds):
-        for m in rows:
-            t = time.perf_counter()
-            for values, qtype, k in weights:
-                op(xs[m][k], values, qtype)
-            times[m].append(time.perf_counter() - t)
-    med = {m: 1e3 * statistics.median(v) for m, v in times.items()}
+    med = time_rows(products, call, rows, a.rounds)
+    ops = {g: 2 * sum(p[1] * p[2] for p in ps) for g, ps in products.items()}
     if a.json:
         print(json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": a.rounds,
-                          "median_ms": med}))
-    else:
-        print(f"{cpu_name()}, {torch.get_num_threads()} threads, medians of {a.rounds}")
-        for m in rows:
-            print(f"M {m:3d}  {med[m]:7.1f} ms  ({med[m] / m:.2f} ms per row)")
+                          "activation_dtype": a.activation_dtype,
+                          "median_ms": {f"{g} M{m}": 1e3 * t for (g, m), t in med.items()}}))
+        return 0
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {name}, medians of {a.rounds}")
+    for m in rows:
+        for g in products:
+            ms = 1e3 * med[(g, m)]
+            print(f"M {m:3d}  {g:8s} {ms:7.2f} ms  ({ms / m:.2f} ms per row, {ops[g] * m / ms / 1e6:.1f} G op/s)")
     return 0
 
 
