@@ -142,9 +142,9 @@ inline IVec hi_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4)
 inline IVec pairs(IVec p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 // An empty asm that claims to change v: the sums below stay one chain, in program order. Without
 // it GCC reassociates a block's 32 integer additions per (row, half) into a tree, computes every
-// vpmaddubsw first and spills them to the stack (a store and a reload each); with it the
-// 121 products of a 64-row decode step ran 10-20% faster and the Q8_0 LM head 1.3-1.5x
-// (AMD EPYC family 25, BENCHMARKS.md). Integer sums are exact in any order: the bits do not change.
+// vpmaddubsw first and spills them to the stack (a store and a reload each); with it the 120
+// layer products of a 64-row decode step ran 1.35-1.4x faster and the Q8_0 LM head ~2x (AMD
+// EPYC family 25, BENCHMARKS.md). Integer sums are exact in any order: the bits do not change.
 inline IVec pinned(IVec v) {
   asm("" : "+x"(v));
   return v;
