@@ -250,9 +250,18 @@ void panels(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t*
   const int64_t G = K / kGroup, stride = G * 16 * block_bytes(Q);
   alignas(64) float out[4][4][kLanes];
   for (int64_t m = 0; m < M;) {
-    const int mr = M - m >= MR ? MR : 1;
-    if (mr == MR) tile<Q, MR, NR>(xq + m * K, dx + m * G, sq + m * G, K, packed + p * stride, stride, out);
-    else tile<Q, 1, NR>(xq + m * K, dx + m * G, sq + m * G, K, packed + p * stride, stride, out);
+    const int64_t left = M - m;
+    const int8_t* xm = xq + m * K;
+    const uint8_t* wp = packed + p * stride;
+    int mr = left >= MR ? MR : 1;
+    if constexpr (MR == 2) {  // AVX2: an odd batch ends in a 3-row tile, not in a lone row's own pass
+      if (left == 3) {
+        mr = 3;
+        tile<Q, 3, NR>(xm, dx + m * G, sq + m * G, K, wp, stride, out);
+      }
+    }
+    if (mr == MR) tile<Q, MR, NR>(xm, dx + m * G, sq + m * G, K, wp, stride, out);
+    else if (mr == 1) tile<Q, 1, NR>(xm, dx + m * G, sq + m * G, K, wp, stride, out);
     for (int r = 0; r < mr; ++r)
       for (int j = 0; j < NR; ++j) {
         const int64_t n0 = (p + j) * kLanes, width = std::min<int64_t>(kLanes, N - n0);
