@@ -63,10 +63,13 @@ def time_rows(products: dict[str, list[tuple]], call, rows: list[int], rounds: i
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,10,11,12")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--activation-dtype", choices=("float32", "int8"), default="float32")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,10,11,12",
+                   help="activation row counts M, comma-separated (default: 1-12)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="rounds over all row counts after one warm-up round; medians are printed (default: 7)")
+    p.add_argument("--activation-dtype", choices=("float32", "int8"), default="float32",
+                   help="float32: ggml_linear; int8: ggml_a8_linear, with the LM head on its own line")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     name = "ggml_linear" if a.activation_dtype == "float32" else "ggml_a8_linear"
@@ -84,6 +87,7 @@ def main() -> int:
         products = {"layers": [(values, k, values.shape[0], qtype) for values, qtype, k in weights]}
         call = lambda x, p: op(x, p[0], p[3])  # noqa: E731
     rows = [int(m) for m in a.rows.split(",")]
+    time_rows(products, call, rows, 1)  # warm-up: first-touch of the weights, thread pool start
     med = time_rows(products, call, rows, a.rounds)
     ops = {g: 2 * sum(p[1] * p[2] for p in ps) for g, ps in products.items()}
     if a.json:
