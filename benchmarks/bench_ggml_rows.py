@@ -25,27 +25,19 @@ import torch
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.int8_weights import kernel_op
-from pagedkv.model.llama import _op_weight
 
 from tp_equivalence import cpu_name
 
 
-def layer_weights(model) -> list[tuple[torch.Tensor, int, int]]:
-    """(packed blocks, ggml type, in features) of every decoder-layer product."""
-    out = []
-    for layer in model.layers:
-        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            values, _, qtype = _op_weight(w)
-            out.append((values, qtype, values.shape[1] // (20 if qtype == 3 else 34) * 32))
-    return out
-
-
-def a8_products(model) -> dict[str, list[tuple]]:
-    """``{"layers": [...], "LM head": [...]}`` of (packed, in features, out features, ggml type)
-    of every GGMLA8Weight."""
-    layers = [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]
-    return {group: [(w.packed, w.shape[1], w.shape[0], w.qtype) for w in ws] for group, ws in
-            (("layers", layers), ("LM head", [model.lm_head]))}
+def products_of(model, lm_head: bool) -> dict[str, list[tuple]]:
+    """``{"layers": [...]}`` (and ``"LM head"``) of (packed blocks, in features, out features,
+    ggml type) of each GGMLWeight or GGMLA8Weight product. Exits where a layer holds no GGUF blocks."""
+    groups = {"layers": [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]}
+    if lm_head:
+        groups["LM head"] = [model.lm_head]
+    if any(getattr(w, "qtype", None) not in (3, 8) for ws in groups.values() for w in ws):
+        raise SystemExit("the default model's products are not all GGUF blocks here")
+    return {g: [(w.packed, w.shape[1], w.shape[0], w.qtype) for w in ws] for g, ws in groups.items()}
 
 
 def time_rows(products: dict[str, list[tuple]], call, rows: list[int], rounds: int) -> dict:
@@ -76,15 +68,11 @@ def main() -> int:
     op = kernel_op(name)
     if op is None:
         raise SystemExit(f"the {name} kernel is not available here (see the warning above)")
-    model = LLMEngine(EngineConfig(activation_dtype=a.activation_dtype)).model
-    if a.activation_dtype == "int8":
-        products = a8_products(model)
+    int8 = a.activation_dtype == "int8"
+    products = products_of(LLMEngine(EngineConfig(activation_dtype=a.activation_dtype)).model, lm_head=int8)
+    if int8:
         call = lambda x, p: op(x, p[0], p[3], p[2])  # noqa: E731
     else:
-        weights = layer_weights(model)
-        if any(q not in (3, 8) for _, q, _ in weights):
-            raise SystemExit("the default model's layers are not all GGUF blocks here")
-        products = {"layers": [(values, k, values.shape[0], qtype) for values, qtype, k in weights]}
         call = lambda x, p: op(x, p[0], p[3])  # noqa: E731
     rows = [int(m) for m in a.rows.split(",")]
     time_rows(products, call, rows, 1)  # warm-up: first-touch of the weights, thread pool start
