@@ -42,6 +42,10 @@
 #include <cstring>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -287,10 +291,16 @@ void run_task(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_
 
 void ggml_a8_cpu(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t* packed, int64_t qtype,
                  float* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t np = (N + kLanes - 1) / kLanes, tasks = (np + kPanelsPerTask - 1) / kPanelsPerTask;
-#pragma omp parallel for schedule(static) if (tasks > 1 && M * N * K >= (1 << 18))
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t p = t * kPanelsPerTask, p1 = std::min(np, p + kPanelsPerTask);
+  const int64_t np = (N + kLanes - 1) / kLanes;
+  // One contiguous run of panels per thread, equal to a panel: tasks of four panels left a
+  // thread idle for a task's time whenever their count was odd (9 for a 576-wide output).
+#pragma omp parallel if (np > 1 && M * N * K >= (1 << 18))
+  {
+    int64_t t = 0, threads = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num(), threads = omp_get_num_threads();
+#endif
+    const int64_t p = t * np / threads, p1 = (t + 1) * np / threads;
     if (qtype == kQ4_1) run_task<kQ4_1>(xq, dx, sq, packed, y, M, K, N, p, p1);
     else run_task<kQ8_0>(xq, dx, sq, packed, y, M, K, N, p, p1);
   }
