@@ -55,7 +55,6 @@ namespace {
 
 constexpr int64_t kGroup = 32, kLanes = 16;
 constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;
-constexpr int64_t kPanelsPerTask = 4;
 // Software prefetch, blocks ahead in each panel's stream, into L2 (_MM_HINT_T1): measured on
 // an AMD EPYC (family 26), the 121 products of a single-stream step ran 4.5-4.9 ms with 8
 // blocks into L2 against 5.2-6.0 ms with 4 (or 8) blocks into L1 (T0), which was no better
@@ -292,8 +291,9 @@ void run_task(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_
 void ggml_a8_cpu(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t* packed, int64_t qtype,
                  float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t np = (N + kLanes - 1) / kLanes;
-  // One contiguous run of panels per thread, equal to a panel: tasks of four panels left a
-  // thread idle for a task's time whenever their count was odd (9 for a 576-wide output).
+  // One contiguous run of panels per thread, the runs differing by at most one panel: static
+  // tasks of four panels left a thread idle for a task's time whenever their count was odd (9
+  // for a 576-wide output).
 #pragma omp parallel if (np > 1 && M * N * K >= (1 << 18))
   {
     int64_t t = 0, threads = 1;
