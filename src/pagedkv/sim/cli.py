@@ -30,6 +30,8 @@ EXAMPLES = """examples:
   # does splitting prefill and decode pay? 2 prefill + 1 decode instances vs 3 colocated
   pagedkv simulate --model llama-3-70b --gpu h100-sxm --tp 4 --workload random --random-input-len 2048 \\
       --num-prompts 600 --request-rate 8 --disagg 2P1D
+  # measured factors instead of the roofline: a fit to torch decoder steps on a real H200
+  pagedkv simulate --model llama-3-8b --gpu h200 --efficiency h200/llama-3-8b --workload arena-hard
   # a trace: one {"arrival": s, "prompt_len": n, "output_len": m} per line
   pagedkv simulate --model llama-3-8b --gpu l40s --trace requests.jsonl --json
   # KV tiers: a CPU tier and a disk tier behind it (the simulated disk starts empty;
@@ -83,6 +85,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --disagg: KV link per device, Gbit/s (default: 400, one ConnectX-7 port per GPU)")
     s.add_argument("--ttft-slo", type=float, default=1.0, help="with --disagg: TTFT target, seconds (default: 1)")
     s.add_argument("--tpot-slo", type=float, default=0.05, help="with --disagg: TPOT target, seconds (default: 0.05)")
+    s.add_argument("--efficiency", metavar="NAME|FILE",
+                   help="cost-model factors: roofline, a fit measured on a GPU (h200/llama-3-8b, "
+                        "h200/llama-3-70b-tp4, h200/qwen2.5-7b, h200/phi-3-mini-4k) or a JSON file of them "
+                        "(default: this CPU's calibration on cpu, else roofline)")
     s.add_argument("--calibrate", action="store_true",
                    help="profile the real engine on this CPU (the engine flags apply), fit the cost model, cache it")
     s.add_argument("--json", action="store_true", help="print the result as JSON (without the timelines)")
@@ -143,6 +149,8 @@ def _run(a) -> int:
     if a.calibrate:
         from pagedkv.sim.calibrate import calibrate
 
+        if a.efficiency:
+            raise ValueError("not with --calibrate: --efficiency (calibrating fits the factors)")
         kw = flags | {"weight_dtype": weight} | ({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory else {})
         r = calibrate(EngineConfig(**kw))
         for w in calibration_warnings(r):
@@ -171,7 +179,7 @@ def _setup_and_requests(a, flags: dict, weight: str, rate: float | None):
 
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
-    return prepare(a.model, a.gpu, a.tp, flags, weight, a.gpu_memory_utilization, a.kv_cache_memory, None,
+    return prepare(a.model, a.gpu, a.tp, flags, weight, a.gpu_memory_utilization, a.kv_cache_memory, a.efficiency,
                    a.workload, a.num_prompts, rate,
                    dict(max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens, input_len=a.random_input_len,
                         output_len=a.random_output_len, range_ratio=a.random_range_ratio, trace=a.trace,

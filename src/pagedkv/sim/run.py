@@ -107,7 +107,7 @@ def read_windows(m: ModelConfig, config: EngineConfig) -> tuple[tuple[int | None
 
 def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = None, weight_dtype: str = "auto",
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | str | None = None,
-              efficiency: Efficiency | None = None, spec_acceptance_rate: float | None = None,
+              efficiency: Efficiency | str | None = None, spec_acceptance_rate: float | None = None,
               seed: int = 0) -> SimSetup:
     """Resolve a simulation's model, device and pool (see :func:`simulate` for the arguments).
 
@@ -116,6 +116,10 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
             even one KV page on a device.
     """
     config = config or EngineConfig()
+    if isinstance(efficiency, str):
+        from pagedkv.sim.gpu_fits import load_efficiency
+
+        efficiency = load_efficiency(efficiency)
     dev = get_device(gpu)
     if dev.is_cpu and kv_cache_memory is None:
         kv_cache_memory = config.kv_cache_memory  # the engine's own default budget
@@ -328,7 +332,7 @@ def extra_metrics(run: EngineRun) -> dict:
 def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1,
              workload: str | list[BenchRequest] = "arena-hard", num_prompts: int = 100,
              request_rate: float | None = None, *, weight_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
-             kv_cache_memory: int | str | None = None, efficiency: Efficiency | None = None,
+             kv_cache_memory: int | str | None = None, efficiency: Efficiency | str | None = None,
              max_prompt_tokens: int = 512, max_tokens: int = 128, input_len: int = 256, output_len: int = 128,
              range_ratio: float = 0.0, trace: str | None = None, workload_seed: int = 0,
              spec_acceptance_rate: float | None = None, **engine_flags) -> SimResult:
@@ -345,7 +349,9 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
         num_prompts, request_rate: how many requests, arriving as Poisson at this rate
             (requests/s; ``inf``: all at once; None: a list's own ``arrival_s``, else ``inf``).
         weight_dtype, gpu_memory_utilization, kv_cache_memory: as ``pagedkv plan``.
-        efficiency: factors and overheads (default: cached calibration on cpu, else roofline).
+        efficiency: factors and overheads, or the name of a measured GPU fit or a JSON file
+            of them (:func:`pagedkv.sim.gpu_fits.load_efficiency`; default: cached
+            calibration on cpu, else roofline).
         max_prompt_tokens, max_tokens: the dataset workloads' prompt cap and output length.
         input_len, output_len, range_ratio: the ``random`` workload's lengths.
         trace: a JSONL trace (:func:`pagedkv.sim.workloads.load_trace`) instead of ``workload``
@@ -369,7 +375,7 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
 
 
 def prepare(model: str, gpu: str, tp: int, engine_flags: dict, weight_dtype: str, gpu_memory_utilization: float,
-            kv_cache_memory, efficiency: Efficiency | None, workload, num_prompts: int, request_rate: float | None,
+            kv_cache_memory, efficiency: Efficiency | str | None, workload, num_prompts: int, request_rate: float | None,
             workload_kw: dict, spec_acceptance_rate: float | None = None) -> tuple[SimSetup, list[BenchRequest]]:
     """The setup and the requests of one simulation (the arguments as :func:`simulate`'s;
     ``workload_kw``: :func:`build_requests`' keywords but ``max_model_len``, which is the
