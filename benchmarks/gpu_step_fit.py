@@ -54,7 +54,7 @@ def evaluate(result: dict, device, eff: Efficiency) -> dict:
     """Per model: each graph step's measured, roofline and fitted seconds."""
     out = {}
     for name, entry in result["models"].items():
-        plain, fitted = step_cost(name, device), None
+        plain = step_cost(name, device)
         fitted = StepCost(plain.cost, device, "bfloat16", eff)
         rows = []
         for rec in (r for r in entry["steps"] if r["graph"]):
