@@ -143,8 +143,9 @@ def freeze_long_lived() -> None:
     """Move every object alive now (the engine's modules, tables and tokenizer, the app) out
     of the cyclic collector's view, as vLLM's engine core does after start-up. The server
     holds ~300,000 of them for its whole life, and each full collection walked them all:
-    one engine in a process (SmolLM2, int8 activations, AMD EPYC) paused 110-125 ms once
-    per ~1,000 decoded tokens, stalling every stream (``benchmarks/bench_gc_pauses.py``).
+    one engine in a process (SmolLM2, int8 activations, AMD EPYC) paused 110-125 ms in a
+    full collection within 1,024 decoded tokens, stalling every stream
+    (``benchmarks/bench_gc_pauses.py``).
     Reference counting still frees them; the collector still runs on what requests allocate."""
     import gc
 

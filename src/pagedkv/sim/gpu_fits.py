@@ -7,8 +7,8 @@ decoders of a catalog model's shape (``benchmarks/gpu_step_profile.py``, fitted 
 ``benchmarks/gpu_step_fit.py``; figures and method in BENCHMARKS.md, "The cost model on
 an H200"). They describe torch's cuBLAS products and flash attention without fused
 kernels, about half the roofline: a lower bound on what an optimized engine reaches.
-Each is fitted to one model's shapes (the factors moved 10-25% between model sizes):
-pick the one closest to the model simulated.
+Each is fitted to one model's shapes (a fit missed the other models' steps by 3-45% in
+the median): pick the one closest to the model simulated.
 """
 
 from __future__ import annotations
