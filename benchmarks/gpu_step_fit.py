@@ -72,6 +72,9 @@ def evaluate(result: dict, device, eff: Efficiency) -> dict:
 def fit_model(result: dict, name: str, device) -> Efficiency:
     cost = step_cost(name, device)
     recs = [r for r in result["models"][name]["steps"] if r["graph"]]
+    if len(recs) < 5:
+        raise SystemExit(f"{name}: {len(recs)} CUDA-graph steps in the result; a fit needs at least 5 "
+                         "(profiles made off a GPU have none)")
     cols = list(zip(*(phases(cost, r) for r in recs)))
     f = fit(*cols, [r["batch"] for r in recs], [r["seconds"] for r in recs])
     return Efficiency(memory=f.memory, compute=f.compute, kv_read=f.kv_read, attention=f.attention,

@@ -16,19 +16,34 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FAST_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+DENSE_LLAMA_LIKE = ("llama", "mistral", "qwen2", "phi3")  # model_type values this decoder stands in for
+REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 def load_shape(path: Path, tp: int = 1) -> dict:
     """The decoder's sizes from a planner catalog model file; at ``tp`` > 1, one rank's
     Megatron shard (heads, KV heads, FFN columns and vocabulary split ``tp`` ways; the
     all-reduces are not run)."""
-    c = json.loads(Path(path).read_text())["config"]
+    c = json.loads(Path(path).read_text()).get("config")
+    if not isinstance(c, dict):
+        raise ValueError(f"{path}: no \"config\" object (a planner catalog file holds one)")
+    kind, moe = c.get("model_type"), [k for k in ("num_local_experts", "n_routed_experts", "num_experts",
+                                                  "kv_lora_rank") if c.get(k)]
+    if kind not in DENSE_LLAMA_LIKE or moe:
+        raise ValueError(f"{path}: model_type {kind!r}{' with ' + ', '.join(moe) if moe else ''}: this stand-in "
+                         f"is a dense Llama-style decoder ({', '.join(DENSE_LLAMA_LIKE)}; no MoE, no MLA)")
+    bad = [k for k in REQUIRED if not (isinstance(c.get(k), int) and c[k] > 0)]
+    if bad:
+        raise ValueError(f"{path}: missing or not a positive integer: {', '.join(bad)}")
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads") or heads
-    if heads % tp or kv_heads % tp or c["intermediate_size"] % tp:
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    if heads % kv_heads or head_dim % 2 or head_dim < 2:
+        raise ValueError(f"{path}: {heads} heads in groups of {kv_heads} KV heads with head_dim {head_dim}")
+    if not (isinstance(tp, int) and tp >= 1) or heads % tp or kv_heads % tp or c["intermediate_size"] % tp:
         raise ValueError(f"tp {tp} does not split {path}'s heads, KV heads and FFN evenly")
     return {"layers": c["num_hidden_layers"], "hidden": c["hidden_size"], "heads": heads // tp,
-            "kv_heads": kv_heads // tp, "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+            "kv_heads": kv_heads // tp, "head_dim": head_dim,
             "ffn": c["intermediate_size"] // tp, "vocab": -(-c["vocab_size"] // tp), "tp": tp,
             "rope_theta": float(c.get("rope_theta", 10000.0)), "eps": float(c.get("rms_norm_eps", 1e-5))}
 

@@ -143,6 +143,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test off a GPU)")
     p.add_argument("--output", required=True)
     a = p.parse_args()
+    if a.repeats < 1 or not a.kv_pool_gib > 0:
+        p.error("--repeats must be >= 1 and --kv-pool-gib > 0")
+    for name in a.model or []:
+        base, sep, tp = name.partition(":tp")
+        if sep and not (tp.isdigit() and int(tp) >= 1):
+            p.error(f"--model {name}: NAME or NAME:tpN with N >= 1")
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

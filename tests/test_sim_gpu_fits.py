@@ -34,7 +34,13 @@ def test_roofline_bundled_and_file_factors(tmp_path):
 
 @pytest.mark.parametrize("content,message", [
     ("not json", "not readable JSON"), ("[1, 2]", "JSON object"), ('{"memory": 2.0}', "memory efficiency"),
-    ('{"memroy": 0.5}', "unknown efficiency field"), ('{"kv_read": 0.5}', "both set")])
+    ('{"memroy": 0.5}', "unknown efficiency field"), ('{"kv_read": 0.5}', "both set"),
+    ("[" * 100_000 + "]" * 100_000, "not readable JSON"), ('{"memory": true}', "memory efficiency"),
+    ('{"step_overhead_s": true}', "step_overhead_s"), ('{"step_overhead_s": Infinity}', "step_overhead_s"),
+    ('{"request_overhead_s": 1' + "0" * 400 + "}", "request_overhead_s"),
+    ('{"few_row_factors": "123"}', "few_row_factors"), ('{"few_row_factors": {"1": 2}}', "few_row_factors"),
+    ('{"few_row_factors": ["1.5"]}', "few_row_factors"), ('{"few_row_kv_factors": [1e308]}', "few_row_kv"),
+    ('{"source": ["a"]}', "source must be a string")])
 def test_bad_factor_files_are_one_clear_error(tmp_path, content, message):
     f = tmp_path / "e.json"
     f.write_text(content)
@@ -69,6 +75,19 @@ def test_bundled_fits_price_their_measured_steps(name):
     assert statistics.median(abs(e) for e in errors) < 0.05 and max(abs(e) for e in errors) < 0.2
 
 
+@pytest.mark.parametrize("bad", [5, 0, False, {}, [0.5], {"memory": 0.5}, b"h200/llama-3-8b"])
+def test_python_api_refuses_efficiency_of_another_type(bad):
+    with pytest.raises(ValueError, match="an Efficiency"):
+        simulate(model="llama-3-8b", gpu="h200", workload="random", num_prompts=2, efficiency=bad)
+
+
+def test_a_path_object_names_a_file(tmp_path):
+    f = tmp_path / "e.json"
+    f.write_text(json.dumps({"memory": 0.5}))
+    r = simulate(model="llama-3-8b", gpu="h200", workload="random", num_prompts=2, efficiency=f)
+    assert r.settings["efficiency"]["memory"] == 0.5
+
+
 def test_measured_factors_slow_the_simulated_run_and_are_reported(capsys):
     kw = dict(model="llama-3-8b", gpu="h200", workload="random", num_prompts=32, input_len=512, output_len=32)
     roof, fitted = simulate(**kw), simulate(**kw, efficiency="h200/llama-3-8b")
@@ -87,7 +106,7 @@ def test_measured_factors_slow_the_simulated_run_and_are_reported(capsys):
 def test_gpu_profile_script_runs_off_a_gpu(tmp_path):
     """The script the fits come from (run on a GPU machine, where a failure costs device
     time) on a tiny decoder on this CPU: every shape timed, tp shards sized."""
-    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 128, "vocab_size": 256}
     (tmp_path / "tiny.json").write_text(json.dumps({"config": config}))
     out = tmp_path / "steps.json"
@@ -104,3 +123,15 @@ def test_gpu_profile_script_runs_off_a_gpu(tmp_path):
         kinds = [(s["kind"], s["batch"]) for s in entry["steps"]]
         assert kinds == [("decode", 1), ("decode", 4), ("prefill", 1), ("prefill", 2), ("decode", 1)]
         assert all(s["seconds"] > 0 and len(s["all_seconds"]) == 2 for s in entry["steps"])
+
+
+def test_gpu_profile_script_refuses_what_its_decoder_is_not(tmp_path):
+    """An MoE or MLA model profiled as a dense decoder would fit wrong factors silently."""
+    config = {"model_type": "mixtral", "num_local_experts": 8, "num_hidden_layers": 2, "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+    (tmp_path / "moe.json").write_text(json.dumps({"config": config}))
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_step_profile.py"), "--device", "cpu",
+                        "--quick", "--models-dir", str(tmp_path), "--model", "moe", "--output",
+                        str(tmp_path / "o.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "dense Llama-style decoder" in r.stderr
+    assert not (tmp_path / "o.json").exists()

@@ -149,7 +149,7 @@ def _run(a) -> int:
     if a.calibrate:
         from pagedkv.sim.calibrate import calibrate
 
-        if a.efficiency:
+        if a.efficiency is not None:
             raise ValueError("not with --calibrate: --efficiency (calibrating fits the factors)")
         kw = flags | {"weight_dtype": weight} | ({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory else {})
         r = calibrate(EngineConfig(**kw))
@@ -222,6 +222,7 @@ def _run_disagg(a, flags: dict, weight: str) -> int:
         return 0
     print(f"{len(reqs)} requests, {a.tp} device(s) per instance, KV link {a.kv_link_gbps:g} Gbit/s per device; "
           f"SLO: TTFT <= {a.ttft_slo:g} s and TPOT <= {a.tpot_slo:g} s")
+    print(f"cost model: {setup.settings['efficiency']['source']}")
     print(f"{'setup':>14} {'in SLO':>7} {'TTFT p50/p90 (s)':>17} {'TPOT p50/p90 (ms)':>18} {'output tok/s':>13}")
     for r in rows:
         print(f"{r['setup']:>14} {r['slo_attainment']:7.1%} {r['ttft_p50_s']:8.3f}/{r['ttft_p90_s']:<8.3f} "

@@ -30,9 +30,19 @@ is a roofline term.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass
 
 from pagedkv.planner.roofline import Ceilings, ModelCost, StepWork
+
+
+MAX_FEW_ROW_FACTOR = 1e3  # a step at 1,000x its modelled cost is a typo, not a machine
+MAX_OVERHEAD_S = 3600.0
+
+
+def _real(v) -> bool:
+    """A real number (numpy's too), not a boolean."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,9 @@ class Efficiency:
 
     Raises:
         ValueError: an efficiency outside (0, 1.5] (a measured ceiling can be beaten a
-            little) or a negative overhead.
+            little), a few-row factor outside (0, 1000], an overhead outside [0, 3600] s,
+            anything that is not a real number there (booleans and strings included), or a
+            source that is not a string.
     """
     memory: float = 1.0
     compute: float = 1.0
@@ -70,20 +82,23 @@ class Efficiency:
     source: str = "roofline (no efficiency factors, no overheads)"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            raise ValueError(f"source must be a string, got {self.source!r}")
         if (self.kv_read is None) != (self.attention is None):
             raise ValueError("kv_read and attention efficiencies are both set (a separate attention phase) or both None")
         for name in ("memory", "compute", "kv_read", "attention"):
             v = getattr(self, name)
-            if not (v is None and name in ("kv_read", "attention")) and not (
-                    isinstance(v, (int, float)) and 0.0 < v <= 1.5):
+            if not (v is None and name in ("kv_read", "attention")) and not (_real(v) and 0.0 < v <= 1.5):
                 raise ValueError(f"{name} efficiency must be in (0, 1.5], got {v!r}")
         for name in ("few_row_factors", "few_row_kv_factors"):
-            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
-            if not all(0 < f < float("inf") for f in getattr(self, name)):
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple)) or not all(_real(f) and 0 < f <= MAX_FEW_ROW_FACTOR for f in v):
+                raise ValueError(f"{name} must be a list of numbers in (0, {MAX_FEW_ROW_FACTOR:g}], got {v!r}")
+            object.__setattr__(self, name, tuple(float(f) for f in v))
         for name in ("step_overhead_s", "request_overhead_s"):
-            if not getattr(self, name) >= 0.0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if not (_real(v) and 0.0 <= v <= MAX_OVERHEAD_S):
+                raise ValueError(f"{name} must be in [0, {MAX_OVERHEAD_S:g}] seconds, got {v!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

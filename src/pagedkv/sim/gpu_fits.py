@@ -14,6 +14,7 @@ the median): pick the one closest to the model simulated.
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -44,7 +45,7 @@ def _efficiency(entry: dict, where: str) -> Efficiency:
         raise ValueError(f"{where}: {e}") from None
 
 
-def load_efficiency(name_or_path: str) -> Efficiency:
+def load_efficiency(name_or_path: str | os.PathLike) -> Efficiency:
     """The factors named: ``roofline`` (none), a bundled fit (``h200/llama-3-8b``, see
     :func:`bundled`) or a JSON file holding the :class:`Efficiency` fields (at top level or
     under ``"efficiency"``, as ``gpu_step_fit.py --json`` writes them).
@@ -52,16 +53,20 @@ def load_efficiency(name_or_path: str) -> Efficiency:
     Raises:
         ValueError: an unknown name, an unreadable or malformed file, or a factor out of range.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"efficiency: an Efficiency, {ROOFLINE!r}, a bundled fit name or a JSON file's path, "
+                         f"got {type(name_or_path).__name__}")
     if name_or_path == ROOFLINE:
         return Efficiency()
-    if name_or_path in bundled():
+    if isinstance(name_or_path, str) and name_or_path in bundled():
         return _efficiency(bundled()[name_or_path], f"bundled fit {name_or_path}")
-    path = Path(name_or_path)
+    where = os.fspath(name_or_path)
+    path = Path(where)
     if not path.is_file():
-        raise ValueError(f"--efficiency {name_or_path!r}: not {ROOFLINE!r}, a bundled fit "
+        raise ValueError(f"efficiency {where!r}: not {ROOFLINE!r}, a bundled fit "
                          f"({', '.join(bundled())}) or a JSON file")
     try:
         entry = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--efficiency {name_or_path}: not readable JSON ({e})") from None
-    return _efficiency(entry, str(path))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON's and int digits
+        raise ValueError(f"efficiency {where}: not readable JSON ({str(e)[:200]})") from None
+    return _efficiency(entry, where)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -107,7 +108,7 @@ def read_windows(m: ModelConfig, config: EngineConfig) -> tuple[tuple[int | None
 
 def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = None, weight_dtype: str = "auto",
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | str | None = None,
-              efficiency: Efficiency | str | None = None, spec_acceptance_rate: float | None = None,
+              efficiency: Efficiency | str | os.PathLike | None = None, spec_acceptance_rate: float | None = None,
               seed: int = 0) -> SimSetup:
     """Resolve a simulation's model, device and pool (see :func:`simulate` for the arguments).
 
@@ -116,10 +117,10 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
             even one KV page on a device.
     """
     config = config or EngineConfig()
-    if isinstance(efficiency, str):
+    if efficiency is not None and not isinstance(efficiency, Efficiency):
         from pagedkv.sim.gpu_fits import load_efficiency
 
-        efficiency = load_efficiency(efficiency)
+        efficiency = load_efficiency(efficiency)  # a name or a path; anything else: ValueError
     dev = get_device(gpu)
     if dev.is_cpu and kv_cache_memory is None:
         kv_cache_memory = config.kv_cache_memory  # the engine's own default budget
