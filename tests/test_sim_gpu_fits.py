@@ -101,6 +101,15 @@ def test_measured_factors_slow_the_simulated_run_and_are_reported(capsys):
     assert "not with --calibrate" in capsys.readouterr().err
     assert main(["simulate", "--model", "llama-3-8b", "--gpu", "h200", "--efficiency", "nope"]) == 2
     assert "bundled fit" in capsys.readouterr().err
+    # a fit measured for another model or GPU still runs, with one warning line
+    assert main(["simulate", "--model", "llama-3-70b", "--tp", "4", "--gpu", "h100-sxm", "--efficiency",
+                 "h200/llama-3-8b", "--workload", "random", "--num-prompts", "4", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: --efficiency h200/llama-3-8b was fitted on h200 to llama-3-8b") and "\n" == err[-1]
+    assert err.count("\n") == 1
+    with pytest.warns(UserWarning, match="fitted on h200"):
+        simulate(model="llama-3-8b", gpu="a100-80gb-sxm4", workload="random", num_prompts=2,
+                 efficiency="h200/llama-3-8b")
 
 
 def test_gpu_profile_script_runs_off_a_gpu(tmp_path):

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 
 from pagedkv.cli_common import add_engine_args, engine_kwargs
 
@@ -135,11 +136,13 @@ def calibration_warnings(r: dict) -> list[str]:
 
 
 def run_simulate(a) -> int:
-    try:
-        return _run(a)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():  # a warning is one line, as an error is
+        warnings.showwarning = lambda message, *_a, **_k: print(f"warning: {message}", file=sys.stderr)
+        try:
+            return _run(a)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
 
 def _run(a) -> int:

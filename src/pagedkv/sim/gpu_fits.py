@@ -31,6 +31,20 @@ def bundled() -> dict[str, dict]:
     return {f["name"]: f for f in data["fits"]}
 
 
+def fit_mismatch(name, gpu: str, model: str, tp: int) -> str | None:
+    """Why bundled fit ``name`` was not measured for this simulation (another GPU, model or
+    tensor-parallel rank shape), or None (a match, or not a bundled name)."""
+    entry = bundled().get(name) if isinstance(name, str) else None
+    if entry is None:
+        return None
+    fit_model, _, fit_tp = entry["model"].partition(":tp")
+    got, want = (gpu, model.lower(), tp), (entry["gpu"], fit_model, int(fit_tp or 1))
+    if got == want:
+        return None
+    return (f"--efficiency {name} was fitted on {want[0]} to {want[1]} at tp {want[2]}, not {gpu} / {model} at "
+            f"tp {tp}: its factors missed other models' steps by 3-45% (BENCHMARKS.md)")
+
+
 def _efficiency(entry: dict, where: str) -> Efficiency:
     fields = entry.get("efficiency", entry) if isinstance(entry, dict) else None
     if not isinstance(fields, dict):

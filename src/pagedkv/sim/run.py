@@ -19,6 +19,7 @@ import gc
 import math
 import os
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
@@ -118,8 +119,11 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     """
     config = config or EngineConfig()
     if efficiency is not None and not isinstance(efficiency, Efficiency):
-        from pagedkv.sim.gpu_fits import load_efficiency
+        from pagedkv.sim.gpu_fits import fit_mismatch, load_efficiency
 
+        why = fit_mismatch(efficiency, get_device(gpu).name, model, tp)
+        if why:
+            warnings.warn(why, UserWarning, stacklevel=3)
         efficiency = load_efficiency(efficiency)  # a name or a path; anything else: ValueError
     dev = get_device(gpu)
     if dev.is_cpu and kv_cache_memory is None:
