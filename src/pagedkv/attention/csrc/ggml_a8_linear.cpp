@@ -177,13 +177,23 @@ inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
 // sum's rate on 2 cores; 16 and 32 blocks within noise of 24), and 16-row products 1.13x.
 // AVX2 keeps four panels (its one integer chain per half panel needs them to hide latency)
 // and 8 blocks: not yet measured otherwise on an AVX2-only CPU.
+// (benchmarks/ab_ggml_a8_variants.py builds copies with other values through the two macros.)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int64_t kPrefetchBlocks = 24;
-constexpr int kRowPanels = 1;
+#define PAGEDKV_A8_DEFAULT_PREFETCH 24
+#define PAGEDKV_A8_DEFAULT_ROW_PANELS 1
 #else
-constexpr int64_t kPrefetchBlocks = 8;
-constexpr int kRowPanels = 4;
+#define PAGEDKV_A8_DEFAULT_PREFETCH 8
+#define PAGEDKV_A8_DEFAULT_ROW_PANELS 4
 #endif
+#ifndef PAGEDKV_A8_PREFETCH_BLOCKS
+#define PAGEDKV_A8_PREFETCH_BLOCKS PAGEDKV_A8_DEFAULT_PREFETCH
+#endif
+#ifndef PAGEDKV_A8_ROW_PANELS
+#define PAGEDKV_A8_ROW_PANELS PAGEDKV_A8_DEFAULT_ROW_PANELS
+#endif
+constexpr int64_t kPrefetchBlocks = PAGEDKV_A8_PREFETCH_BLOCKS;
+constexpr int kRowPanels = PAGEDKV_A8_ROW_PANELS;
+static_assert(kRowPanels == 1 || kRowPanels == 2 || kRowPanels == 4, "one row reads 1, 2 or 4 panels at once");
 constexpr int kVec = kLanes / kHalves;      // channels per vector
 constexpr int64_t kHalfBytes = 64 / kHalves;  // bytes of a chunk per vector
 
