@@ -11,15 +11,17 @@ every model's steps are then priced with the plain roofline and with the fitted 
     python benchmarks/gpu_step_fit.py benchmarks/results/h200_gpu_steps.json --gpu h200 \\
         --fit-model llama-3-8b [--json OUT.json] [--bundle src/pagedkv/planner/data/gpu_fits.json]
 
-``--bundle`` fits every model in the result on its own steps and writes the simulator's
-bundled fits (``pagedkv simulate --efficiency GPU/MODEL``), one per model, named
-``GPU/MODEL`` (``llama-3-70b:tp4`` becomes ``llama-3-70b-tp4``).
+``--bundle`` fits every model in the result (or those ``--bundle-models`` names) on its own
+steps and writes them into the simulator's bundled fits (``pagedkv simulate --efficiency
+GPU/MODEL``), one per model, named ``GPU/MODEL`` (``llama-3-70b:tp4`` becomes
+``llama-3-70b-tp4``); fits already in the file under other names are kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from pagedkv.planner.hardware import get_device
@@ -83,18 +85,22 @@ def fit_model(result: dict, name: str, device) -> Efficiency:
                              f"{result['device']} (torch {result['torch']}, {result['date']})")
 
 
-def bundle(result: dict, gpu: str, device, raw: str) -> dict:
-    """Every model's own fit, as ``pagedkv.sim.gpu_fits`` reads them."""
+def bundle(result: dict, gpu: str, device, raw: str, models: list[str] | None = None,
+           existing: dict | None = None) -> dict:
+    """Each model's own fit (all in ``result``, or ``models``), as ``pagedkv.sim.gpu_fits``
+    reads them, merged into ``existing`` (same names replaced)."""
     fits = []
-    for name in result["models"]:
+    for name in models or result["models"]:
         eff = fit_model(result, name, device)
         e = evaluate({**result, "models": {name: result["models"][name]}}, device, eff)[name]
         fits.append({"name": f"{gpu}/{name.replace(':tp', '-tp')}", "gpu": gpu, "model": name,
                      "efficiency": eff.to_dict(), "median_abs_rel_error": round(e["fitted_median_abs_rel_error"], 4),
                      "max_abs_rel_error": round(e["fitted_max_abs_rel_error"], 4), "raw": raw})
+    new = {f["name"] for f in fits}
+    kept = [f for f in (existing or {}).get("fits", []) if f["name"] not in new]
     return {"about": "Cost-model factors fitted to CUDA-graph steps of plain-torch decoders "
                      "(benchmarks/gpu_step_profile.py, benchmarks/gpu_step_fit.py --bundle); see BENCHMARKS.md",
-            "fits": fits}
+            "fits": kept + fits}
 
 
 def main() -> int:
@@ -103,7 +109,8 @@ def main() -> int:
     p.add_argument("--gpu", default="h200")
     p.add_argument("--fit-model", default="llama-3-8b")
     p.add_argument("--json", help="write the factors and every step's prices here")
-    p.add_argument("--bundle", help="write every model's own fit here (the simulator's bundled fits)")
+    p.add_argument("--bundle", help="write every model's own fit into this file (the simulator's bundled fits)")
+    p.add_argument("--bundle-models", help="with --bundle: only these models of the result, comma-separated")
     a = p.parse_args()
     result, device = json.load(open(a.result)), get_device(a.gpu)
     eff = fit_model(result, a.fit_model, device)
@@ -128,8 +135,11 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump({"efficiency": eff.to_dict(), "models": ev}, f, indent=1)
     if a.bundle:
+        existing = json.load(open(a.bundle)) if os.path.exists(a.bundle) else None
+        models = a.bundle_models.split(",") if a.bundle_models else None
+        merged = bundle(result, a.gpu, device, a.result, models, existing)
         with open(a.bundle, "w") as f:
-            json.dump(bundle(result, a.gpu, device, a.result), f, indent=1)
+            json.dump(merged, f, indent=1)
             f.write("\n")
     return 0
 
