@@ -43,7 +43,6 @@ EXAMPLES = """examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from pagedkv.sim.gpu_fits import bundled
     from pagedkv.sim.sweep import TARGETS
     from pagedkv.sim.workloads import SYNTHETIC
     from pagedkv.bench.workloads import DATASETS
@@ -88,8 +87,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--ttft-slo", type=float, default=1.0, help="with --disagg: TTFT target, seconds (default: 1)")
     s.add_argument("--tpot-slo", type=float, default=0.05, help="with --disagg: TPOT target, seconds (default: 0.05)")
     s.add_argument("--efficiency", metavar="NAME|FILE",
-                   help=f"cost-model factors: roofline, a fit measured on a GPU ({', '.join(bundled())}) or a "
-                        "JSON file of them (default: this CPU's calibration on cpu, else roofline)")
+                   help="cost-model factors: roofline, a fit measured on a GPU (GPU/MODEL, e.g. h200/llama-3-8b; "
+                        "an unknown name lists them) or a JSON file of them (default: this CPU's calibration on "
+                        "cpu, else roofline)")
     s.add_argument("--calibrate", action="store_true",
                    help="profile the real engine on this CPU (the engine flags apply), fit the cost model, cache it")
     s.add_argument("--json", action="store_true", help="print the result as JSON (without the timelines)")

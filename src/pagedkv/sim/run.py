@@ -118,14 +118,14 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
             even one KV page on a device.
     """
     config = config or EngineConfig()
+    dev = get_device(gpu)
     if efficiency is not None and not isinstance(efficiency, Efficiency):
         from pagedkv.sim.gpu_fits import fit_mismatch, load_efficiency
 
-        why = fit_mismatch(efficiency, get_device(gpu).name, model, tp)
+        why = fit_mismatch(efficiency, dev.name, model, tp)
         if why:
             warnings.warn(why, UserWarning, stacklevel=3)
         efficiency = load_efficiency(efficiency)  # a name or a path; anything else: ValueError
-    dev = get_device(gpu)
     if dev.is_cpu and kv_cache_memory is None:
         kv_cache_memory = config.kv_cache_memory  # the engine's own default budget
     p = plan(model, gpu, kv_cache_dtype=config.kv_cache_dtype, weight_dtype=weight_dtype,
