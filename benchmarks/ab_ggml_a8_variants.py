@@ -8,7 +8,11 @@ first products, then times all of the default model's layer products and its LM 
 auto --activation-dtype int8``), the variants interleaved round by round: one machine's
 drift lands on all of them alike. Prints the median and fastest pass of each and the ratio
 to the first variant. Macros the kernel reads: ``PAGEDKV_A8_ROW_PANELS`` (1, 2 or 4 panels
-one activation row reads at once) and ``PAGEDKV_A8_PREFETCH_BLOCKS``.
+one activation row reads at once), ``PAGEDKV_A8_PREFETCH_BLOCKS``, and for two or more rows
+``PAGEDKV_A8_TILE_ROWS`` (2-8), ``PAGEDKV_A8_TILE_PANELS`` (1-4) and ``PAGEDKV_A8_CHAINS`` (VNNI: 1
+or 2 integer accumulators per (row, panel)). ``NAME=FILE:...`` builds FILE instead of the current
+source, e.g. an earlier commit's (``git show COMMIT:src/pagedkv/attention/csrc/ggml_a8_linear.cpp
+> old.cpp``), to A/B a code change; its bits must still match the engine kernel's.
 
     python benchmarks/ab_ggml_a8_variants.py --rows 1 --rounds 30 \\
         --variant four:-DPAGEDKV_A8_ROW_PANELS=4,-DPAGEDKV_A8_PREFETCH_BLOCKS=8 \\
@@ -36,9 +40,9 @@ from bench_ggml_rows import products_of
 from tp_equivalence import cpu_name
 
 
-def renamed_source(name: str) -> str:
-    """The kernel's source with its op, namespace and registration renamed for ``name``."""
-    s = (CSRC / "ggml_a8_linear.cpp").read_text()
+def renamed_source(name: str, source: Path | None = None) -> str:
+    """The kernel's source (or ``source``) with its op, namespace and registration renamed for ``name``."""
+    s = (source or CSRC / "ggml_a8_linear.cpp").read_text()
     edits = [('m.def("ggml_a8_linear(', f'm.def("ggml_a8_linear_{name}('),
              ("namespace pagedkv {", f"namespace pagedkv_{name} {{"),
              ("}  // namespace pagedkv\n", f"}}  // namespace pagedkv_{name}\n"),
@@ -50,30 +54,33 @@ def renamed_source(name: str) -> str:
     return s
 
 
-def build(name: str, defines: list[str], root: Path):
-    """Compile variant ``name`` and return its op."""
+def build(name: str, defines: list[str], root: Path, source: Path | None = None):
+    """Compile variant ``name`` (of ``source``, default the engine's) and return its op."""
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / "kernel.cpp").write_text(renamed_source(name))
+    (d / "kernel.cpp").write_text(renamed_source(name, source))
     cpp_extension.load(name=f"pagedkv_ab_{name}", sources=[str(d / "kernel.cpp")],
                        extra_cflags=cflags() + [f"-I{CSRC}"] + defines, extra_ldflags=list(LDFLAGS),
                        build_directory=str(d), is_python_module=False, verbose=False)
     return getattr(torch.ops.pagedkv, f"ggml_a8_linear_{name}")
 
 
-def parse_variant(text: str) -> tuple[str, list[str]]:
-    name, _, flags = text.partition(":")
+def parse_variant(text: str) -> tuple[str, list[str], Path | None]:
+    head, _, flags = text.partition(":")
+    name, _, source = head.partition("=")
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
-        raise SystemExit(f"--variant {text!r}: NAME:FLAG,FLAG with NAME a C identifier")
+        raise SystemExit(f"--variant {text!r}: NAME[=FILE]:FLAG,FLAG with NAME a C identifier")
+    if source and not Path(source).is_file():
+        raise SystemExit(f"--variant {text!r}: no file {source!r}")
     flags = [f for f in flags.split(",") if f]
     if any(not f.startswith("-D") for f in flags):
         raise SystemExit(f"--variant {text!r}: only -D flags")
-    return name, flags
+    return name, flags, Path(source) if source else None
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variant", action="append", required=True, help="NAME:-DX=1,-DY=2 (repeatable; first: the base)")
+    p.add_argument("--variant", action="append", required=True, help="NAME[=FILE]:-DX=1,-DY=2 (repeatable; first: the base)")
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--rounds", type=int, default=30)
     a = p.parse_args()
@@ -87,7 +94,7 @@ def main() -> int:
     step = products["layers"] + products["LM head"]
     xs = {k: torch.randn(a.rows, k) for k in {w[1] for w in step}}
     with tempfile.TemporaryDirectory(prefix="pagedkv_ab_") as root:
-        ops = {name: build(name, flags, Path(root)) for name, flags in variants}
+        ops = {name: build(name, flags, Path(root), source) for name, flags, source in variants}
         for name, op in ops.items():
             for w in step[:8]:
                 if not torch.equal(op(xs[w[1]], w[0], w[3], w[2]), reference(xs[w[1]], w[0], w[3], w[2])):
@@ -104,10 +111,10 @@ def main() -> int:
     nbytes = sum(w[0].numel() for w in step)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, {len(step)} products ({nbytes / 1e6:.1f} MB), "
           f"{a.rows} row(s), medians of {a.rounds}")
-    for name, flags in variants:
+    for name, flags, source in variants:
         m = statistics.median(times[name])
         print(f"  {name:12s} {1e3 * m:8.3f} ms (fastest {1e3 * min(times[name]):.3f}; {nbytes / m / 1e9:5.1f} GB/s)"
-              f"  {base / m:.3f}x  {' '.join(flags)}")
+              f"  {base / m:.3f}x  {' '.join(flags)}{f' ({source})' if source else ''}")
     return 0
 
 

@@ -32,7 +32,7 @@ def weight(n: int, k: int, qtype: int, seed: int = 0) -> GGMLA8Weight:
 
 @FMTS
 @SHAPES
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 35, 70])
 def test_kernel_equals_the_reference_bit_for_bit(qtype, n, k, m):
     w = weight(n, k, qtype, n * k + m)
     x = torch.randn(m, k) * 3

@@ -115,7 +115,10 @@ inline IVec lo_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0
 inline IVec hi_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 inline IVec dot_u(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w unsigned
 inline IVec q4_widen(IVec a) { return a; }
-constexpr int kChains = 2;  // integer accumulators per (row, panel)
+#ifndef PAGEDKV_A8_CHAINS
+#define PAGEDKV_A8_CHAINS 2
+#endif
+constexpr int kChains = PAGEDKV_A8_CHAINS;  // integer accumulators per (row, panel): 1 or 2
 inline IVec q8_operand(IVec w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline IVec dot_q8(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w = q + 128
 constexpr int32_t kQ8Bias = 128;
@@ -191,9 +194,31 @@ inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
 #ifndef PAGEDKV_A8_ROW_PANELS
 #define PAGEDKV_A8_ROW_PANELS PAGEDKV_A8_DEFAULT_ROW_PANELS
 #endif
+#ifndef PAGEDKV_A8_TILE_ROWS
+#define PAGEDKV_A8_TILE_ROWS (kHalves == 1 ? 4 : 2)
+#endif
+// From PAGEDKV_A8_WIDE_MIN_ROWS rows on, VNNI tiles span two panels with one integer chain
+// each: a broadcast activation feeds two vpdpbusd, and the chains of two panels hide each
+// other's latency. Measured on an AMD EPYC (family 26), a decode step's 121 products
+// (ab_ggml_a8_variants.py, medians of 15-20): 64 rows 1.07x, 512 rows 1.07x, 16 rows 0.94x.
+#ifndef PAGEDKV_A8_WIDE_PANELS
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDKV_A8_WIDE_PANELS 2
+#else
+#define PAGEDKV_A8_WIDE_PANELS 1
+#endif
+#endif
+#ifndef PAGEDKV_A8_WIDE_MIN_ROWS
+#define PAGEDKV_A8_WIDE_MIN_ROWS 32
+#endif
 constexpr int64_t kPrefetchBlocks = PAGEDKV_A8_PREFETCH_BLOCKS;
 constexpr int kRowPanels = PAGEDKV_A8_ROW_PANELS;
 static_assert(kRowPanels == 1 || kRowPanels == 2 || kRowPanels == 4, "one row reads 1, 2 or 4 panels at once");
+constexpr int kTileRows = PAGEDKV_A8_TILE_ROWS;  // rows of a batched tile
+constexpr int kWidePanels = PAGEDKV_A8_WIDE_PANELS;
+constexpr int64_t kWideMinRows = PAGEDKV_A8_WIDE_MIN_ROWS;
+constexpr int kMaxTileRows = 8;
+static_assert(kTileRows >= 2 && kTileRows <= kMaxTileRows && kWidePanels >= 1 && kWidePanels <= 4, "tile shape");
 constexpr int kVec = kLanes / kHalves;      // channels per vector
 constexpr int64_t kHalfBytes = 64 / kHalves;  // bytes of a chunk per vector
 
@@ -206,11 +231,28 @@ inline FVec scales(const uint8_t* p, int h) {  // channels h * kVec .. of 16 fp1
 #endif
 }
 
+// Step 1's results for rows 0.. (row-major, K / 32 blocks a row): quants, dx, sq, and sx = dx * sq
+// (Q4_1's minimum term, a multiplication rounded once, done here once per (row, block) instead
+// of once per panel).
+struct Acts {
+  const int8_t* xq;
+  const float* dx;
+  const int32_t* sq;
+  const float* sx;
+  Acts rows_from(int64_t m, int64_t K) const {
+    const int64_t G = K / kGroup;
+    return {xq + m * K, dx + m * G, sq + m * G, sx + m * G};
+  }
+};
+
 // Rows m0 .. m0 + MR - 1 of the quantized activations against panels p .. p + NR - 1 at w
-// (each `stride` bytes): the integer dots of a block in registers, then the scaled sums.
-template <int64_t Q, int MR, int NR>
-void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const uint8_t* w, int64_t stride,
-          float out[][4][kLanes]) {
+// (each `stride` bytes): the integer dots of a block in registers (C chains per row and panel),
+// then the scaled sums.
+template <int64_t Q, int MR, int NR, int C>
+void tile(const Acts& a, int64_t K, const uint8_t* w, int64_t stride, float out[][4][kLanes]) {  // out[MR][NR]
+  const int8_t* xq = a.xq;
+  const float *dx = a.dx, *sx = a.sx;
+  const int32_t* sq = a.sq;
   constexpr int64_t hdr = Q == kQ4_1 ? 64 : 32, pbb = 16 * (Q == kQ4_1 ? 20 : 34);
   constexpr int kChunks = Q == kQ4_1 ? 4 : 8;
   const int64_t G = K / kGroup;
@@ -222,11 +264,11 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
     for (int j = 0; j < NR; ++j)  // the hardware prefetcher alone runs these short streams below the bus
       for (int64_t off = 0; off < pbb; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + j * stride + (b + kPrefetchBlocks) * pbb + off), _MM_HINT_T1);
-    IVec ia[MR][NR][kHalves][kChains];
+    IVec ia[MR][NR][kHalves][C];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NR; ++j)
         for (int h = 0; h < kHalves; ++h)
-          for (int i = 0; i < kChains; ++i) ia[r][j][h][i] = izero();
+          for (int i = 0; i < C; ++i) ia[r][j][h][i] = izero();
     for (int c = 0; c < kChunks; ++c) {
       for (int j = 0; j < NR; ++j)
         for (int h = 0; h < kHalves; ++h) {
@@ -236,12 +278,12 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
             for (int r = 0; r < MR; ++r) {
               const int8_t* xr = xq + r * K + b * kGroup + 8 * c;
               ia[r][j][h][0] = dot_u(ia[r][j][h][0], lo, bcast(xr));
-              ia[r][j][h][kChains - 1] = dot_u(ia[r][j][h][kChains - 1], hi, bcast(xr + 4));
+              ia[r][j][h][C - 1] = dot_u(ia[r][j][h][C - 1], hi, bcast(xr + 4));
             }
           } else {
             const IVec q = q8_operand(v);
             for (int r = 0; r < MR; ++r)
-              ia[r][j][h][c % kChains] = dot_q8(ia[r][j][h][c % kChains], q, bcast(xq + r * K + b * kGroup + 4 * c));
+              ia[r][j][h][c % C] = dot_q8(ia[r][j][h][c % C], q, bcast(xq + r * K + b * kGroup + 4 * c));
           }
         }
     }
@@ -250,13 +292,12 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
         const uint8_t* blk = w + j * stride + b * pbb;
         const FVec d = scales(blk, h);
         for (int r = 0; r < MR; ++r) {
-          IVec isum = kChains == 1 ? ia[r][j][h][0] : iadd(ia[r][j][h][0], ia[r][j][h][kChains - 1]);
+          IVec isum = C == 1 ? ia[r][j][h][0] : iadd(ia[r][j][h][0], ia[r][j][h][C - 1]);
           if constexpr (Q == kQ4_1) isum = q4_widen(isum);
           if constexpr (Q == kQ8_0) isum = isub_splat(isum, kQ8Bias * sq[r * G + b]);
           acc[r][j][h] = fadd(acc[r][j][h], fmul(to_float(isum), fmul(d, fsplat(dx[r * G + b]))));
           if constexpr (Q == kQ4_1) {
-            const float sx = dx[r * G + b] * static_cast<float>(sq[r * G + b]);
-            macc[r][j][h] = fadd(macc[r][j][h], fmul(scales(blk + 32, h), fsplat(sx)));
+            macc[r][j][h] = fadd(macc[r][j][h], fmul(scales(blk + 32, h), fsplat(sx[r * G + b])));
           }
         }
       }
@@ -267,25 +308,22 @@ void tile(const int8_t* xq, const float* dx, const int32_t* sq, int64_t K, const
         fstore(out[r][j] + h * kVec, Q == kQ4_1 ? fadd(acc[r][j][h], macc[r][j][h]) : acc[r][j][h]);
 }
 
-// Panels p .. p + NR - 1 against every row, MR rows at a time (then one by one).
-template <int64_t Q, int MR, int NR>
-void panels(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t* packed, float* y, int64_t M,
-            int64_t K, int64_t N, int64_t p) {
+// Panels p .. p + NR - 1 against every row, MR rows at a time; the rows left over go in the
+// largest of 4, 3 (AVX2's pair tiles), 2 and 1 rows that fits.
+template <int64_t Q, int MR, int NR, int C>
+void panels(const Acts& acts, const uint8_t* packed, float* y, int64_t M, int64_t K, int64_t N, int64_t p) {
   const int64_t G = K / kGroup, stride = G * 16 * block_bytes(Q);
-  alignas(64) float out[4][4][kLanes];
+  alignas(64) float out[kMaxTileRows][4][kLanes];
   for (int64_t m = 0; m < M;) {
     const int64_t left = M - m;
-    const int8_t* xm = xq + m * K;
+    const Acts a = acts.rows_from(m, K);
     const uint8_t* wp = packed + p * stride;
-    int mr = left >= MR ? MR : 1;
-    if constexpr (MR == 2) {  // AVX2: an odd batch ends in a 3-row tile, not in a lone row's own pass
-      if (left == 3) {
-        mr = 3;
-        tile<Q, 3, NR>(xm, dx + m * G, sq + m * G, K, wp, stride, out);
-      }
-    }
-    if (mr == MR) tile<Q, MR, NR>(xm, dx + m * G, sq + m * G, K, wp, stride, out);
-    else if (mr == 1) tile<Q, 1, NR>(xm, dx + m * G, sq + m * G, K, wp, stride, out);
+    int mr;
+    if (left >= MR) mr = MR, tile<Q, MR, NR, C>(a, K, wp, stride, out);
+    else if (MR > 4 && left >= 4) mr = 4, tile<Q, (MR > 4 ? 4 : 1), NR, C>(a, K, wp, stride, out);
+    else if (MR == 2 && left == 3) mr = 3, tile<Q, (MR == 2 ? 3 : 1), NR, C>(a, K, wp, stride, out);
+    else if (MR > 2 && left >= 2) mr = 2, tile<Q, (MR > 2 ? 2 : 1), NR, C>(a, K, wp, stride, out);
+    else mr = 1, tile<Q, 1, NR, C>(a, K, wp, stride, out);
     for (int r = 0; r < mr; ++r)
       for (int j = 0; j < NR; ++j) {
         const int64_t n0 = (p + j) * kLanes, width = std::min<int64_t>(kLanes, N - n0);
@@ -296,21 +334,22 @@ void panels(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t*
 }
 
 // Tile shapes: one row reads kRowPanels panels at once; more rows reuse each loaded weight
-// vector across rows (AVX2 has half the registers).
+// vector across kTileRows rows (AVX2 has half the registers), over kWidePanels panels at once
+// from kWideMinRows rows on. Every shape gives each row the same operations (the same bits).
 template <int64_t Q>
-void run_task(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t* packed, float* y, int64_t M,
-              int64_t K, int64_t N, int64_t p, int64_t p1) {
-  constexpr int kRows = kHalves == 1 ? 4 : 2;
+void run_task(const Acts& a, const uint8_t* packed, float* y, int64_t M, int64_t K, int64_t N, int64_t p,
+              int64_t p1) {
   if (M < 2) {
-    for (; p + kRowPanels <= p1; p += kRowPanels) panels<Q, 1, kRowPanels>(xq, dx, sq, packed, y, M, K, N, p);
-    for (; p < p1; ++p) panels<Q, 1, 1>(xq, dx, sq, packed, y, M, K, N, p);
-  } else {
-    for (; p < p1; ++p) panels<Q, kRows, 1>(xq, dx, sq, packed, y, M, K, N, p);
+    for (; p + kRowPanels <= p1; p += kRowPanels) panels<Q, 1, kRowPanels, kChains>(a, packed, y, M, K, N, p);
+    for (; p < p1; ++p) panels<Q, 1, 1, kChains>(a, packed, y, M, K, N, p);
+    return;
   }
+  if (kWidePanels > 1 && M >= kWideMinRows)
+    for (; p + kWidePanels <= p1; p += kWidePanels) panels<Q, kTileRows, kWidePanels, 1>(a, packed, y, M, K, N, p);
+  for (; p < p1; ++p) panels<Q, kTileRows, 1, kChains>(a, packed, y, M, K, N, p);
 }
 
-void ggml_a8_cpu(const int8_t* xq, const float* dx, const int32_t* sq, const uint8_t* packed, int64_t qtype,
-                 float* y, int64_t M, int64_t K, int64_t N) {
+void ggml_a8_cpu(const Acts& a, const uint8_t* packed, int64_t qtype, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t np = (N + kLanes - 1) / kLanes;
   // One contiguous run of panels per thread, the runs differing by at most one panel: static
   // tasks of four panels left a thread idle for a task's time whenever their count was odd (9
@@ -322,8 +361,8 @@ void ggml_a8_cpu(const int8_t* xq, const float* dx, const int32_t* sq, const uin
     t = omp_get_thread_num(), threads = omp_get_num_threads();
 #endif
     const int64_t p = t * np / threads, p1 = (t + 1) * np / threads;
-    if (qtype == kQ4_1) run_task<kQ4_1>(xq, dx, sq, packed, y, M, K, N, p, p1);
-    else run_task<kQ8_0>(xq, dx, sq, packed, y, M, K, N, p, p1);
+    if (qtype == kQ4_1) run_task<kQ4_1>(a, packed, y, M, K, N, p, p1);
+    else run_task<kQ8_0>(a, packed, y, M, K, N, p, p1);
   }
 }
 
@@ -341,12 +380,17 @@ at::Tensor ggml_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G);
   std::vector<int32_t> sq(M * G);
+  std::vector<float> sx(M * G);
   at::internal::lazy_init_num_threads();
   const float* xp = x.data_ptr<float>();
 #pragma omp parallel for schedule(static) if (M >= 64)
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, xq.data() + m * K, dx.data() + m * G, sq.data() + m * G);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(xp + m * K, K, xq.data() + m * K, dx.data() + m * G, sq.data() + m * G);
+    for (int64_t b = m * G; b < (m + 1) * G; ++b) sx[b] = dx[b] * static_cast<float>(sq[b]);  // Q4_1's dx_b * sq_b
+  }
   at::Tensor y = at::empty({M, n}, x.options());
-  ggml_a8_cpu(xq.data(), dx.data(), sq.data(), packed.data_ptr<uint8_t>(), qtype, y.data_ptr<float>(), M, K, n);
+  ggml_a8_cpu({xq.data(), dx.data(), sq.data(), sx.data()}, packed.data_ptr<uint8_t>(), qtype, y.data_ptr<float>(), M,
+              K, n);
   return y;
 }
 #endif  // AVX2
