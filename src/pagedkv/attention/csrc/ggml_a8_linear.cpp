@@ -309,7 +309,8 @@ void tile(const Acts& a, int64_t K, const uint8_t* w, int64_t stride, float out[
 }
 
 // Panels p .. p + NR - 1 against every row, MR rows at a time; the rows left over go in the
-// largest of 4, 3 (AVX2's pair tiles), 2 and 1 rows that fits.
+// largest of 4, 2 and 1 rows that fits, except that AVX2's pair tiles end an odd batch in one
+// 3-row tile (not a pair and a lone row's own pass over the weights).
 template <int64_t Q, int MR, int NR, int C>
 void panels(const Acts& acts, const uint8_t* packed, float* y, int64_t M, int64_t K, int64_t N, int64_t p) {
   const int64_t G = K / kGroup, stride = G * 16 * block_bytes(Q);
@@ -319,9 +320,9 @@ void panels(const Acts& acts, const uint8_t* packed, float* y, int64_t M, int64_
     const Acts a = acts.rows_from(m, K);
     const uint8_t* wp = packed + p * stride;
     int mr;
-    if (left >= MR) mr = MR, tile<Q, MR, NR, C>(a, K, wp, stride, out);
+    if (MR == 2 && left == 3) mr = 3, tile<Q, (MR == 2 ? 3 : 1), NR, C>(a, K, wp, stride, out);  // not 2 + 1
+    else if (left >= MR) mr = MR, tile<Q, MR, NR, C>(a, K, wp, stride, out);
     else if (MR > 4 && left >= 4) mr = 4, tile<Q, (MR > 4 ? 4 : 1), NR, C>(a, K, wp, stride, out);
-    else if (MR == 2 && left == 3) mr = 3, tile<Q, (MR == 2 ? 3 : 1), NR, C>(a, K, wp, stride, out);
     else if (MR > 2 && left >= 2) mr = 2, tile<Q, (MR > 2 ? 2 : 1), NR, C>(a, K, wp, stride, out);
     else mr = 1, tile<Q, 1, NR, C>(a, K, wp, stride, out);
     for (int r = 0; r < mr; ++r)
