@@ -42,14 +42,15 @@ from tp_equivalence import cpu_name
 
 def renamed_source(name: str, source: Path | None = None) -> str:
     """The kernel's source (or ``source``) with its op, namespace and registration renamed for ``name``."""
-    s = (source or CSRC / "ggml_a8_linear.cpp").read_text()
+    path = source or CSRC / "ggml_a8_linear.cpp"
+    s = path.read_text()
     edits = [('m.def("ggml_a8_linear(', f'm.def("ggml_a8_linear_{name}('),
              ("namespace pagedkv {", f"namespace pagedkv_{name} {{"),
              ("}  // namespace pagedkv\n", f"}}  // namespace pagedkv_{name}\n"),
              ("&pagedkv::ggml_a8_linear", f"&pagedkv_{name}::ggml_a8_linear")]
     for old, new in edits:
         if old not in s:
-            raise SystemExit(f"ggml_a8_linear.cpp no longer holds {old!r}: update renamed_source")
+            raise SystemExit(f"{path} does not hold {old!r}: not a ggml_a8_linear.cpp (or update renamed_source)")
         s = s.replace(old, new)
     return s
 
@@ -70,8 +71,13 @@ def parse_variant(text: str) -> tuple[str, list[str], Path | None]:
     name, _, source = head.partition("=")
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
         raise SystemExit(f"--variant {text!r}: NAME[=FILE]:FLAG,FLAG with NAME a C identifier")
-    if source and not Path(source).is_file():
-        raise SystemExit(f"--variant {text!r}: no file {source!r}")
+    if source:
+        if not Path(source).is_file():
+            raise SystemExit(f"--variant {text!r}: no file {source!r}")
+        try:
+            renamed_source(name, Path(source))  # a text file holding the kernel's op and namespace
+        except UnicodeDecodeError:
+            raise SystemExit(f"--variant {text!r}: {source!r} is not a text file") from None
     flags = [f for f in flags.split(",") if f]
     if any(not f.startswith("-D") for f in flags):
         raise SystemExit(f"--variant {text!r}: only -D flags")
@@ -87,6 +93,9 @@ def main() -> int:
     if a.rows < 1 or a.rounds < 1:
         p.error("--rows and --rounds must be >= 1")
     variants = [parse_variant(v) for v in a.variant]
+    names = [v[0] for v in variants]
+    if len(set(names)) != len(names):
+        p.error(f"--variant names must differ: {', '.join(names)}")
     reference = kernel_op("ggml_a8_linear")
     if reference is None:
         raise SystemExit("the ggml_a8_linear kernel is not available here (see the warning above)")
