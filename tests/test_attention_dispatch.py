@@ -159,3 +159,26 @@ def test_build_directory_names_the_source_version(tmp_path, monkeypatch):
     before = kernel.build_directory()
     (src / "vec.h").write_text((src / "vec.h").read_text() + "\n// changed\n")
     assert kernel.build_directory() != before and kernel.build_directory().parent == before.parent
+
+
+def test_old_builds_of_other_versions_are_pruned_and_others_kept(tmp_path):
+    """Unused builds of other versions go; the current one, recent ones, one mid-build and
+    folders that are not builds stay."""
+    root = tmp_path / "torch_extensions"
+    current = root / "torch2.13.0-py311-cpuaaaa-srcnew"
+    old = root / "torch2.13.0-py311-cpuaaaa-srcold"
+    recent = root / "torch2.13.0-py311-cpuaaaa-srcrecent"
+    building = root / "torch2.13.0-py311-cpuaaaa-srcbuilding"
+    other = root / "not-a-build"
+    for d in (current, old, recent, building, other):
+        d.mkdir(parents=True)
+        (d / "pagedkv_attention.so").write_bytes(b"x")
+    (building / "lock").touch()
+    now = current.stat().st_mtime
+    stale = now - kernel.PRUNE_AFTER_S - 60
+    for d in (current, old, building, other):
+        os.utime(d, (stale, stale))
+    removed = kernel.prune_builds(current, now=now)
+    assert removed == [old] and not old.exists()
+    assert all(d.exists() for d in (current, recent, building, other))
+    assert kernel.prune_builds(root / "missing" / "x", now=now) == []  # no cache folder: nothing, no error

@@ -10,7 +10,8 @@ another CPU) and a hash of the sources, so checkouts of different versions never
 over each other's library. A later load, in this process or another, finds the library up to date and
 skips the compile. Concurrent builds wait on torch's lock file in the build directory; a lock
 older than ``STALE_LOCK_S`` (its builder was killed mid-build) is removed rather than waited
-on forever.
+on forever. After a new build, other versions' builds that no process has loaded for
+``PRUNE_AFTER_S`` (30 days) are removed (:func:`prune_builds`).
 
 ``PAGEDKV_KERNEL_MARCH`` (default ``native``) sets ``-march``: ``x86-64-v3`` builds the
 AVX2 code paths on an AVX-512 machine, so both are tested wherever the tests run (the
@@ -42,6 +43,7 @@ HEAD_DIMS = frozenset({16, 32, 48, 64, 80, 96, 128, 256})  # instantiated in the
 KV_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 QUANTIZED_KV_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})  # with fp32 scales
 STALE_LOCK_S = 300.0  # a build takes about 15 s
+PRUNE_AFTER_S = 30 * 86400.0  # another version's build unused this long is removed after a new build
 
 
 class KernelBuildError(RuntimeError):
@@ -99,13 +101,44 @@ def _build() -> Callable[..., torch.Tensor]:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     _wait_for_lock(directory / "lock")
-    if not (directory / "pagedkv_attention.so").exists():  # say why the first run is slow
+    fresh = not (directory / "pagedkv_attention.so").exists()
+    if fresh:  # say why the first run is slow
         print(f"pagedkv: compiling the CPU kernels into {directory} (once per source version, "
               "about a minute on 2 idle cores)", file=sys.stderr, flush=True)
     cpp_extension.load(name="pagedkv_attention", sources=[str(CSRC / s) for s in SOURCES],
                        extra_cflags=cflags(), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                        is_python_module=False, verbose=False)
+    try:
+        os.utime(directory)  # in use: prune_builds keeps it
+    except OSError:
+        pass
+    if fresh:
+        prune_builds(directory)
     return torch.ops.pagedkv.paged_attention
+
+
+def prune_builds(current: Path, now: float | None = None) -> list[Path]:
+    """Remove the other builds beside ``current`` (folders named like :func:`build_directory`'s
+    tags) that no process loaded for ``PRUNE_AFTER_S`` (a load touches its folder), so that
+    upgrades and checkouts do not pile up libraries (~2 MB each) in the cache forever. A
+    folder holding a lock (a build under way) is kept. Best effort: a folder that cannot be
+    read or removed is left. Returns the folders removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        siblings = list(current.parent.iterdir())
+    except OSError:
+        return removed
+    for d in siblings:
+        if d == current or not d.name.startswith("torch") or "-src" not in d.name or (d / "lock").exists():
+            continue
+        try:
+            if d.is_dir() and now - d.stat().st_mtime > PRUNE_AFTER_S:
+                shutil.rmtree(d)
+                removed.append(d)
+        except OSError:
+            continue
+    return removed
 
 
 def _wait_for_lock(lock: Path) -> None:
