@@ -231,17 +231,14 @@ inline FVec scales(const uint8_t* p, int h) {  // channels h * kVec .. of 16 fp1
 #endif
 }
 
-// Step 1's results for rows 0.. (row-major, K / 32 blocks a row): quants, dx, sq, and sx = dx * sq
-// (Q4_1's minimum term, a multiplication rounded once, done here once per (row, block) instead
-// of once per panel).
+// Step 1's results for rows 0.. (row-major, K / 32 blocks a row): quants, dx and sq.
 struct Acts {
   const int8_t* xq;
   const float* dx;
   const int32_t* sq;
-  const float* sx;
   Acts rows_from(int64_t m, int64_t K) const {
     const int64_t G = K / kGroup;
-    return {xq + m * K, dx + m * G, sq + m * G, sx + m * G};
+    return {xq + m * K, dx + m * G, sq + m * G};
   }
 };
 
@@ -251,7 +248,7 @@ struct Acts {
 template <int64_t Q, int MR, int NR, int C>
 void tile(const Acts& a, int64_t K, const uint8_t* w, int64_t stride, float out[][4][kLanes]) {  // out[MR][NR]
   const int8_t* xq = a.xq;
-  const float *dx = a.dx, *sx = a.sx;
+  const float* dx = a.dx;
   const int32_t* sq = a.sq;
   constexpr int64_t hdr = Q == kQ4_1 ? 64 : 32, pbb = 16 * (Q == kQ4_1 ? 20 : 34);
   constexpr int kChunks = Q == kQ4_1 ? 4 : 8;
@@ -297,7 +294,8 @@ void tile(const Acts& a, int64_t K, const uint8_t* w, int64_t stride, float out[
           if constexpr (Q == kQ8_0) isum = isub_splat(isum, kQ8Bias * sq[r * G + b]);
           acc[r][j][h] = fadd(acc[r][j][h], fmul(to_float(isum), fmul(d, fsplat(dx[r * G + b]))));
           if constexpr (Q == kQ4_1) {
-            macc[r][j][h] = fadd(macc[r][j][h], fmul(scales(blk + 32, h), fsplat(sx[r * G + b])));
+            const float sx = dx[r * G + b] * static_cast<float>(sq[r * G + b]);
+            macc[r][j][h] = fadd(macc[r][j][h], fmul(scales(blk + 32, h), fsplat(sx)));
           }
         }
       }
@@ -381,17 +379,12 @@ at::Tensor ggml_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G);
   std::vector<int32_t> sq(M * G);
-  std::vector<float> sx(M * G);
   at::internal::lazy_init_num_threads();
   const float* xp = x.data_ptr<float>();
 #pragma omp parallel for schedule(static) if (M >= 64)
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_row(xp + m * K, K, xq.data() + m * K, dx.data() + m * G, sq.data() + m * G);
-    for (int64_t b = m * G; b < (m + 1) * G; ++b) sx[b] = dx[b] * static_cast<float>(sq[b]);  // Q4_1's dx_b * sq_b
-  }
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, xq.data() + m * K, dx.data() + m * G, sq.data() + m * G);
   at::Tensor y = at::empty({M, n}, x.options());
-  ggml_a8_cpu({xq.data(), dx.data(), sq.data(), sx.data()}, packed.data_ptr<uint8_t>(), qtype, y.data_ptr<float>(), M,
-              K, n);
+  ggml_a8_cpu({xq.data(), dx.data(), sq.data()}, packed.data_ptr<uint8_t>(), qtype, y.data_ptr<float>(), M, K, n);
   return y;
 }
 #endif  // AVX2
