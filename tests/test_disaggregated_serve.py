@@ -28,18 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kv_cfg(role: str, port: int) -> dict:
+def kv_cfg(role: str, port: int, **extra) -> dict:
     return {"kv_connector": "TorchDistConnector", "kv_role": role, "kv_port": port, "kv_lease_s": 3.0,
-            "kv_timeout_s": 3.0}
+            "kv_timeout_s": 3.0, **extra}
 
 
-def serve_process(model_dir, role: str, kv_port: int) -> tuple[subprocess.Popen, str]:
+def serve_process(model_dir, role: str, kv_port: int, *args: str, **extra) -> tuple[subprocess.Popen, str]:
     """``pagedkv serve`` in a process of its own; returns it and its URL once healthy."""
     import json
     port = free_port()
     cmd = [sys.executable, "-c", "import sys; from pagedkv.cli import main; sys.exit(main())", "serve",
            "--model", str(model_dir), "--port", str(port), "--num-blocks", "64", "--served-model-name", "tiny",
-           "--kv-transfer-config", json.dumps(kv_cfg(role, kv_port))]
+           "--kv-transfer-config", json.dumps(kv_cfg(role, kv_port, **extra)), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
     while True:

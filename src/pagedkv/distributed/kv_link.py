@@ -34,7 +34,7 @@ import torch.distributed as dist
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
 
 log = logging.getLogger("pagedkv.kv_link")
-REQUEST_TAG, HELLO_TAG = 0, 1
+REQUEST_TAG, HELLO_TAG, PUSH_TAG = 0, 1, 2  # (pulls' answers: even tags from 16, their data the odd one after)
 PING_S = 2.0     # the consumer's heartbeat
 SILENT_S = 10.0  # the producer drops a consumer it has not heard from for this long
 JOIN_S = 5.0     # the producer waits this long for a consumer per generation, then opens the next
@@ -49,11 +49,14 @@ class KVLink:
     """One end of the link; ``start()`` connects in a daemon thread (and reconnects)."""
 
     def __init__(self, cfg: KVTransferConfig, fingerprint: str, on_request=None, on_lost=None,
-                 layout: dict | None = None) -> None:
+                 layout: dict | None = None, on_push=None, push_alloc=None) -> None:
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, layout or {}
         self.rank = 0 if cfg.is_producer else 1
         self.timeout = datetime.timedelta(seconds=cfg.kv_timeout_s)
         self.on_request, self.on_lost = on_request, on_lost  # producer: handle a request; both: the peer is gone
+        self.on_push = on_push  # consumer: take a pushed message (meta, data); see pd_push
+        self.push_alloc = push_alloc  # consumer: where a push's data is received (nbytes -> uint8 tensor)
+        self.peer_pushes = False  # consumer: the producer said it pushes (kv_send_type PUT_ASYNC)
         self.pg = None
         self.ready = threading.Event()  # connected and the handshake passed
         self.refused: str | None = None  # a peer with other pages: never retried
@@ -154,9 +157,10 @@ class KVLink:
                 raise self._lost(e) from None
 
     def recv(self, tag: int, timeout: datetime.timedelta | None = None, pg=None,
-             deadline: float | None = None) -> tuple[dict, torch.Tensor | None]:
+             deadline: float | None = None, alloc=None) -> tuple[dict, torch.Tensor | None]:
         """Receive one message on ``tag``, each part within ``timeout`` (default
-        ``kv_timeout_s``) and all by ``deadline`` (``time.monotonic()``) if given."""
+        ``kv_timeout_s``) and all by ``deadline`` (``time.monotonic()``) if given; its data
+        into ``alloc(nbytes)`` (default: a new tensor)."""
         pg, timeout = pg or self._pg(), timeout or self.timeout
         head = torch.zeros(2, dtype=torch.int64)
         self._wait(pg.recv([head], 1 - self.rank, tag), timeout, deadline)
@@ -164,7 +168,7 @@ class KVLink:
         self._wait(pg.recv([body], 1 - self.rank, tag), timeout, deadline)
         data = None
         if int(head[1]):
-            data = torch.empty(int(head[1]), dtype=torch.uint8)
+            data = (alloc or (lambda n: torch.empty(n, dtype=torch.uint8)))(int(head[1]))
             self._wait(pg.recv([data], 1 - self.rank, tag), timeout, deadline)
         return json.loads(body.numpy().tobytes()), data
 
@@ -246,6 +250,7 @@ class KVLink:
             self._send_parts(HELLO_TAG, self._message({"op": "hello", "fingerprint": self.fingerprint,
                                                        "layout": self.layout}), pg)
             meta, _ = self.recv(HELLO_TAG, pg=pg)
+            self.peer_pushes = bool(meta.get("push"))
             if not meta.get("ok"):
                 self.refused = ("the prefill instance's KV pages differ from this instance's ("
                                 + (", ".join(meta.get("differ") or []) or "static scales") + "): no KV is transferred")
@@ -256,7 +261,8 @@ class KVLink:
             ok = meta.get("op") == "hello" and meta.get("fingerprint") == self.fingerprint
             theirs = meta.get("layout") or {}
             differ = sorted(k for k in set(theirs) | set(self.layout) if theirs.get(k) != self.layout.get(k))
-            self._send_parts(HELLO_TAG, self._message({"ok": ok, "differ": differ}), pg)
+            self._send_parts(HELLO_TAG, self._message({"ok": ok, "differ": differ,
+                                                       "push": self.cfg.kv_send_type == "PUT_ASYNC"}), pg)
             if not ok:
                 log.error("KV link: a consumer with other KV pages connected (%s); refused",
                           ", ".join(differ) or "static scales")
@@ -283,7 +289,24 @@ class KVLink:
                 self.on_request(self, meta)
 
     def _heartbeat(self) -> None:
-        """Consumer: the engine thread pulls over the link; this thread says it is alive."""
+        """Consumer: the engine thread pulls over the link; this thread says it is alive (and
+        another takes the producer's pushes, so a push never waits on a receive)."""
+        if self.on_push is not None:
+            threading.Thread(target=self._listen, args=(self.pg,), name="pagedkv-kv-push-recv", daemon=True).start()
         while self.ready.is_set() and not self.closed:
             self.send(REQUEST_TAG, {"op": "ping"})
             self._stop.wait(PING_S)
+
+    def _listen(self, pg) -> None:
+        """Consumer: receive pushes on :data:`PUSH_TAG` until this generation's group ends
+        (aborted when the link drops or closes, which ends the wait)."""
+        forever = datetime.timedelta(days=1)
+        while self.pg is pg and not self.closed:
+            try:
+                meta, data = self.recv(PUSH_TAG, forever, pg=pg, alloc=self.push_alloc)
+            except (LinkError, RuntimeError):
+                return
+            try:
+                self.on_push(meta, data)
+            except Exception:  # noqa: BLE001 - a bad push is dropped, the link stays
+                log.exception("KV link: a pushed message could not be taken")

@@ -11,11 +11,17 @@ instance) connects there. Keys:
   (then they are freed, pulled or not);
 - ``kv_timeout_s``: the bound on one pull (a consumer that gets no answer in time computes
   the prompt itself, or fails it under ``fail``) and on the connection's handshake;
+- ``kv_send_type``: ``GET`` (the decode instance pulls a prompt's pages once its prefill has
+  ended) or ``PUT_ASYNC`` (the prefill instance pushes each layer's pages as the layer writes
+  them, overlapping the transfer with the rest of the prefill; the pull stays the fallback:
+  :mod:`~pagedkv.distributed.pd_push`), vLLM's P2P connector's names; the producer's setting;
+- ``kv_buffer_size``: bytes the decode instance holds of pushed pages not yet taken (default
+  1e9, 1 GB, as vLLM); a transfer that would overflow it is pulled instead;
 - ``kv_load_failure_policy``: ``recompute`` (the consumer computes what it could not load:
   correct, slower) or ``fail`` (the request ends with an error naming why);
 - ``kv_fault_injection``: tests only: lets a request's ``kv_transfer_params["fault"]``
   drop, delay, corrupt, stall (send part of the pages, then nothing for longer than the
-  consumer waits) or duplicate its transfer.
+  consumer waits) or duplicate its transfer, or corrupt only its pushes (``corrupt_push``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from dataclasses import dataclass
 KV_CONNECTORS = ("TorchDistConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-FAULTS = ("drop", "delay", "corrupt", "stall", "duplicate")
+FAULTS = ("drop", "delay", "corrupt", "corrupt_push", "stall", "duplicate")
+SEND_TYPES = ("GET", "PUT_ASYNC")
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ class KVTransferConfig:
     kv_lease_s: float = 30.0
     kv_timeout_s: float = 10.0
     kv_load_failure_policy: str = "recompute"
+    kv_send_type: str = "GET"
+    kv_buffer_size: int | float = 1e9
     kv_fault_injection: bool = False
 
     @classmethod
@@ -71,7 +80,7 @@ class KVTransferConfig:
 
     def _check(self) -> None:
         for key, allowed in (("kv_connector", KV_CONNECTORS), ("kv_role", KV_ROLES),
-                             ("kv_load_failure_policy", LOAD_FAILURE_POLICIES)):
+                             ("kv_load_failure_policy", LOAD_FAILURE_POLICIES), ("kv_send_type", SEND_TYPES)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"kv_transfer_config {key} must be one of {allowed}, got {getattr(self, key)!r}")
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
@@ -82,6 +91,9 @@ class KVTransferConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
                 raise ValueError(f"kv_transfer_config {key} must be seconds in (0, 86400], got {v!r}")
+        v = self.kv_buffer_size
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 << 50:
+            raise ValueError(f"kv_transfer_config kv_buffer_size must be bytes in [0, 2^50], got {v!r}")
         if not isinstance(self.kv_fault_injection, bool):
             raise ValueError("kv_transfer_config kv_fault_injection must be true or false")
 

@@ -23,5 +23,5 @@ def transfer_connector(cfg: KVTransferConfig, parts, given: KVConnector | None) 
                          "full-attention layers)")
     fp, layout = fingerprint(parts.storage, parts.kv.extra_keys), layout_summary(parts.storage, parts.kv.extra_keys)
     if cfg.is_producer:
-        return producer_connector(cfg, parts.storage, fp, parts.kv.block_size, layout)
+        return producer_connector(cfg, parts.storage, fp, parts.kv, layout)
     return consumer_connector(cfg, parts.kv.block_size, fp, layout)

@@ -10,6 +10,11 @@ forward. A pull that fails (no link, an unknown or mismatched lease, a timeout, 
 checksum) marks the pages as failed: under ``recompute`` the scheduler computes those
 tokens here (correct, slower); under ``fail`` the request ends with the reason.
 A request is offered the transfer once: after a preemption it computes its prompt here.
+
+Pages the producer pushed (``kv_send_type`` ``PUT_ASYNC``: :mod:`~pagedkv.distributed.pd_push`)
+wait in a buffer of ``kv_buffer_size`` bytes; a pull finds them there first (waiting, within
+its timeout, for the last layers still on the wire) and asks the producer only when they are
+not all there.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pagedkv.distributed.kv_link import KVLink, LinkError, REQUEST_TAG
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
 from pagedkv.distributed.pages import PageLayout, tokens_hash
 from pagedkv.distributed.pd_chunks import ChunkReceiver, plan_chunks
+from pagedkv.distributed.pd_push import LayerPages, PushBuffer, apply_pushed
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 
 log = logging.getLogger("pagedkv.kv_transfer")
@@ -62,7 +68,8 @@ class ConsumerScheduler(KVConnectorScheduler):
         first, last = local // bs, (end + bs - 1) // bs
         self.pulls[rid] = {"transfer_id": str(p["transfer_id"]), "first_block": first, "num_blocks": last - first,
                            "num_tokens": end, "tokens_hash": tokens_hash(request.all_token_ids[:end]),
-                           "dst": list(block_ids[0][first:last])}
+                           "dst": list(block_ids[0][first:last]), "num_prompt_tokens": request.num_prompt_tokens,
+                           "prompt_hash": tokens_hash(request.all_token_ids[:request.num_prompt_tokens])}
 
     def reject(self, params: dict | None) -> None:
         """A request this instance refused at once (it never reaches the scheduler): let the
@@ -89,8 +96,10 @@ class ConsumerScheduler(KVConnectorScheduler):
 
 
 class ConsumerWorker(KVConnectorWorker):
-    def __init__(self, cfg: KVTransferConfig, link: KVLink) -> None:
-        self.cfg, self.link = cfg, link
+    def __init__(self, cfg: KVTransferConfig, link: KVLink, pushed: PushBuffer) -> None:
+        self.cfg, self.link, self.pushed = cfg, link, pushed
+        self.push_pages: LayerPages | None = None
+        self._step_pushes: dict[str, object] = {}
         self.metadata, self.errors = None, set()
         self.rx: ChunkReceiver | None = None  # the storage's page layout and staging buffers, reused
         self.seq = itertools.count(16, 2)  # answer tags (even; data on the next): 0 carries requests, 1 the handshake
@@ -105,6 +114,7 @@ class ConsumerWorker(KVConnectorWorker):
         pull the same lease in the same step before it is released)."""
         meta = self.metadata or {}
         done = list(meta.get("releases", ()))
+        self._step_pushes = {}  # transfer id -> its pushes, for every choice of a prompt
         for pull in meta.get("pulls", ()):
             try:
                 self._pull(storage, pull)
@@ -117,13 +127,20 @@ class ConsumerWorker(KVConnectorWorker):
                             self.cfg.kv_load_failure_policy == "recompute" else "KV pull of %s failed (%s)",
                             pull["req_id"], e)
             done.append(pull["transfer_id"])
+        for entry in self._step_pushes.values():
+            self.pushed.recycle(entry)
+        self._step_pushes = {}
         for tid in dict.fromkeys(done):
+            self.pushed.release(tid)
             self._release(tid)
 
     def _pull(self, storage, pull: dict) -> None:
         """Ask for the pages (in the order and chunks of :func:`plan_chunks`), take the
         status, then the chunks (each checked, then stored), all within ``kv_timeout_s``."""
         t0, seq = time.perf_counter(), next(self.seq)
+        if self._from_pushes(storage, pull, time.monotonic() + self.cfg.kv_timeout_s / 2):
+            self.pull_seconds += time.perf_counter() - t0
+            return
         deadline = time.monotonic() + self.cfg.kv_timeout_s
         if self.rx is None or self.rx.layout.tensors[0].data_ptr() != storage.page_tensors(0)[0].data_ptr():
             self.rx = ChunkReceiver(PageLayout(storage))
@@ -142,6 +159,24 @@ class ConsumerWorker(KVConnectorWorker):
         self.pulled_bytes += len(pull["dst"]) * self.rx.layout.page_bytes
         self.pull_seconds += time.perf_counter() - t0
 
+    def _from_pushes(self, storage, pull: dict, deadline: float) -> bool:
+        """Whether the pages came from the producer's pushes (then they are in place): waits
+        for them until ``deadline`` (half the pull's timeout: the pull, if needed, gets its own)."""
+        tid = pull["transfer_id"]
+        if tid not in self._step_pushes:
+            self._step_pushes[tid] = self.pushed.take(tid, deadline, self.link.ready.is_set, self.link.peer_pushes)
+        entry = self._step_pushes[tid]
+        if entry is None:
+            return False
+        if self.push_pages is None or self.push_pages.layers[0][0].data_ptr() != storage.page_tensors(0)[0].data_ptr():
+            self.push_pages = LayerPages(storage)
+        hit = apply_pushed(entry, self.push_pages, pull)
+        self.pushed.counts["push_hits" if hit else "push_misses"] += 1
+        if hit:
+            self.num_pulled_blocks += len(pull["dst"])
+            self.pulled_bytes += len(pull["dst"]) * sum(self.push_pages.page_bytes)
+        return hit
+
     def _release(self, transfer_id: str) -> None:
         try:
             self.link.send(REQUEST_TAG, {"op": "release", "transfer_id": transfer_id})
@@ -149,20 +184,24 @@ class ConsumerWorker(KVConnectorWorker):
             pass  # no link: the producer's lease frees the pages
 
     def transfer_stats(self) -> dict:
-        """Pulls done (ok / failed), blocks and bytes pulled, seconds spent pulling (the
-        engine step waits for them), whether the link is up."""
+        """Pulls done (ok / failed), blocks and bytes loaded and seconds spent loading them
+        (the engine step waits for them; pushed pages included), whether the link is up; the
+        push buffer's counts (pushes received and dropped, transfers taken from it or not)."""
         return {"role": "consumer", "link_up": self.link.ready.is_set(), "leases": 0,
                 "pulls_ok": self.num_pulls, "pulls_failed": self.num_failed_pulls, "blocks": self.num_pulled_blocks,
-                "bytes": self.pulled_bytes, "seconds": self.pull_seconds}
+                "bytes": self.pulled_bytes, "seconds": self.pull_seconds, **self.pushed.counts,
+                "push_buffer_bytes": self.pushed.nbytes}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.errors)
 
     def close(self) -> None:
         self.link.close()
+        self.pushed.clear()
 
 
 def consumer_connector(cfg: KVTransferConfig, block_size: int, fingerprint: str,
                        layout: dict | None = None) -> KVConnector:
-    link = KVLink(cfg, fingerprint, layout=layout).start()
-    return KVConnector(ConsumerScheduler(cfg, block_size, link), ConsumerWorker(cfg, link))
+    pushed = PushBuffer(int(cfg.kv_buffer_size), cfg.kv_lease_s)
+    link = KVLink(cfg, fingerprint, layout=layout, on_push=pushed.receive, push_alloc=pushed.alloc).start()
+    return KVConnector(ConsumerScheduler(cfg, block_size, link), ConsumerWorker(cfg, link, pushed))

@@ -6,6 +6,10 @@ by a lease of ``kv_lease_s`` seconds. The consumer pulls them over the :class:`K
 (the lease's token ids must match its prompt's) and then releases them; a lease that ends
 unreleased, a lost link, or a request aborted here frees them too. So every page comes back
 within ``kv_lease_s`` (plus one step) whatever the consumer does.
+
+With ``kv_send_type`` ``PUT_ASYNC`` the pages are also pushed layer by layer while the prompt
+computes (:mod:`~pagedkv.distributed.pd_push`); the lease and the pull stay as they are, the
+fallback for whatever the consumer did not get that way.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pagedkv.distributed.kv_link import KVLink, LinkError
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
 from pagedkv.distributed.pages import PageLayout, tokens_hash
 from pagedkv.distributed.pd_chunks import ChunkSender, valid_plan
+from pagedkv.distributed.pd_push import LayerPages, PushSender
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 
 IDLE_WAIT_S = 0.05  # an idle engine step waits this long for a lease to end (no busy loop)
@@ -82,12 +87,18 @@ class LeaseTable:
 
 
 class ProducerScheduler(KVConnectorScheduler):
-    def __init__(self, leases: LeaseTable, link: KVLink) -> None:
-        self.leases, self.link = leases, link
+    """Leases at a prefill leg's end; with pushes on (``kv``: the engine's KV manager), each
+    step's push jobs: per prefill leg scheduled, its pages from the block where this chunk
+    starts (from block 0 when it is first or again scheduled: a prefix hit's pages too)."""
+
+    def __init__(self, leases: LeaseTable, link: KVLink, kv=None, fault_injection: bool = False) -> None:
+        self.leases, self.link, self.kv, self.fault_injection = leases, link, kv, fault_injection
+        self.pushing: dict[str, dict] = {}  # prefill legs being pushed, by request id
 
     def request_finished(self, request, block_ids) -> bool:
         """Keep the pages of a finished prefill leg under a lease, when a consumer is linked
         (no consumer: nothing could pull them; it computes the prompt itself)."""
+        self.pushing.pop(request.request_id, None)
         p = request.sampling_params.kv_transfer_params or {}
         if not p.get("do_remote_decode") or request.finish_reason == "abort" or not request.num_computed_tokens:
             return False
@@ -99,7 +110,33 @@ class ProducerScheduler(KVConnectorScheduler):
         return self.leases.add(str(p["transfer_id"]), lease)
 
     def build_connector_meta(self, scheduler_output) -> object | None:
-        return {"idle": not scheduler_output.num_scheduled_tokens}
+        meta = {"idle": not scheduler_output.num_scheduled_tokens}
+        if self.kv is not None:
+            meta["pushes"] = self._pushes(scheduler_output)
+        return meta
+
+    def _pushes(self, out) -> list[dict]:
+        for new in out.scheduled_new_reqs:
+            p = new.sampling_params.kv_transfer_params or {}
+            if p.get("do_remote_decode") and p.get("transfer_id") and self.link.ready.is_set():
+                self.pushing[new.req_id] = {"transfer_id": str(p["transfer_id"]), "computed": new.num_computed_tokens,
+                                            "start": 0, "prompt": new.token_ids[:new.num_prompt_tokens],
+                                            "fault": p.get("fault") if self.fault_injection else None}
+        jobs, bs = [], self.kv.block_size
+        for rid, n in out.num_scheduled_tokens.items():
+            st = self.pushing.get(rid)
+            if st is None:
+                continue
+            start, end = st.pop("start", st["computed"] // bs), st["computed"] + n
+            last = -(-end // bs)
+            job = {"transfer_id": st["transfer_id"], "block_ids": list(self.kv.get_block_ids(rid)[0][start:last]),
+                   "first_block": start, "fault": st["fault"], "final": end >= len(st["prompt"])}
+            st["computed"] = end
+            if job["final"]:  # the prompt's last chunk: nothing after it is pushed
+                job.update(num_tokens=end, tokens_hash=tokens_hash(st["prompt"][:end]), num_blocks=last)
+                del self.pushing[rid]
+            jobs.append(job)
+        return jobs
 
 
 class ProducerWorker(KVConnectorWorker):
@@ -111,21 +148,35 @@ class ProducerWorker(KVConnectorWorker):
         self.sender = ChunkSender(PageLayout(storage))
         self.counts = dict.fromkeys(("pulls_ok", "pulls_failed", "blocks", "bytes"), 0) | {"seconds": 0.0}
         self.link = KVLink(cfg, fingerprint, on_request=self._on_request, on_lost=leases.end_all, layout=layout)
+        self.pusher = PushSender(self.link, LayerPages(storage), cfg.kv_lease_s) if cfg.kv_send_type == "PUT_ASYNC" else None
         self.metadata = None
+
+    def save_kv_layer(self, layer: int, storage, attn_metadata) -> None:
+        for job in (self.metadata or {}).get("pushes", ()):
+            self.pusher.layer_written(job, layer)
+
+    def wait_for_save(self) -> None:
+        """Nothing is waited for: the sender thread sends the step's copies meanwhile."""
+        for job in (self.metadata or {}).get("pushes", ()):
+            self.pusher.chunk_done(job)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         idle = bool(self.metadata and self.metadata.get("idle"))
         return self.leases.take_ended(IDLE_WAIT_S if idle else 0.0), set()
 
     def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
         self.link.close()
 
     def transfer_stats(self) -> dict:
         """Pulls answered (ok / failed, a fault or refusal included), blocks and bytes sent,
-        seconds spent sending, leases held now, whether a consumer is linked."""
+        seconds spent sending, leases held now, whether a consumer is linked; with pushes,
+        layer pushes sent, their bytes and seconds, and transfers that stopped pushing."""
         with self.leases.lock:
             held = len(self.leases.leases)
-        return {"role": "producer", "link_up": self.link.ready.is_set(), "leases": held, **self.counts}
+        pushed = dict(self.pusher.counts) if self.pusher is not None else {}
+        return {"role": "producer", "link_up": self.link.ready.is_set(), "leases": held, **self.counts, **pushed}
 
     # ---- the link's thread --------------------------------------------------------------
     def _on_request(self, link: KVLink, meta: dict) -> None:
@@ -143,6 +194,7 @@ class ProducerWorker(KVConnectorWorker):
         with self.leases.lock:
             lease = self.leases.leases.get(tid)
             fault = lease.fault if lease is not None and self.cfg.kv_fault_injection else None
+            fault = None if fault == "corrupt_push" else fault  # (a fault of the push alone)
             status = self._check(lease, meta, first, count)
             if status == "ok" and fault in (None, "corrupt", "stall"):
                 lease.busy = True
@@ -186,10 +238,11 @@ class ProducerWorker(KVConnectorWorker):
         return "ok"
 
 
-def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str, block_size: int,
-                       layout: dict | None = None) -> KVConnector:
+def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str, kv, layout: dict | None = None) -> KVConnector:
+    """``kv``: the engine's KV cache manager (its block size; with pushes, its block tables)."""
     leases = LeaseTable(cfg.kv_lease_s)
-    worker = ProducerWorker(cfg, leases, storage, fingerprint, block_size, layout)
-    scheduler = ProducerScheduler(leases, worker.link)
+    worker = ProducerWorker(cfg, leases, storage, fingerprint, kv.block_size, layout)
+    scheduler = ProducerScheduler(leases, worker.link, kv if worker.pusher is not None else None,
+                                  cfg.kv_fault_injection)
     worker.link.start()
     return KVConnector(scheduler, worker)
