@@ -84,19 +84,27 @@ def reference(tiny_model_dir):
     e.close()
 
 
+def check_lengths(p, d, reference, lengths, tag, before_decode=None) -> None:
+    """Each length's prompt prefilled on ``p``, decoded on ``d`` (after ``before_decode(d,
+    tid)`` if given): greedy output equal to ``reference``'s, every page free after."""
+    for n in lengths:
+        prompt, tid = prompt_of(n), f"{tag}-{n}"
+        first = prefill(p, prompt, tid)
+        if before_decode is not None:
+            before_decode(d, tid)
+        out = decode(d, prompt, tid)
+        drain(p)
+        ref = colocated(reference, prompt)
+        assert out.error is None and out.token_ids == ref.token_ids, n
+        assert first.token_ids == ref.token_ids[:1]
+        assert all_free(p, d)
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_disaggregated_greedy_equals_colocated(tiny_model_dir, reference, prefix_caching):
     p, d = make_pair(tiny_model_dir, prefix_caching)
     try:
-        for n in LENGTHS:
-            prompt, tid = prompt_of(n), f"len{n}-{prefix_caching}"
-            first = prefill(p, prompt, tid)
-            out = decode(d, prompt, tid)
-            drain(p)
-            ref = colocated(reference, prompt)
-            assert out.error is None and out.token_ids == ref.token_ids, n
-            assert first.token_ids == ref.token_ids[:1]
-            assert all_free(p, d)
+        check_lengths(p, d, reference, LENGTHS, f"len-{prefix_caching}")
         pulled = d.runner.connector.num_pulled_blocks
         assert d.runner.connector.num_failed_pulls == 0
         # prompts share their leading tokens: with prefix caching the consumer pulls only blocks it lacks
