@@ -155,7 +155,9 @@ class EngineConfig:
             such as ``{"kv_connector": "TorchDistConnector", "kv_role": "kv_producer",
             "kv_ip": "127.0.0.1", "kv_port": 14579}`` (the consumer: ``kv_consumer``; kv_ip:kv_port
             is where the consumer finds the producer), also ``kv_lease_s`` and ``kv_timeout_s``
-            (seconds) and ``kv_load_failure_policy`` recompute|fail (default: off). Put ``pagedkv
+            (seconds), ``kv_load_failure_policy`` recompute|fail, ``kv_send_type`` GET (pull
+            after the prefill) | PUT_ASYNC (the producer pushes each layer's pages during it)
+            and ``kv_buffer_size`` (the consumer's bytes for pushes, default 1e9) (default: off). Put ``pagedkv
             proxy`` in front of the two servers; README, "Disaggregated prefill and decode".
     Raises:
         ValueError: on an out-of-range value, naming the field.

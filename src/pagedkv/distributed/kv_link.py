@@ -269,8 +269,10 @@ class KVLink:
                 return False
         self.pg = pg
         self.ready.set()
-        log.warning("KV link up: %s (generation %d)", "consumer connected" if self.rank == 0 else
-                    f"linked to the prefill instance at {self.cfg.kv_ip}:{self.cfg.kv_port}", self.generation)
+        log.warning("KV link up: %s (generation %d)%s", "consumer connected" if self.rank == 0 else
+                    f"linked to the prefill instance at {self.cfg.kv_ip}:{self.cfg.kv_port}", self.generation,
+                    "; the prefill instance pushes KV layer by layer (PUT_ASYNC)" if (
+                        self.peer_pushes if self.rank == 1 else self.cfg.kv_send_type == "PUT_ASYNC") else "")
         return True
 
     @staticmethod

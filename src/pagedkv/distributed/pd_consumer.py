@@ -162,16 +162,16 @@ class ConsumerWorker(KVConnectorWorker):
     def _from_pushes(self, storage, pull: dict, deadline: float) -> bool:
         """Whether the pages came from the producer's pushes (then they are in place): waits
         for them until ``deadline`` (half the pull's timeout: the pull, if needed, gets its own)."""
-        tid = pull["transfer_id"]
-        if tid not in self._step_pushes:
+        tid, first = pull["transfer_id"], pull["transfer_id"] not in self._step_pushes
+        if first:  # (the n choices of a prompt share its transfer: taken once, copied for each)
             self._step_pushes[tid] = self.pushed.take(tid, deadline, self.link.ready.is_set, self.link.peer_pushes)
         entry = self._step_pushes[tid]
-        if entry is None:
-            return False
-        if self.push_pages is None or self.push_pages.layers[0][0].data_ptr() != storage.page_tensors(0)[0].data_ptr():
-            self.push_pages = LayerPages(storage)
-        hit = apply_pushed(entry, self.push_pages, pull)
-        self.pushed.counts["push_hits" if hit else "push_misses"] += 1
+        if entry is not None:
+            if self.push_pages is None or self.push_pages.layers[0][0].data_ptr() != storage.page_tensors(0)[0].data_ptr():
+                self.push_pages = LayerPages(storage)
+        hit = entry is not None and apply_pushed(entry, self.push_pages, pull)
+        if first and (entry is not None or self.link.peer_pushes):  # a pushing producer's transfer
+            self.pushed.counts["push_hits" if hit else "push_misses"] += 1
         if hit:
             self.num_pulled_blocks += len(pull["dst"])
             self.pulled_bytes += len(pull["dst"]) * sum(self.push_pages.page_bytes)

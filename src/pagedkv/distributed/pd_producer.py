@@ -171,12 +171,17 @@ class ProducerWorker(KVConnectorWorker):
 
     def transfer_stats(self) -> dict:
         """Pulls answered (ok / failed, a fault or refusal included), blocks and bytes sent,
-        seconds spent sending, leases held now, whether a consumer is linked; with pushes,
-        layer pushes sent, their bytes and seconds, and transfers that stopped pushing."""
+        seconds spent sending (pushes included), leases held now, whether a consumer is
+        linked; with pushes, also layer pushes sent, their pages (once per chunk), bytes and
+        seconds, and transfers that stopped pushing."""
         with self.leases.lock:
             held = len(self.leases.leases)
-        pushed = dict(self.pusher.counts) if self.pusher is not None else {}
-        return {"role": "producer", "link_up": self.link.ready.is_set(), "leases": held, **self.counts, **pushed}
+        out = {"role": "producer", "link_up": self.link.ready.is_set(), "leases": held, **self.counts}
+        if self.pusher is not None:  # blocks, bytes and seconds count the pushes too
+            pushed = dict(self.pusher.counts)
+            out.update(pushed, blocks=out["blocks"] + pushed["push_blocks"], bytes=out["bytes"] + pushed["push_bytes"],
+                       seconds=out["seconds"] + pushed["push_seconds"])
+        return out
 
     # ---- the link's thread --------------------------------------------------------------
     def _on_request(self, link: KVLink, meta: dict) -> None:

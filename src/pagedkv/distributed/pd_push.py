@@ -118,7 +118,7 @@ class PushSender:
         self.cond = threading.Condition()
         self.given_up: OrderedDict[str, None] = OrderedDict()  # transfers that stopped pushing
         self.pool = BufferPool(max_queued_bytes)
-        self.counts = dict.fromkeys(("pushes", "push_bytes", "pushes_given_up"), 0) | {"push_seconds": 0.0}
+        self.counts = dict.fromkeys(("pushes", "push_blocks", "push_bytes", "pushes_given_up"), 0) | {"push_seconds": 0.0}
         self.closed = False
         self.thread = threading.Thread(target=self._run, name="pagedkv-kv-push", daemon=True)
         self.thread.start()
@@ -195,6 +195,7 @@ class PushSender:
         if data is not None:
             self.counts["pushes"] += 1
             self.counts["push_bytes"] += data.numel()
+            self.counts["push_blocks"] += meta["num_blocks"] if meta["layer"] == 0 else 0  # (pages, once per chunk)
         self.counts["push_seconds"] += time.perf_counter() - t0
 
     def close(self) -> None:

@@ -144,6 +144,7 @@ PROXY_EXAMPLES = """example (one machine: a prefill and a decode instance, then 
   pagedkv serve --port 8100 --kv-transfer-config '{"kv_connector": "TorchDistConnector", "kv_role": "kv_producer"}'
   pagedkv serve --port 8200 --kv-transfer-config '{"kv_connector": "TorchDistConnector", "kv_role": "kv_consumer"}'
   pagedkv proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+(add "kv_send_type": "PUT_ASYNC" to the producer's config to push each layer's KV during the prefill)
 """
 
 
