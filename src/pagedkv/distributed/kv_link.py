@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -227,6 +228,8 @@ class KVLink:
 
     def _store(self):
         wait = self.cfg.kv_timeout_s if self.rank == 0 else min(self.cfg.kv_timeout_s, CONNECT_S)
+        if self.rank == 1:  # a producer not up yet: a plain connect fails quietly, where torch's store
+            socket.create_connection((self.cfg.kv_ip, self.cfg.kv_port), timeout=wait).close()  # logs C++ stacks
         return dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, self.rank == 0,
                              timeout=datetime.timedelta(seconds=wait), wait_for_workers=False)
 
