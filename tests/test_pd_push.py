@@ -246,3 +246,63 @@ def test_proxy_over_a_pushing_prefill_server(tiny_model_dir):
         proxy.stop()
         d_srv.stop()
         prefill.kill()
+
+
+def test_a_reused_transfer_id_keeps_the_first_prompts_pages(tiny_model_dir, reference):
+    """A client (not the proxy) reuses a transfer id for another prompt before the first's
+    decode leg: the second is not pushed (as its lease is refused), the first's pushes stand."""
+    p, d = make_pair(tiny_model_dir, False, producer_kw=PUSH | {"kv_lease_s": 2.0}, max_num_batched_tokens=32)
+    try:
+        a, b = prompt_of(64, base=3000), prompt_of(64, base=7000)
+        params = SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "dup"})
+        p.add_request(a, params, "pa")
+        p.add_request(b, params, "pb")
+        for _ in range(3):  # a's two chunks (its lease taken), then b's first
+            p.step()
+        assert pushed_done(d, "dup")
+        time.sleep(0.3)
+        assert decode(d, a, "dup").token_ids == colocated(reference, a).token_ids
+        assert stats(d)["push_hits"] == 1
+        drain(p, 15)
+        assert all_free(p, d)
+    finally:
+        close(p, d)
+
+
+def test_a_decode_leg_is_not_held_when_no_pushes_are_coming(tiny_model_dir, reference):
+    """Never prefilled, or the prefill aborted after its first chunk: the decode leg pulls (or
+    computes) at once, not after waiting out half of kv_timeout_s."""
+    p, d = make_pair(tiny_model_dir, False, producer_kw=PUSH, consumer_kw={"kv_timeout_s": 10.0},
+                     max_num_batched_tokens=32)
+    try:
+        prompt = prompt_of(80, base=4400)
+        ref = colocated(reference, prompt).token_ids
+        t0 = time.monotonic()
+        assert decode(d, prompt, "never").token_ids == ref
+        assert time.monotonic() - t0 < 2
+        p.add_request(prompt, SamplingParams(max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "transfer_id": "aborted"}), "pr")
+        p.step()  # its first chunk, pushed
+        p.abort_request("pr")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert decode(d, prompt, "aborted").token_ids == ref
+        assert time.monotonic() - t0 < 2
+        drain(p)
+        assert all_free(p, d) and d.runner.connector.pushed.nbytes == 0
+    finally:
+        close(p, d)
+
+
+def test_pushes_no_decode_leg_took_are_forgotten_while_idle(tiny_model_dir):
+    p, d = make_pair(tiny_model_dir, False, producer_kw=PUSH | {"kv_lease_s": 1.0})
+    try:
+        prefill(p, prompt_of(40, base=4600), "orphan")
+        assert pushed_done(d, "orphan")
+        buf, deadline = d.runner.connector.pushed, time.monotonic() + 6
+        while buf.entries and time.monotonic() < deadline:  # the consumer takes no step meanwhile
+            time.sleep(0.1)
+        assert not buf.entries and buf.nbytes == 0
+        drain(p)
+    finally:
+        close(p, d)

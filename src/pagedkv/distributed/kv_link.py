@@ -50,13 +50,14 @@ class KVLink:
     """One end of the link; ``start()`` connects in a daemon thread (and reconnects)."""
 
     def __init__(self, cfg: KVTransferConfig, fingerprint: str, on_request=None, on_lost=None,
-                 layout: dict | None = None, on_push=None, push_alloc=None) -> None:
+                 layout: dict | None = None, on_push=None, push_alloc=None, on_heartbeat=None) -> None:
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, layout or {}
         self.rank = 0 if cfg.is_producer else 1
         self.timeout = datetime.timedelta(seconds=cfg.kv_timeout_s)
         self.on_request, self.on_lost = on_request, on_lost  # producer: handle a request; both: the peer is gone
         self.on_push = on_push  # consumer: take a pushed message (meta, data); see pd_push
         self.push_alloc = push_alloc  # consumer: where a push's data is received (nbytes -> uint8 tensor)
+        self.on_heartbeat = on_heartbeat  # consumer: called at each heartbeat (an idle engine's housekeeping)
         self.peer_pushes = False  # consumer: the producer said it pushes (kv_send_type PUT_ASYNC)
         self.pg = None
         self.ready = threading.Event()  # connected and the handshake passed
@@ -300,6 +301,8 @@ class KVLink:
             threading.Thread(target=self._listen, args=(self.pg,), name="pagedkv-kv-push-recv", daemon=True).start()
         while self.ready.is_set() and not self.closed:
             self.send(REQUEST_TAG, {"op": "ping"})
+            if self.on_heartbeat is not None:
+                self.on_heartbeat()
             self._stop.wait(PING_S)
 
     def _listen(self, pg) -> None:

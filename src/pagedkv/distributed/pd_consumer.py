@@ -114,6 +114,7 @@ class ConsumerWorker(KVConnectorWorker):
         pull the same lease in the same step before it is released)."""
         meta = self.metadata or {}
         done = list(meta.get("releases", ()))
+        self.pushed.expire()
         self._step_pushes = {}  # transfer id -> its pushes, for every choice of a prompt
         for pull in meta.get("pulls", ()):
             try:
@@ -164,7 +165,7 @@ class ConsumerWorker(KVConnectorWorker):
         for them until ``deadline`` (half the pull's timeout: the pull, if needed, gets its own)."""
         tid, first = pull["transfer_id"], pull["transfer_id"] not in self._step_pushes
         if first:  # (the n choices of a prompt share its transfer: taken once, copied for each)
-            self._step_pushes[tid] = self.pushed.take(tid, deadline, self.link.ready.is_set, self.link.peer_pushes)
+            self._step_pushes[tid] = self.pushed.take(tid, deadline, self.link.ready.is_set)
         entry = self._step_pushes[tid]
         if entry is not None:
             if self.push_pages is None or self.push_pages.layers[0][0].data_ptr() != storage.page_tensors(0)[0].data_ptr():
@@ -203,5 +204,6 @@ class ConsumerWorker(KVConnectorWorker):
 def consumer_connector(cfg: KVTransferConfig, block_size: int, fingerprint: str,
                        layout: dict | None = None) -> KVConnector:
     pushed = PushBuffer(int(cfg.kv_buffer_size), cfg.kv_lease_s)
-    link = KVLink(cfg, fingerprint, layout=layout, on_push=pushed.receive, push_alloc=pushed.alloc).start()
+    link = KVLink(cfg, fingerprint, layout=layout, on_push=pushed.receive, push_alloc=pushed.alloc,
+                  on_heartbeat=pushed.expire).start()
     return KVConnector(ConsumerScheduler(cfg, block_size, link), ConsumerWorker(cfg, link, pushed))

@@ -91,14 +91,18 @@ class ProducerScheduler(KVConnectorScheduler):
     step's push jobs: per prefill leg scheduled, its pages from the block where this chunk
     starts (from block 0 when it is first or again scheduled: a prefix hit's pages too)."""
 
-    def __init__(self, leases: LeaseTable, link: KVLink, kv=None, fault_injection: bool = False) -> None:
+    def __init__(self, leases: LeaseTable, link: KVLink, kv=None, fault_injection: bool = False,
+                 on_abandon=None) -> None:
         self.leases, self.link, self.kv, self.fault_injection = leases, link, kv, fault_injection
+        self.on_abandon = on_abandon  # a transfer id whose pushes stop unfinished (the worker tells the consumer)
         self.pushing: dict[str, dict] = {}  # prefill legs being pushed, by request id
 
     def request_finished(self, request, block_ids) -> bool:
         """Keep the pages of a finished prefill leg under a lease, when a consumer is linked
         (no consumer: nothing could pull them; it computes the prompt itself)."""
-        self.pushing.pop(request.request_id, None)
+        st = self.pushing.pop(request.request_id, None)
+        if st is not None:  # ended before its last chunk (aborted, a failed step): no done will come
+            self.on_abandon(st["transfer_id"])
         p = request.sampling_params.kv_transfer_params or {}
         if not p.get("do_remote_decode") or request.finish_reason == "abort" or not request.num_computed_tokens:
             return False
@@ -115,10 +119,24 @@ class ProducerScheduler(KVConnectorScheduler):
             meta["pushes"] = self._pushes(scheduler_output)
         return meta
 
+    def step_failed(self, scheduler_output) -> None:
+        """A failed step's chunks may be half pushed, their done never sent: give them up."""
+        for job in (scheduler_output.kv_connector_metadata or {}).get("pushes", ()):
+            self.on_abandon(job["transfer_id"])
+
+    def _in_use(self, tid: str, rid: str) -> bool:
+        """Another request pushes under ``tid``, or holds a lease there (a reused transfer id:
+        its pages are not pushed, and its lease is refused, so the consumer gets the first's)."""
+        with self.leases.lock:
+            if tid in self.leases.leases:
+                return True
+        return any(st["transfer_id"] == tid for r, st in self.pushing.items() if r != rid)
+
     def _pushes(self, out) -> list[dict]:
         for new in out.scheduled_new_reqs:
             p = new.sampling_params.kv_transfer_params or {}
-            if p.get("do_remote_decode") and p.get("transfer_id") and self.link.ready.is_set():
+            if p.get("do_remote_decode") and p.get("transfer_id") and self.link.ready.is_set() \
+                    and not self._in_use(str(p["transfer_id"]), new.req_id):
                 self.pushing[new.req_id] = {"transfer_id": str(p["transfer_id"]), "computed": new.num_computed_tokens,
                                             "start": 0, "prompt": new.token_ids[:new.num_prompt_tokens],
                                             "fault": p.get("fault") if self.fault_injection else None}
@@ -248,6 +266,6 @@ def producer_connector(cfg: KVTransferConfig, storage, fingerprint: str, kv, lay
     leases = LeaseTable(cfg.kv_lease_s)
     worker = ProducerWorker(cfg, leases, storage, fingerprint, kv.block_size, layout)
     scheduler = ProducerScheduler(leases, worker.link, kv if worker.pusher is not None else None,
-                                  cfg.kv_fault_injection)
+                                  cfg.kv_fault_injection, worker.pusher.give_up if worker.pusher is not None else None)
     worker.link.start()
     return KVConnector(scheduler, worker)

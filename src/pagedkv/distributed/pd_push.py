@@ -144,6 +144,10 @@ class PushSender:
             self._enqueue({"op": "pushed", "transfer_id": job["transfer_id"], "num_tokens": job["num_tokens"],
                            "tokens_hash": job["tokens_hash"], "num_blocks": job["num_blocks"], "lease_s": self.lease_s})
 
+    def give_up(self, tid: str) -> None:
+        """Push no more of ``tid`` (its prefill ended unfinished): see :meth:`_give_up`."""
+        self._give_up(tid)
+
     def _give_up(self, tid: str) -> None:
         """Push no more of ``tid``, and tell the consumer (so its pull does not wait for it)."""
         with self.cond:
@@ -244,7 +248,8 @@ class PushBuffer:
                 entry.expires = time.monotonic() + self.lease_s
             if entry.dropped:
                 return self.pool.give(data)
-            if meta.get("given_up"):
+            if meta.get("given_up") or entry.done is not None:  # (after its done: another prompt under this id)
+                self.pool.give(data)
                 return self._drop(tid, entry)
             if meta.get("op") == "pushed":
                 entry.done = meta
@@ -263,18 +268,20 @@ class PushBuffer:
             self.nbytes += data.numel()
             self.counts["pushes_received"] += 1
 
-    def take(self, tid: str, deadline: float, link_up, expected: bool) -> PushEntry | None:
+    def take(self, tid: str, deadline: float, link_up) -> PushEntry | None:
         """The finished pushes of ``tid``, removed from the buffer; None when there are none,
         they were dropped, or they did not finish by ``deadline`` (``time.monotonic()``).
-        Waits while they are still coming over a live link (``link_up()``), and, when
-        ``expected`` (the producer pushes), while none has come yet."""
+        Waits only while some have come and the rest are still coming over a live link
+        (``link_up()``): a transfer none of whose pushes came (never pushed, given up before
+        its first, expired) is pulled at once. A decode leg sent after its prefill leg
+        answered finds the first pushes here: they left during the prefill's first layer."""
         with self.cond:
             self._expire()
             if tid in self.taken:
                 return None
             while time.monotonic() < deadline and link_up():
                 entry = self.entries.get(tid)
-                if entry is None and not expected or entry is not None and (entry.done or entry.dropped):
+                if entry is None or entry.done or entry.dropped:
                     break
                 self.cond.wait(min(0.05, max(1e-3, deadline - time.monotonic())))
             entry = self.entries.get(tid)
@@ -309,6 +316,11 @@ class PushBuffer:
         self.taken[tid] = None
         while len(self.taken) > FORGET_AFTER:
             self.taken.popitem(last=False)
+
+    def expire(self) -> None:
+        """Forget transfers past their lease (called each engine step and heartbeat)."""
+        with self.cond:
+            self._expire()
 
     def _expire(self) -> None:
         """Transfers past the producer's lease (this end's, until their done says): no decode
