@@ -280,6 +280,13 @@ def test_a_decode_leg_is_not_held_when_no_pushes_are_coming(tiny_model_dir, refe
         t0 = time.monotonic()
         assert decode(d, prompt, "never").token_ids == ref
         assert time.monotonic() - t0 < 2
+        for tid in ("never-a", "never-b", "never-c"):  # legs of one step share one short grace
+            d.add_request(prompt, SamplingParams(max_tokens=1, kv_transfer_params={
+                "do_remote_prefill": True, "transfer_id": tid}), tid)
+        t0 = time.monotonic()
+        d.step()
+        assert time.monotonic() - t0 < 0.7
+        drain(d)
         p.add_request(prompt, SamplingParams(max_tokens=1, kv_transfer_params={
             "do_remote_decode": True, "transfer_id": "aborted"}), "pr")
         p.step()  # its first chunk, pushed

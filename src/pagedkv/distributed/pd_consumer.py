@@ -29,7 +29,8 @@ from pagedkv.distributed.kv_link import KVLink, LinkError, REQUEST_TAG
 from pagedkv.distributed.kv_transfer_config import KVTransferConfig
 from pagedkv.distributed.pages import PageLayout, tokens_hash
 from pagedkv.distributed.pd_chunks import ChunkReceiver, plan_chunks
-from pagedkv.distributed.pd_push import LayerPages, PushBuffer, apply_pushed
+from pagedkv.distributed.pd_push import FIRST_PUSH_GRACE_S, LayerPages
+from pagedkv.distributed.pd_push_buffer import PushBuffer, apply_pushed
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 
 log = logging.getLogger("pagedkv.kv_transfer")
@@ -100,6 +101,7 @@ class ConsumerWorker(KVConnectorWorker):
         self.cfg, self.link, self.pushed = cfg, link, pushed
         self.push_pages: LayerPages | None = None
         self._step_pushes: dict[str, object] = {}
+        self._first_push_by = 0.0  # this step's legs wait for a first push until then (one grace a step)
         self.metadata, self.errors = None, set()
         self.rx: ChunkReceiver | None = None  # the storage's page layout and staging buffers, reused
         self.seq = itertools.count(16, 2)  # answer tags (even; data on the next): 0 carries requests, 1 the handshake
@@ -115,6 +117,7 @@ class ConsumerWorker(KVConnectorWorker):
         meta = self.metadata or {}
         done = list(meta.get("releases", ()))
         self.pushed.expire()
+        self._first_push_by = time.monotonic() + (FIRST_PUSH_GRACE_S if self.link.peer_pushes else 0.0)
         self._step_pushes = {}  # transfer id -> its pushes, for every choice of a prompt
         for pull in meta.get("pulls", ()):
             try:
@@ -165,7 +168,7 @@ class ConsumerWorker(KVConnectorWorker):
         for them until ``deadline`` (half the pull's timeout: the pull, if needed, gets its own)."""
         tid, first = pull["transfer_id"], pull["transfer_id"] not in self._step_pushes
         if first:  # (the n choices of a prompt share its transfer: taken once, copied for each)
-            self._step_pushes[tid] = self.pushed.take(tid, deadline, self.link.ready.is_set)
+            self._step_pushes[tid] = self.pushed.take(tid, deadline, self.link.ready.is_set, self._first_push_by)
         entry = self._step_pushes[tid]
         if entry is not None:
             if self.push_pages is None or self.push_pages.layers[0][0].data_ptr() != storage.page_tensors(0)[0].data_ptr():
