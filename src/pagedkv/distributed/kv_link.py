@@ -38,7 +38,8 @@ log = logging.getLogger("pagedkv.kv_link")
 REQUEST_TAG, HELLO_TAG, PUSH_TAG = 0, 1, 2  # (pulls' answers: even tags from 16, their data the odd one after)
 PING_S = 2.0     # the consumer's heartbeat
 SILENT_S = 10.0  # the producer drops a consumer it has not heard from for this long
-JOIN_S = 5.0     # the producer waits this long for a consumer per generation, then opens the next
+JOIN_S = 5.0     # the producer waits this long for a consumer that said it joins, then opens the next generation
+JOIN_POLL_S = 0.1  # how often the producer looks for a consumer's join
 CONNECT_S = 3.0  # a consumer's attempt to reach the producer's store
 
 
@@ -235,12 +236,19 @@ class KVLink:
                              timeout=datetime.timedelta(seconds=wait), wait_for_workers=False)
 
     def _connect(self, store) -> bool:
-        """Build this generation's group and shake hands; False when no consumer came."""
+        """Build this generation's group and shake hands; False when no consumer came. The
+        producer builds its group only once a consumer has said it joins this generation (a
+        key in the store, polled quietly: a group built for nobody logs torch's socket
+        timeouts every few seconds)."""
         if self.rank == 0:
             self.generation += 1
             store.set("generation", str(self.generation))
+            while not store.check([f"join-{self.generation}"]):
+                if self._stop.wait(JOIN_POLL_S):
+                    return False
         else:
             self.generation = int(store.get("generation"))
+            store.set(f"join-{self.generation}", "1")
         self._late = []
         prefix = dist.PrefixStore(f"kv-link-{self.generation}", store)
         wait = datetime.timedelta(seconds=JOIN_S if self.rank == 0 else min(self.cfg.kv_timeout_s, JOIN_S))
