@@ -16,7 +16,8 @@ instance) connects there. Keys:
   them, overlapping the transfer with the rest of the prefill; the pull stays the fallback:
   :mod:`~pagedkv.distributed.pd_push`), vLLM's P2P connector's names; the producer's setting;
 - ``kv_buffer_size``: bytes the decode instance holds of pushed pages not yet taken (default
-  1e9, 1 GB, as vLLM); a transfer that would overflow it is pulled instead;
+  1e9, 1 GB, as vLLM); a transfer that would overflow it is pulled instead (the buffers
+  are pooled and sized in powers of two: the memory behind them can reach about 3x this);
 - ``kv_load_failure_policy``: ``recompute`` (the consumer computes what it could not load:
   correct, slower) or ``fail`` (the request ends with an error naming why);
 - ``kv_fault_injection``: tests only: lets a request's ``kv_transfer_params["fault"]``

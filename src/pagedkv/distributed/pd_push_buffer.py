@@ -22,14 +22,16 @@ from pagedkv.distributed.pd_push import FORGET_AFTER, BufferPool, LayerPages
 class PushEntry:
     """What the decode instance holds of one transfer's pushes."""
 
-    def __init__(self) -> None:
+    def __init__(self, expires: float) -> None:
         self.parts: list[tuple[int, int, torch.Tensor]] = []  # (layer, first block, bytes), in arrival order
         self.nbytes, self.done, self.dropped = 0, None, False
-        self.expires = float("inf")  # set on arrival: the consumer's lease, then the producer's from its done
+        self.expires = expires  # the consumer's lease from the first push, then the producer's from its done
 
 
 class PushBuffer:
-    """The decode instance's end: pushed pages by transfer id, at most ``capacity`` bytes.
+    """The decode instance's end: pushed pages by transfer id, at most ``capacity`` bytes of
+    them held. Their buffers are pooled for reuse (at most ``capacity`` more bytes kept) and
+    sized in powers of two, so the memory behind pushes can reach about 3x ``capacity``.
 
     A transfer whose pushes would overflow it, fail their checksum or outlive ``lease_s``
     is dropped (its decode leg pulls instead); :meth:`take` hands a finished one over once.
@@ -53,8 +55,7 @@ class PushBuffer:
                 return self.pool.give(data)
             entry = self.entries.get(tid)
             if entry is None:
-                entry = self.entries[tid] = PushEntry()
-                entry.expires = time.monotonic() + self.lease_s
+                entry = self.entries[tid] = PushEntry(time.monotonic() + self.lease_s)
             if entry.dropped:
                 return self.pool.give(data)
             if meta.get("given_up") or entry.done is not None:  # (after its done: another prompt under this id)
