@@ -151,6 +151,32 @@ def test_prefill_tile_rows_equal_rows_alone(op, heads, kv_heads, head_dim, block
         assert torch.equal(op(q[r:r + 1], k, v, *alone.packed, *args), full[r:r + 1]), r
 
 
+@pytest.mark.parametrize("heads,kv_heads,window,sinks", [(9, 3, 0, 0), (8, 2, 37, 4), (16, 4, 0, 0), (4, 1, 0, 0)])
+def test_a_lone_short_decode_split_by_kv_head_equals_its_row_in_a_batch(op, heads, kv_heads, window, sinks):
+    """One decode of a short context is too little work to split by partition: its KV heads go
+    to separate threads (fp32 pages). Each must equal the same row computed among eight
+    sequences (not split by head), the reference, and itself on one thread."""
+    specs = [(1, 9), (1, 120), (1, 255), (1, 300), (1, 64), (1, 33), (1, 200), (1, 17)]
+    q, k, v, meta = make_batch(specs, heads, kv_heads, seed=14)
+    scale = q.shape[-1] ** -0.5
+    sink_q = torch.randn(q.shape, generator=torch.Generator().manual_seed(15)) if sinks else None
+    args = (scale, -1, None, None, window, sinks, sink_q)
+    batch = op(q, k, v, *meta.packed, *args)
+    ref = paged_attention_reference(q, k, v, meta, scale, window=window, sinks=sinks, sink_q=sink_q)
+    torch.testing.assert_close(batch, ref, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    for i, s in enumerate(meta.seqs):
+        alone = AttentionMetadata(torch.zeros(1, dtype=torch.int64), [SeqAttention(0, 1, s.context_len, s.block_table)])
+        lone_q = None if sink_q is None else sink_q[i:i + 1]
+        out = op(q[i:i + 1], k, v, *alone.packed, scale, -1, None, None, window, sinks, lone_q)
+        assert torch.equal(out, batch[i:i + 1]), s
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(op(q[i:i + 1], k, v, *alone.packed, scale, -1, None, None, window, sinks, lone_q), out)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_thread_count_does_not_change_bits(op):
     q, k, v, meta = make_batch([(1, 700), (30, 400), (1, 5)], seed=4)
     threads = torch.get_num_threads()

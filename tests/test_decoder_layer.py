@@ -88,3 +88,25 @@ def test_the_stack_is_bit_identical_with_windows_and_sinks(default_model_files):
     assert model.layers[0].window == 32 and model.stack_op(fused_op, [None] * len(model.layers), None) is not None
     fused = _run(llm, "stack")
     assert _run(llm, "per-op") == fused and _run(llm, "layer") == fused
+
+
+def test_the_stack_is_bit_identical_on_a_long_prompt_with_int8_activations(default_model_files):
+    """A prompt prefilled in one 300-row step: the stack's products quantize 64 rows or more
+    on several threads (each into the calling thread's buffers), its norms and RoPE split
+    rows over threads; the result must still be the per-op path's, bit for bit."""
+    from pagedkv import LLM
+
+    llm = LLM(num_blocks=96, activation_dtype="int8")
+    model = llm.engine.model
+    prompt = "Tell me a long story about a dragon and a knight, in many chapters. " * 20
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    outs = {}
+    for mode in ("stack", "per-op"):
+        model.fused_layers, model.fused_stack = mode != "per-op", mode == "stack"
+        try:
+            (o,) = llm.generate([prompt], params)
+        finally:
+            model.fused_layers = model.fused_stack = True
+        assert len(o.prompt_token_ids) > 256
+        outs[mode] = (o.token_ids, o.logprobs, o.prompt_logprobs)
+    assert outs["stack"] == outs["per-op"]

@@ -1,7 +1,10 @@
 // One Llama decoder layer of a step in one call, for GGML block-quantized or int8 weights
 // and a float32/float16/bfloat16 paged KV cache (the default engine on a GGUF): the ops LlamaLayer.forward runs, in
 // its order, on the same functions, so the results are bit-identical to it; what goes is
-// the Python between them (~25 us a layer, ~0.7 ms of a 6 ms single-stream step here).
+// the Python between them (~25 us a layer, ~0.7 ms of a 6 ms single-stream step here) and,
+// since the layer runs on raw buffers kept by the calling thread, torch's per-op allocation
+// and dispatch inside it (~12 us a layer at one decode token: ~0.35 ms of a 3 ms step on
+// an AMD EPYC family 26; the step 1.10-1.15x faster, BENCHMARKS.md).
 //
 //   decoder_layer(x [T, hidden], in_norm, post_norm, eps, qkv, qkv_scale, qkv_type, o, o_scale,
 //                 o_type, gate_up, gate_up_scale, gate_up_type, down, down_scale, down_type,
@@ -20,63 +23,178 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include "ops.h"
+
+#include <cstring>
+#include <vector>
 
 namespace pagedkv {
 namespace {
 
 constexpr int64_t kA8 = 256;  // a weight type with this bit: GGMLA8Weight.packed, int8 activations
 
-// x . w^T for n output channels (the A8 layout pads its panels, so it is told n).
-at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t qtype,
-                   int64_t n) {
-  if (scale.has_value()) return int8_linear_fn(x, w, *scale);
-  if (qtype & kA8) {
+// One weight of a layer: its tensor, per-channel scales (int8 weights) and type.
+struct Weight {
+  const at::Tensor& w;
+  const c10::optional<at::Tensor>& scale;
+  int64_t type;
+};
+
+// Input features K of a weight: int8 [N, K]; GGML blocks [N, K / 32 * block bytes]; the A8
+// layout's panels hold 16 channels' blocks of 32 weights per row.
+int64_t in_features(const Weight& w) {
+  if (w.scale.has_value()) return w.w.size(1);
+  const int64_t block_bytes = (w.type & ~kA8) == 3 ? 20 : 34;
+  return w.w.size(1) / (w.type & kA8 ? 16 * block_bytes : block_bytes) * 32;
+}
+
+// Output channels of a weight: the A8 layout pads its panels, so it is told them (a8_n).
+int64_t out_features(const Weight& w, int64_t a8_n) { return w.type & kA8 && !w.scale ? a8_n : w.w.size(0); }
+
+// y [T, n] = x [T, K] . W^T. GGML blocks with int8 activations run straight on the buffers;
+// the other kinds through their ops (ggml_linear.cpp, int8_linear.cpp) and a copy.
+void product(const float* x, int64_t T, int64_t K, const Weight& w, int64_t n, float* y) {
+  if (!w.scale.has_value() && (w.type & kA8)) {
 #if defined(__AVX2__)
-    return ggml_a8_linear_fn(x, w, qtype & ~kA8, n);
+    ggml_a8_linear_into(x, T, K, w.w, w.type & ~kA8, n, y);
+    return;
 #else
     TORCH_CHECK(false, "decoder_layer: int8 activations need the AVX2 build of the kernels");
 #endif
   }
-  return ggml_linear_fn(x, w, qtype);
+  const at::Tensor xt = at::from_blob(const_cast<float*>(x), {T, K}, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor r = w.scale.has_value() ? int8_linear_fn(xt, w.w, *w.scale) : ggml_linear_fn(xt, w.w, w.type);
+  TORCH_CHECK(r.dim() == 2 && r.size(0) == T && r.size(1) == n && r.is_contiguous(), "decoder_layer: a weight has ",
+              r.size(1), " output channels, not ", n);
+  std::memcpy(y, r.data_ptr<float>(), T * n * sizeof(float));
 }
 
-// K of a weight in the A8 layout: 16 channels' blocks of 32 weights per panel row.
-int64_t a8_in_features(const at::Tensor& w, int64_t qtype) {
-  return w.size(1) / (16 * ((qtype & ~kA8) == 3 ? 20 : 34)) * 32;
-}
-
-// k, v [T, Hkv, D] (float32, rows strided, heads contiguous) into the pages' slots slot_mapping[T],
-// converted to the pages' dtype as KVCacheStorage.write's index_copy_ does (round to nearest
-// even): the same bits, without ~9 us of index_copy_ dispatch a layer at one decode token.
+// k, v rows (float32, heads contiguous, rows `stride` apart, `width` = Hkv * D values) into
+// the pages' slots, converted to the pages' dtype as KVCacheStorage.write's index_copy_ does
+// (round to nearest even): the same bits, without ~9 us of index_copy_ dispatch a layer.
 template <typename T>
-void write_rows(const at::Tensor& src, at::Tensor& pages, const int64_t* slots, int64_t rows) {
-  const int64_t width = src.size(1) * src.size(2), stride = src.stride(0);
-  const float* s = src.data_ptr<float>();
-  T* d = pages.data_ptr<T>();
+void write_rows(const float* src, int64_t stride, int64_t width, T* pages, const int64_t* slots, int64_t rows) {
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t i = 0; i < width; ++i) d[slots[t] * width + i] = static_cast<T>(s[t * stride + i]);
+    for (int64_t i = 0; i < width; ++i) pages[slots[t] * width + i] = static_cast<T>(src[t * stride + i]);
 }
 
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slot_mapping) {
-  const int64_t T = k.size(0), slots_total = k_cache.numel() / (k.size(1) * k.size(2));
+void write_kv(const float* k, const float* v, int64_t stride, int64_t T, int64_t Hkv, int64_t D, at::Tensor k_cache,
+              at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  const int64_t slots_total = k_cache.numel() / (Hkv * D);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
               "decoder_layer: slot_mapping must be contiguous int64 [T]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.stride(2) == 1 && k.stride(1) == k.size(2) &&
-                  v.stride(2) == 1 && v.stride(1) == v.size(2) && k_cache.size(-1) == k.size(2) &&
-                  k_cache.size(-2) == k.size(1) && v_cache.sizes() == k_cache.sizes(),
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(-1) == D && k_cache.size(-2) == Hkv &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "decoder_layer: pages [.., Hkv, D] like k and v, contiguous, and contiguous heads");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "decoder_layer: slot ", slots[t], " is outside the ",
                 slots_total, " slots of the pages");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "write_kv", [&] {
-    write_rows<scalar_t>(k, k_cache, slots, T);
-    write_rows<scalar_t>(v, v_cache, slots, T);
+    write_rows<scalar_t>(k, stride, Hkv * D, k_cache.data_ptr<scalar_t>(), slots, T);
+    write_rows<scalar_t>(v, stride, Hkv * D, v_cache.data_ptr<scalar_t>(), slots, T);
   });
+}
+
+// What every layer of a step shares: shapes, the RoPE tables, the pages' addressing.
+struct Step {
+  int64_t T, hidden, H, Hkv, D;
+  double eps, scale;
+  const float *cos, *sin, *sink_cos, *sink_sin;  // [T, D]; sink tables or null
+  const at::Tensor &slot_mapping, &seq_info, &block_tables;
+  int64_t sinks;
+};
+
+// This thread's buffers for a step's intermediates, kept between steps: a fresh allocation of
+// each (~25 a layer) cost more than the elementwise math at one decode token, and buffers
+// past malloc's mmap threshold pay first-touch page faults every step.
+float* scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats) buf.resize(floats);
+  return buf.data();
+}
+
+// One layer on x [T, hidden] in place: h = rms_norm(x); qkv = h W_qkv^T; RoPE on q, k; k, v
+// -> pages at slot_mapping; a = paged_attention(q); y = x + a W_o^T; h = rms_norm(y);
+// x = y + silu_and_mul(h W_gu^T) W_down^T. w: qkv, o, gate_up, down. buf: see run_stack.
+void layer(const Step& s, float* x, const at::Tensor& in_norm, const at::Tensor& post_norm, const Weight* w,
+           const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t window, bool check, float* buf, int64_t inter) {
+  const int64_t T = s.T, hidden = s.hidden, q_size = s.H * s.D, kv_size = s.Hkv * s.D, qkv_n = q_size + 2 * kv_size;
+  TORCH_CHECK(in_norm.numel() == hidden && post_norm.numel() == hidden && in_norm.is_contiguous() &&
+                  post_norm.is_contiguous() && in_norm.scalar_type() == at::kFloat &&
+                  post_norm.scalar_type() == at::kFloat,
+              "decoder_layer: norm weights must be contiguous float32 [hidden]");
+  float *h = buf, *proj = h + T * hidden, *q = proj + T * qkv_n, *sink_q = q + T * q_size, *attn = sink_q + T * q_size;
+  float *gu = attn + T * q_size, *act = gu + T * 2 * inter;
+  rms_norm_rows(x, in_norm.data_ptr<float>(), h, T, hidden, s.eps);
+  product(h, T, hidden, w[0], qkv_n, proj);  // [T, (H + 2 Hkv) D]
+  rope_rotate_rows(proj, T, s.H + s.Hkv, s.D, qkv_n, s.cos, s.sin);
+  write_kv(proj + q_size, proj + q_size + kv_size, qkv_n, T, s.Hkv, s.D, k_cache, v_cache, s.slot_mapping);
+  for (int64_t t = 0; t < T; ++t) std::memcpy(q + t * q_size, proj + t * qkv_n, q_size * sizeof(float));
+  const bool sink_rows = s.sink_cos != nullptr;
+  if (sink_rows) {  // as LlamaLayer.forward: q rotated again, for the sinks
+    std::memcpy(sink_q, q, T * q_size * sizeof(float));
+    rope_rotate_rows(sink_q, T, s.H, s.D, q_size, s.sink_cos, s.sink_sin);
+  }
+  paged_attention_into(q, attn, T, s.H, s.D, k_cache, v_cache, s.seq_info, s.block_tables, s.scale, window, s.sinks,
+                       sink_rows ? sink_q : nullptr, check);
+  product(attn, T, q_size, w[1], hidden, h);
+  for (int64_t i = 0; i < T * hidden; ++i) x[i] = x[i] + h[i];  // y, in x
+  rms_norm_rows(x, post_norm.data_ptr<float>(), h, T, hidden, s.eps);
+  product(h, T, hidden, w[2], 2 * inter, gu);
+  silu_and_mul_rows(gu, act, T, inter);
+  product(act, T, inter, w[3], hidden, h);
+  for (int64_t i = 0; i < T * hidden; ++i) x[i] = x[i] + h[i];
+}
+
+// Layers 0 .. L - 1 on x, the weights of layer i at weights/scales/types[4 i .. 4 i + 3].
+at::Tensor run_stack(const Step& s, const at::Tensor& x, at::TensorList in_norms, at::TensorList post_norms,
+                     at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& scales, at::IntArrayRef types,
+                     at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef windows) {
+  const int64_t T = s.T, hidden = s.hidden, q_size = s.H * s.D, qkv_n = q_size + 2 * s.Hkv * s.D;
+  at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
+  for (size_t i = 0; i < in_norms.size(); ++i) {
+    const size_t b = 4 * i;
+    const c10::optional<at::Tensor> sc[4] = {scales.get(b), scales.get(b + 1), scales.get(b + 2), scales.get(b + 3)};
+    const Weight w[4] = {{weights[b], sc[0], types[b]}, {weights[b + 1], sc[1], types[b + 1]},
+                         {weights[b + 2], sc[2], types[b + 2]}, {weights[b + 3], sc[3], types[b + 3]}};
+    const int64_t inter = in_features(w[3]);
+    TORCH_CHECK(out_features(w[2], 2 * inter) == 2 * inter, "decoder_layer: gate_up has ",
+                out_features(w[2], 2 * inter), " rows, not twice down's ", inter, " inputs");
+    TORCH_CHECK(out_features(w[0], qkv_n) == qkv_n, "decoder_layer: the QKV weight has ", out_features(w[0], qkv_n),
+                " rows, not (H + 2 Hkv) * D = ", qkv_n);
+    float* buf = scratch(T * (hidden + qkv_n + 3 * q_size + 3 * inter));
+    layer(s, out.data_ptr<float>(), in_norms[i], post_norms[i], w, k_caches[i], v_caches[i], windows[i], i == 0, buf,
+          inter);
+  }
+  return out;
+}
+
+// The step's shared arguments, checked once.
+Step make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D,
+               double eps, double scale, const at::Tensor& k_cache, const at::Tensor& slot_mapping,
+               const at::Tensor& seq_info, const at::Tensor& block_tables, int64_t sinks,
+               const c10::optional<at::Tensor>& sink_cos, const c10::optional<at::Tensor>& sink_sin) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "decoder_layer: x must be float32 [T, hidden]");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "decoder_layer: float32, float16 or bfloat16 KV pages only (quantized pages need their scales)");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(H > 0 && Hkv > 0 && D > 0 && D % 2 == 0, "decoder_layer: bad head shape");
+  const auto table = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == T * D && t.size(-1) == D, name,
+                " must be contiguous float32 [T, 1, D]");
+    return t.data_ptr<float>();
+  };
+  const bool sink_rows = sink_cos.has_value() && sink_sin.has_value();
+  return {T, x.size(1), H, Hkv, D, eps, scale, table(cos, "decoder_layer: cos"), table(sin, "decoder_layer: sin"),
+          sink_rows ? table(*sink_cos, "decoder_layer: sink_cos") : nullptr,
+          sink_rows ? table(*sink_sin, "decoder_layer: sink_sin") : nullptr, slot_mapping, seq_info, block_tables,
+          sinks};
 }
 
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
@@ -89,34 +207,12 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
                          const at::Tensor& slot_mapping, const at::Tensor& seq_info, const at::Tensor& block_tables,
                          double scale, int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_cos,
                          const c10::optional<at::Tensor>& sink_sin) {
-  TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, hidden]");
-  const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) && v_cache.scalar_type() == dtype,
-              "decoder_layer: float32, float16 or bfloat16 KV pages only (quantized pages need their scales)");
-  const int64_t T = x.size(0), H = num_heads, Hkv = num_kv_heads, D = head_dim;
-  const int64_t q_size = H * D, kv_size = Hkv * D;
-  const int64_t hidden = x.size(1);
-  const int64_t inter = (down_type & kA8) ? a8_in_features(down, down_type) : 0;  // only A8 needs it
-  const at::Tensor projected =
-      product(rms_norm_fn(x, in_norm, eps), qkv, qkv_scale, qkv_type, q_size + 2 * kv_size);  // [T, (H + 2 Hkv) D]
-  TORCH_CHECK(projected.size(1) == q_size + 2 * kv_size, "decoder_layer: the QKV weight has ",
-              projected.size(1), " rows, not (H + 2 Hkv) * D = ", q_size + 2 * kv_size);
-  at::Tensor qk = projected.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D});
-  rope_rotate_fn(qk, cos, sin);
-  const at::Tensor v = projected.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
-  write_kv(qk.narrow(1, H, Hkv), v, k_cache, v_cache, slot_mapping);
-  const at::Tensor q = qk.narrow(1, 0, H).contiguous();
-  c10::optional<at::Tensor> sink_q;
-  if (sink_cos.has_value() && sink_sin.has_value()) {  // as LlamaLayer.forward: q rotated again, for the sinks
-    at::Tensor qs = q.clone();
-    rope_rotate_fn(qs, *sink_cos, *sink_sin);
-    sink_q = qs;
-  }
-  const at::Tensor attn = paged_attention_fn(q, k_cache, v_cache, seq_info, block_tables, scale, window, sinks, sink_q);
-  const at::Tensor y = x + product(attn.reshape({T, q_size}), o, o_scale, o_type, hidden);
-  const at::Tensor h = rms_norm_fn(y, post_norm, eps);
-  const at::Tensor act = silu_and_mul_fn(product(h, gate_up, gate_up_scale, gate_up_type, 2 * inter));
-  return y + product(act, down, down_scale, down_type, hidden);
+  const Step s = make_step(x, cos, sin, num_heads, num_kv_heads, head_dim, eps, scale, k_cache, slot_mapping, seq_info,
+                           block_tables, sinks, sink_cos, sink_sin);
+  c10::List<c10::optional<at::Tensor>> scales({qkv_scale, o_scale, gate_up_scale, down_scale});
+  const int64_t types[4] = {qkv_type, o_type, gate_up_type, down_type};
+  return run_stack(s, x, {in_norm}, {post_norm}, {qkv, o, gate_up, down}, scales, types, {k_cache}, {v_cache},
+                   {window});
 }
 
 // Every layer of a forward in one call: decoder_layer for i = 0 .. L - 1, the weights of
@@ -131,18 +227,15 @@ at::Tensor decoder_stack(const at::Tensor& x, at::TensorList in_norms, at::Tenso
                          double scale, at::IntArrayRef windows, int64_t sinks,
                          const c10::optional<at::Tensor>& sink_cos, const c10::optional<at::Tensor>& sink_sin) {
   const size_t L = in_norms.size();
-  TORCH_CHECK(post_norms.size() == L && weights.size() == 4 * L && scales.size() == 4 * L && types.size() == 4 * L &&
-                  k_caches.size() == L && v_caches.size() == L && windows.size() == L,
+  TORCH_CHECK(L > 0 && post_norms.size() == L && weights.size() == 4 * L && scales.size() == 4 * L &&
+                  types.size() == 4 * L && k_caches.size() == L && v_caches.size() == L && windows.size() == L,
               "decoder_stack: per layer one norm pair, four weights (scales, types), one page pair and a window");
-  at::Tensor h = x;
-  for (size_t i = 0; i < L; ++i) {
-    const size_t w = 4 * i;
-    h = decoder_layer(h, in_norms[i], post_norms[i], eps, weights[w], scales.get(w), types[w], weights[w + 1],
-                      scales.get(w + 1), types[w + 1], weights[w + 2], scales.get(w + 2), types[w + 2], weights[w + 3],
-                      scales.get(w + 3), types[w + 3], cos, sin, num_heads, num_kv_heads, head_dim, k_caches[i],
-                      v_caches[i], slot_mapping, seq_info, block_tables, scale, windows[i], sinks, sink_cos, sink_sin);
-  }
-  return h;
+  for (size_t i = 1; i < L; ++i)  // one group: the block ids checked on layer 0's pages hold for all
+    TORCH_CHECK(k_caches[i].sizes() == k_caches[0].sizes() && k_caches[i].scalar_type() == k_caches[0].scalar_type(),
+                "decoder_stack: every layer's pages must have layer 0's shape and dtype");
+  const Step s = make_step(x, cos, sin, num_heads, num_kv_heads, head_dim, eps, scale, k_caches[0], slot_mapping,
+                           seq_info, block_tables, sinks, sink_cos, sink_sin);
+  return run_stack(s, x, in_norms, post_norms, weights, scales, types, k_caches, v_caches, windows);
 }
 
 }  // namespace

@@ -365,26 +365,45 @@ void ggml_a8_cpu(const Acts& a, const uint8_t* packed, int64_t qtype, float* y, 
   }
 }
 
-at::Tensor ggml_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "ggml_a8_linear: CPU tensors");
+// y [M, n] = x [M, K] . W^T, arguments checked by the caller. The quantized activations
+// live in this thread's buffers, kept between calls (a decode step makes ~120 of these
+// products; a fresh allocation each was a malloc and a free apiece).
+void a8_linear_into(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t qtype, int64_t n, float* y) {
+  const int64_t G = K / kGroup;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dx;
+  thread_local std::vector<int32_t> sq;
+  if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
+  if (static_cast<int64_t>(dx.size()) < M * G) dx.resize(M * G), sq.resize(M * G);
+  int8_t* xqp = xq.data();  // this thread's buffers, by address: another thread's xq is its own
+  float* dxp = dx.data();
+  int32_t* sqp = sq.data();
+  at::internal::lazy_init_num_threads();
+#pragma omp parallel for schedule(static) if (M >= 64)
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xqp + m * K, dxp + m * G, sqp + m * G);
+  ggml_a8_cpu({xqp, dxp, sqp}, packed, qtype, y, M, K, n);
+}
+
+// `packed` must hold the panels of an n x K weight of type qtype.
+void check_packed(const at::Tensor& packed, int64_t qtype, int64_t K, int64_t n) {
+  TORCH_CHECK(packed.device().is_cpu(), "ggml_a8_linear: CPU tensors");
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "ggml_a8_linear: qtype must be 3 (Q4_1) or 8 (Q8_0), got ", qtype);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "ggml_a8_linear: x must be contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, np = (n + kLanes - 1) / kLanes;
+  const int64_t G = K / kGroup, np = (n + kLanes - 1) / kLanes;
   TORCH_CHECK(K > 0 && K % kGroup == 0, "ggml_a8_linear: K = ", K, " is not a positive multiple of 32");
   TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
               packed.size(0) == np && packed.size(1) == G * 16 * block_bytes(qtype),
               "ggml_a8_linear: packed must be contiguous uint8 [ceil(n / 16), K / 32 * 16 * ", block_bytes(qtype),
               "] for K = ", K, " and n = ", n, " (GGMLA8Weight.packed)");
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * G);
-  std::vector<int32_t> sq(M * G);
-  at::internal::lazy_init_num_threads();
-  const float* xp = x.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (M >= 64)
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, xq.data() + m * K, dx.data() + m * G, sq.data() + m * G);
+}
+
+at::Tensor ggml_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu(), "ggml_a8_linear: CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "ggml_a8_linear: x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed(packed, qtype, K, n);
   at::Tensor y = at::empty({M, n}, x.options());
-  ggml_a8_cpu({xq.data(), dx.data(), sq.data()}, packed.data_ptr<uint8_t>(), qtype, y.data_ptr<float>(), M, K, n);
+  a8_linear_into(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), qtype, n, y.data_ptr<float>());
   return y;
 }
 #endif  // AVX2
@@ -394,6 +413,11 @@ at::Tensor ggml_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
 #ifdef PAGEDKV_GGML_A8
 at::Tensor ggml_a8_linear_fn(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
   return ggml_a8_linear(x, packed, qtype, n);
+}
+void ggml_a8_linear_into(const float* x, int64_t M, int64_t K, const at::Tensor& packed, int64_t qtype, int64_t n,
+                         float* y) {
+  check_packed(packed, qtype, K, n);
+  a8_linear_into(x, M, K, packed.data_ptr<uint8_t>(), qtype, n, y);
 }
 #endif
 

@@ -14,6 +14,7 @@
 //       is compiled without FMA contraction), so it equals the torch composite bit for bit.
 //
 // Rows are split over threads (at::parallel_for); each row is computed by one thread alone.
+// The *_rows functions are the same on raw pointers (ops.h), for decoder_layer.cpp's buffers.
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -45,22 +46,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t D = x.size(-1), T = D ? x.numel() / D : 0;
   TORCH_CHECK(w.dim() == 1 && w.size(0) == D, "rms_norm: weight must be [", D, "]");
   at::Tensor y = at::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* row = xp + t * D;
-      float part[kPartials] = {};
-      int64_t d = 0;
-      for (; d + kPartials <= D; d += kPartials)
-        for (int j = 0; j < kPartials; ++j) part[j] += row[d + j] * row[d + j];
-      for (int j = 0; d < D; ++d, ++j) part[j] += row[d] * row[d];
-      float sum = 0.0f;
-      for (int j = 0; j < kPartials; ++j) sum += part[j];
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
-      for (d = 0; d < D; ++d) yp[t * D + d] = row[d] * inv * wp[d];
-    }
-  });
+  rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), T, D, eps);
   return y;
 }
 
@@ -106,11 +92,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 * I]");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   at::Tensor y = at::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) silu_and_mul_row(xp + t * 2 * I, xp + t * 2 * I + I, yp + t * I, I);
-  });
+  silu_and_mul_rows(x.data_ptr<float>(), y.data_ptr<float>(), T, I);
   return y;
 }
 
@@ -119,16 +101,45 @@ void rope_rotate_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
               x.stride(1) == x.size(2), "rope_rotate_: x must be float32 [T, H, D] with contiguous heads");
   check_rows(cos, "rope_rotate_ cos");
   check_rows(sin, "rope_rotate_ sin");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), row = x.stride(0);
   TORCH_CHECK(D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D && cos.size(-1) == D && sin.size(-1) == D,
               "rope_rotate_: tables must be [T, D] (or [T, 1, D])");
-  float* xp = x.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  rope_rotate_rows(x.data_ptr<float>(), T, H, D, row, cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+}  // namespace
+
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t T, int64_t D, double eps) {
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float *c = cp + t * D, *s = sp + t * D;
+      const float* row = x + t * D;
+      float part[kPartials] = {};
+      int64_t d = 0;
+      for (; d + kPartials <= D; d += kPartials)
+        for (int j = 0; j < kPartials; ++j) part[j] += row[d + j] * row[d + j];
+      for (int j = 0; d < D; ++d, ++j) part[j] += row[d] * row[d];
+      float sum = 0.0f;
+      for (int j = 0; j < kPartials; ++j) sum += part[j];
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
+      for (d = 0; d < D; ++d) y[t * D + d] = row[d] * inv * w[d];
+    }
+  });
+}
+
+void silu_and_mul_rows(const float* x, float* y, int64_t T, int64_t I) {
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) silu_and_mul_row(x + t * 2 * I, x + t * 2 * I + I, y + t * I, I);
+  });
+}
+
+void rope_rotate_rows(float* x, int64_t T, int64_t H, int64_t D, int64_t row_stride, const float* cos,
+                      const float* sin) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *c = cos + t * D, *s = sin + t * D;
       for (int64_t h = 0; h < H; ++h) {
-        float* v = xp + t * row + h * D;
+        float* v = x + t * row_stride + h * D;
         for (int64_t i = 0; i < half; ++i) {
           const float a = v[i], b = v[i + half];
           v[i] = a * c[i] + -b * s[i];
@@ -138,8 +149,6 @@ void rope_rotate_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     }
   });
 }
-
-}  // namespace
 
 at::Tensor rms_norm_fn(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps); }
 at::Tensor silu_and_mul_fn(const at::Tensor& x) { return silu_and_mul(x); }

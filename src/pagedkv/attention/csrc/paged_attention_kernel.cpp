@@ -36,7 +36,10 @@ using namespace vec;  // NOLINT: the kernel is written in these helpers
 
 constexpr int64_t kPartitionTokens = 256;  // keys per partition (rounded down to whole pages)
 constexpr int64_t kPrefillTile = 4;        // query rows per tile of a multi-token chunk
-constexpr int64_t kMinParallelWork = 1 << 19;  // multiply-adds below which one thread is quicker
+// Multiply-adds below which one thread is quicker. A lone SmolLM2 decode (9 heads of 64, 3 KV
+// heads) at ~200 tokens, ~1.2e5, ran on one thread under the earlier 1 << 19; split over 2
+// threads by KV head it took 355 instead of 520 us of a 3 ms step (AMD EPYC family 26).
+constexpr int64_t kMinParallelWork = 1 << 14;
 constexpr int64_t kMaxGroup = 16;       // query heads per KV head that take update_tile_page (AVX2)
 constexpr int64_t kPairsPerPass = 6;    // (row, head) pairs per V load there: 12 accumulators
 constexpr int64_t kTilePairs = kPrefillTile * kMaxGroup;  // (row, head) pairs of a KV head in a tile
@@ -60,6 +63,7 @@ struct Tile {
 
 struct Item {
   int64_t tile, p_begin, p_end;
+  int64_t g_begin, g_end;  // its KV heads (with their query heads)
 };
 
 // A softmax state is (m, l) in `ml` and acc[D]. noinline: the in-item fold and the
@@ -161,14 +165,32 @@ class Kernel {
     for (int64_t t = 0; t < static_cast<int64_t>(tiles_.size()); ++t) {
       Tile& tl = tiles_[t];
       if (!split || tl.nparts == 1) {
-        items_.push_back({t, 0, tl.nparts});
+        items_.push_back({t, 0, tl.nparts, 0, Hkv_});
         continue;
       }
       tl.scratch = scratch_size_;
       scratch_size_ += tl.nparts * tl.nq * H_ * state_stride();
       split_tiles_.push_back(t);
-      for (int64_t p = 0; p < tl.nparts; ++p) items_.push_back({t, p, p + 1});
+      for (int64_t p = 0; p < tl.nparts; ++p) items_.push_back({t, p, p + 1, 0, Hkv_});
     }
+    split_heads(threads);
+  }
+
+  // Too few items for the threads (one or two short decodes): each decode tile's items go
+  // one KV head (and its query heads) apiece. A (row, head)'s operations do not change.
+  // fp32 pages only: the other kinds convert a whole page (every head) per item.
+  void split_heads(int threads) {
+    if (threads < 2 || Hkv_ == 1 || a_.kv_type != KVType::f32 || static_cast<int64_t>(items_.size()) >= 2 * threads)
+      return;
+    std::vector<Item> by_head;
+    for (const Item& it : items_) {
+      if (tiles_[it.tile].nq != 1) {
+        by_head.push_back(it);
+        continue;
+      }
+      for (int64_t g = 0; g < Hkv_; ++g) by_head.push_back({it.tile, it.p_begin, it.p_end, g, g + 1});
+    }
+    items_.swap(by_head);
   }
 
   // Scores of one query head q [D] against keys 0..n-1 (key j at k + j * stride), scaled
@@ -402,11 +424,19 @@ class Kernel {
     const int64_t* sq = seq(tl.seq);
     const int64_t pos0 = first_pos(tl), last = pos0 + tl.nq - 1;
     const int64_t* table = a_.block_tables + sq[3];
+    const int64_t h0 = it.g_begin * G_, h1 = it.g_end * G_;  // the item's query heads
+    // (row, head) r = i * H_ + h of rows i0.. and the item's heads h
+    const auto for_rows = [&](int64_t i0, auto&& fn) {
+      for (int64_t i = i0; i < tl.nq; ++i)
+        for (int64_t r = i * H_ + h0; r < i * H_ + h1; ++r) fn(r);
+    };
     for (int64_t p = it.p_begin; p < it.p_end; ++p) {
       const int64_t b0 = p * part_pages_, b1 = std::min((p + 1) * part_pages_, last / BS_ + 1);
       const int64_t i0 = std::max<int64_t>(0, b0 * BS_ - pos0);  // first row that sees partition p
-      for (int64_t r = i0 * H_; r < tl.nq * H_; ++r) ws.cur_ml[2 * r] = kNegInf, ws.cur_ml[2 * r + 1] = 0.0f;
-      std::fill(ws.cur_acc.begin() + i0 * H_ * D, ws.cur_acc.begin() + tl.nq * H_ * D, 0.0f);
+      for_rows(i0, [&](int64_t r) {
+        ws.cur_ml[2 * r] = kNegInf, ws.cur_ml[2 * r + 1] = 0.0f;
+        std::fill(ws.cur_acc.begin() + r * D, ws.cur_acc.begin() + (r + 1) * D, 0.0f);
+      });
       const int64_t b_end = std::min(it.p_end * part_pages_, last / BS_ + 1);  // the item's last page + 1
       // pages wholly before the first row's window: no row reads them (a sliding-window table
       // may hold the null page there)
@@ -421,15 +451,11 @@ class Kernel {
         // shuffled pages (AMD EPYC family 25); on AVX-512 (AMD EPYC family 26) adding it sped
         // cold-cache decodes up 1.07-1.21x (64 x 200 and 16 x 2,048 tokens, fp32 and fp16
         // pages; three pages ahead no better than two).
-        if (b + 2 < b_end) {
-          const Prefetch far = prefetch(table[b + 2]);
-          for (int64_t o = 0; o < BS_ * far.slot_bytes; o += 64)
-            __builtin_prefetch(far.k + o, 0, 2), __builtin_prefetch(far.v + o, 0, 2);
-        }
+        if (b + 2 < b_end) prefetch_page(table[b + 2], it);
 #if PAGEDKV_AVX2_ONLY
         if (whole_page(tl, pos0 + i0, last, b)) {
           const int64_t r = i0 * H_;
-          for (int64_t g = 0; g < Hkv_; ++g)
+          for (int64_t g = it.g_begin; g < it.g_end; ++g)
             update_tile_page(a_.q + (sq[0] + tl.q0 + i0) * H_ * D, tl.nq - i0, kp + g * D, vp + g * D,
                              ws.scores.data(), ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D, next, g);
           continue;
@@ -443,14 +469,14 @@ class Kernel {
           const int64_t row = (sq[0] + tl.q0 + i) * H_ * D;
           const float* q = a_.q + row;
           const float* qs = a_.sink_q != nullptr ? a_.sink_q + row : q;
-          for (int64_t g = 0; g < Hkv_; ++g) {
+          for (int64_t g = it.g_begin; g < it.g_end; ++g) {
             const int64_t r = i * H_ + g * G_;
             update_group(q + g * G_ * D, qs + g * G_ * D, kp + g * D, vp + g * D, sink_end, std::min(lo, n), n,
                          ws.scores.data(), ws.cur_ml.data() + 2 * r, ws.cur_acc.data() + r * D, i == i0 ? next : Prefetch{}, g);
           }
         }
       }
-      for (int64_t r = i0 * H_; r < tl.nq * H_; ++r) {
+      for_rows(i0, [&](int64_t r) {
         const float* ml = ws.cur_ml.data() + 2 * r;
         const float* acc = ws.cur_acc.data() + r * D;
         if (tl.scratch >= 0) {
@@ -463,12 +489,26 @@ class Kernel {
         } else {
           fold<NV>(ws.run_ml.data() + 2 * r, ws.run_acc.data() + r * D, ml, acc);
         }
-      }
+      });
     }
     if (tl.scratch >= 0) return;
-    for (int64_t r = 0; r < tl.nq * H_; ++r)
-      finalize<NV>(ws.run_ml.data() + 2 * r, ws.run_acc.data() + r * D,
-                   a_.out + (sq[0] + tl.q0) * H_ * D + r * D);
+    for_rows(0, [&](int64_t r) {
+      finalize<NV>(ws.run_ml.data() + 2 * r, ws.run_acc.data() + r * D, a_.out + (sq[0] + tl.q0) * H_ * D + r * D);
+    });
+  }
+
+  // The page after next into L2, in address order: the whole page, or the item's KV heads of each slot.
+  void prefetch_page(int64_t block, const Item& it) const {
+    const Prefetch far = prefetch(block);
+    if (it.g_begin == 0 && it.g_end == Hkv_) {
+      for (int64_t o = 0; o < BS_ * far.slot_bytes; o += 64)
+        __builtin_prefetch(far.k + o, 0, 2), __builtin_prefetch(far.v + o, 0, 2);
+      return;
+    }
+    for (int64_t j = 0; j < BS_; ++j)
+      for (int64_t o = j * far.slot_bytes + it.g_begin * far.head_bytes; o < j * far.slot_bytes + it.g_end * far.head_bytes;
+           o += 64)
+        __builtin_prefetch(far.k + o, 0, 2), __builtin_prefetch(far.v + o, 0, 2);
   }
 
   // Split mode: fold each (row, head)'s partition states in partition order.

@@ -28,28 +28,35 @@ KVType kv_type(const at::Tensor& t) {
   }
 }
 
-void check_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& info,
-                   const at::Tensor& tables) {
-  for (const at::Tensor* t : {&q, &k, &v, &info, &tables})
+// The caches and metadata for queries [*, H, D].
+void check_caches(int64_t H, int64_t D, const at::Tensor& k, const at::Tensor& v, const at::Tensor& info,
+                  const at::Tensor& tables) {
+  for (const at::Tensor* t : {&k, &v, &info, &tables})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "paged_attention: tensors must be contiguous CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_attention: q must be float32 [T, H, D]");
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
               "paged_attention: k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim] of one dtype");
-  TORCH_CHECK(q.size(2) == k.size(3), "paged_attention: q head_dim ", q.size(2), " != cache head_dim ", k.size(3));
-  TORCH_CHECK(k.size(2) > 0 && q.size(1) % k.size(2) == 0, "paged_attention: num_heads ", q.size(1),
+  TORCH_CHECK(D == k.size(3), "paged_attention: q head_dim ", D, " != cache head_dim ", k.size(3));
+  TORCH_CHECK(k.size(2) > 0 && H % k.size(2) == 0, "paged_attention: num_heads ", H,
               " is not a multiple of num_kv_heads ", k.size(2));
-  TORCH_CHECK(paged_attention_supports_head_dim(q.size(2)), "paged_attention: head_dim ", q.size(2),
+  TORCH_CHECK(paged_attention_supports_head_dim(D), "paged_attention: head_dim ", D,
               " is not supported by the kernel");
   TORCH_CHECK(info.scalar_type() == at::kLong && info.dim() == 2 && info.size(1) == 5,
               "paged_attention: seq_info must be int64 [S, 5]");
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 1, "paged_attention: block_tables must be int64 [N]");
 }
 
-// Each sequence's rows, table slice and block ids must lie inside their tensors.
-void check_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor& info, const at::Tensor& tables) {
+void check_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& info,
+                   const at::Tensor& tables) {
+  TORCH_CHECK(q.device().is_cpu() && q.is_contiguous(), "paged_attention: tensors must be contiguous CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_attention: q must be float32 [T, H, D]");
+  check_caches(q.size(1), q.size(2), k, v, info, tables);
+}
+
+// Each sequence's rows (of T), table slice and block ids must lie inside their tensors.
+void check_sequences(int64_t T, const at::Tensor& k, const at::Tensor& info, const at::Tensor& tables) {
   const int64_t* s = info.data_ptr<int64_t>();
   const int64_t* bt = tables.data_ptr<int64_t>();
-  const int64_t T = q.size(0), nb = k.size(0), bs = k.size(1), n_tables = tables.numel();
+  const int64_t nb = k.size(0), bs = k.size(1), n_tables = tables.numel();
   for (int64_t i = 0; i < info.size(0); ++i, s += 5) {
     const int64_t qs = s[0], ql = s[1], ctx = s[2], off = s[3], len = s[4];
     // written as differences so that huge values cannot wrap around and pass
@@ -98,7 +105,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "paged_attention: sinks must be >= 0 and need a window, got ",
               sinks, " with window ", window);
-  check_sequences(q, k_cache, seq_info, block_tables);
+  check_sequences(q.size(0), k_cache, seq_info, block_tables);
   if (sink_q.has_value()) {
     TORCH_CHECK(sinks > 0, "paged_attention: sink_q scores attention sinks, but sinks is 0");
     TORCH_CHECK(sink_q->sizes() == q.sizes() && sink_q->scalar_type() == at::kFloat && sink_q->is_contiguous() &&
@@ -127,6 +134,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 }  // namespace
+
+void paged_attention_into(const float* q, float* out, int64_t T, int64_t H, int64_t D, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& seq_info, const at::Tensor& block_tables,
+                          double scale, int64_t window, int64_t sinks, const float* sink_q, bool check) {
+  const KVType type = kv_type(k_cache);
+  TORCH_CHECK(!is_quantized(type), "paged_attention_into: unquantized pages only");
+  if (check) {
+    check_caches(H, D, k_cache, v_cache, seq_info, block_tables);
+    TORCH_CHECK(window >= 0 && sinks >= 0 && (sinks == 0 || window > 0),
+                "paged_attention: sinks must be >= 0 and need a window >= 0, got ", sinks, " with window ", window);
+    check_sequences(T, k_cache, seq_info, block_tables);
+  }
+  PagedAttentionArgs a{q, k_cache.data_ptr(), v_cache.data_ptr(), type, {}, {}, seq_info.data_ptr<int64_t>(),
+                       block_tables.data_ptr<int64_t>(), out, seq_info.size(0), H, k_cache.size(2), D,
+                       k_cache.size(1), static_cast<float>(scale), -1, window, sinks, sink_q, 0.0f};
+  at::internal::lazy_init_num_threads();
+  paged_attention_cpu(a);
+}
 
 at::Tensor paged_attention_fn(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& seq_info, const at::Tensor& block_tables, double scale,
