@@ -101,6 +101,13 @@ def test_few_row_factors_split_the_kv_phase_where_contexts_differ():
     few, few_kv = few_row_factors(Parts(), *zip(*samples), rows=8)
     assert few[:2] == pytest.approx((1.2, 0.9)) and few_kv[:2] == pytest.approx((2.5, 0.9))
     assert (few[2], few_kv[2]) == (pytest.approx(0.95), pytest.approx(0.95)) and len(few) == len(few_kv) == 4
+    # past 8 rows an M needs 3 steps: a lone 12-row step decides nothing, three 16-row ones
+    # do, and the factors return to 1 in a straight line at 32
+    batch = samples + [((0.01, 0.001), 12, 12, 0.05)] + [((0.01, 0.001), 16, 16, 0.8 * 0.011)] * 3
+    few, few_kv = few_row_factors(Parts(), *zip(*batch), rows=8)
+    assert len(few) == len(few_kv) == 32 and few[15] == pytest.approx(0.8) and few_kv[15] == pytest.approx(0.8)
+    assert few[11] == pytest.approx(1.0 + (0.8 - 1.0) * 8 / 12)  # between 4 rows (1.0) and 16 (0.8)
+    assert few[23] == pytest.approx(0.9) and few[31] == pytest.approx(1.0)
     # a split that only noise decides (the rest's factor ~0) falls back to one factor; bad times are left out
     noisy = [((1.0, kv), 1, 1, t) for kv, t in ((0.1, 1.0), (0.2, 2.0), (0.1, 1.0), (0.2, 2.0))]
     few, few_kv = few_row_factors(Parts(), *zip(*(noisy + [((1.0, 0.1), 1, 1, 0.0), ((1.0, 0.1), 1, 1, math.nan)])))
@@ -309,7 +316,8 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     r = cal.calibrate(config, quick=True)
     assert r["steps"] >= 10 and 0 < r["efficiency"]["memory"] <= 1.5
     assert r["fit"]["samples"] == r["steps"] and r["reference_s"] > 0
-    assert len(r["efficiency"]["few_row_factors"]) == 8  # the quick profile decodes 1 and 8 requests
+    # the quick profile decodes 1, 8 and 16 requests, three 16-row steps: measured to 16, back to 1 at 32
+    assert len(r["efficiency"]["few_row_factors"]) == 32
     c = cal.cached(config, str(tiny_model_dir))
     eff, cost = c.efficiency, c.cost
     assert (c.bandwidth, c.fp32_flops) == (r["ceilings"]["bandwidth"], r["ceilings"]["fp32_flops"])
