@@ -19,7 +19,8 @@ term at its own fraction of the roofline, plus fixed costs::
               + kv_s / kv_read * few_row_kv[M]
 
 where ``few_row[M]`` and ``few_row_kv[M]`` correct steps of only ``M`` token rows (decodes
-of a few requests), measured per ``M`` (1 for larger steps): on this CPU the GGML-block
+of a few requests; batched decodes of up to 64 where the profile has them), measured per
+``M`` (1 for larger steps, :func:`pagedkv.sim.calibrate.few_row_factors`): on this CPU the GGML-block
 linear kernel widens each weight once per tile of up to 4 activation rows, and once per
 row for a lone row (a single-row step, or the row after whole tiles at 5 and 9 rows;
 ``attention/csrc/ggml_linear.cpp``), so its cost per row is not flat; and a decode of one
