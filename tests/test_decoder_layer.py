@@ -110,3 +110,40 @@ def test_the_stack_is_bit_identical_on_a_long_prompt_with_int8_activations(defau
         assert len(o.prompt_token_ids) > 256
         outs[mode] = (o.token_ids, o.logprobs, o.prompt_logprobs)
     assert outs["stack"] == outs["per-op"]
+
+
+def test_the_stack_checks_every_layer_and_that_every_row_has_a_sequence(default_model_files):
+    """Bad arguments on any layer are refused as the per-layer op refuses them (the stack
+    validates block tables once a step, windows and sinks on every layer), and rows that no
+    sequence covers are refused instead of reading a reused buffer's stale values."""
+    import torch
+    from pagedkv import LLM
+
+    llm = LLM(num_blocks=64, kv_eviction="streaming", kv_window_tokens=32, num_sink_tokens=4)
+    model, calls = llm.engine.model, []
+    stack = model._forward_stack
+
+    def capture(op, *a):
+        return stack(lambda *args: calls.append(args) or op(*args), *a)
+    model._forward_stack = capture
+    llm.generate(["dragon " * 60], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    args = list(calls[0])  # the prefill: 60-odd rows of one sequence
+    names = {"windows": 18, "sinks": 19, "sink_cos": 20, "seq_info": 15}
+    layers = len(args[1])
+    op = torch.ops.pagedkv.decoder_stack
+    assert op(*args).shape == args[0].shape
+
+    def refused(match, **changes):
+        bad = list(args)
+        for name, value in changes.items():
+            bad[names[name]] = value
+        with pytest.raises(RuntimeError, match=match):
+            op(*bad)
+
+    refused("window must be >= 0", windows=[32, -5] + [32] * (layers - 2))
+    refused("need a window", windows=[32, 0] + [32] * (layers - 2))
+    refused("sinks is 0", sinks=0)
+    short = args[15].clone()
+    short[0, 1] -= 1  # the sequence's last row belongs to no sequence
+    short[0, 2] -= 1
+    refused("belongs to no sequence", seq_info=short)

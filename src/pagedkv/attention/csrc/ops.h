@@ -27,8 +27,8 @@ void rope_rotate_rows(float* x, int64_t T, int64_t H, int64_t D, int64_t row_str
                       const float* sin);
 void ggml_a8_linear_into(const float* x, int64_t M, int64_t K, const at::Tensor& packed, int64_t qtype, int64_t n,
                          float* y);  // AVX2/AVX-512 builds only
-// q, out [T, H, D]; unquantized pages; check: validate the caches, metadata and block ids
-// (once per step is enough: every layer of a stack shares them)
+// q, out [T, H, D]; unquantized pages; check: validate the sequences' rows (they must cover
+// all T rows) and block ids (once per step is enough: every layer of a stack shares them)
 void paged_attention_into(const float* q, float* out, int64_t T, int64_t H, int64_t D, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& seq_info, const at::Tensor& block_tables,
                           double scale, int64_t window, int64_t sinks, const float* sink_q, bool check);

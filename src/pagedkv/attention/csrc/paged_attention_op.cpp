@@ -12,6 +12,9 @@
 #include "ops.h"
 #include "paged_attention.h"
 
+#include <algorithm>
+#include <vector>
+
 namespace pagedkv {
 namespace {
 
@@ -140,11 +143,23 @@ void paged_attention_into(const float* q, float* out, int64_t T, int64_t H, int6
                           double scale, int64_t window, int64_t sinks, const float* sink_q, bool check) {
   const KVType type = kv_type(k_cache);
   TORCH_CHECK(!is_quantized(type), "paged_attention_into: unquantized pages only");
+  check_caches(H, D, k_cache, v_cache, seq_info, block_tables);
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "paged_attention: sinks must be >= 0 and need a window, got ",
+              sinks, " with window ", window);
+  TORCH_CHECK(sink_q == nullptr || sinks > 0, "paged_attention: sink_q scores attention sinks, but sinks is 0");
   if (check) {
-    check_caches(H, D, k_cache, v_cache, seq_info, block_tables);
-    TORCH_CHECK(window >= 0 && sinks >= 0 && (sinks == 0 || window > 0),
-                "paged_attention: sinks must be >= 0 and need a window >= 0, got ", sinks, " with window ", window);
     check_sequences(T, k_cache, seq_info, block_tables);
+    // every row of the buffers belongs to exactly one sequence: none is left unwritten
+    std::vector<char> seen(T, 0);
+    const int64_t* s = seq_info.data_ptr<int64_t>();
+    for (int64_t i = 0; i < seq_info.size(0); ++i, s += 5)
+      for (int64_t r = s[0]; r < s[0] + s[1]; ++r) {
+        TORCH_CHECK(!seen[r], "paged_attention: row ", r, " belongs to two sequences");
+        seen[r] = 1;
+      }
+    const auto gap = std::find(seen.begin(), seen.end(), 0);
+    TORCH_CHECK(gap == seen.end(), "paged_attention: row ", gap - seen.begin(), " of ", T, " belongs to no sequence");
   }
   PagedAttentionArgs a{q, k_cache.data_ptr(), v_cache.data_ptr(), type, {}, {}, seq_info.data_ptr<int64_t>(),
                        block_tables.data_ptr<int64_t>(), out, seq_info.size(0), H, k_cache.size(2), D,
