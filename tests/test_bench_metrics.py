@@ -178,6 +178,17 @@ def test_ratio_and_goal_bookkeeping():
     assert math.isclose(report.flatten({"a": {"b": 1, "c": "s"}, "d": True})["a.b"], 1)
 
 
+def test_goal_verdicts_carry_a_caution_when_others_used_the_cpus():
+    res = report.new_result("latency", {})
+    res["runs"] += [{"system": "x", "repeat": 0, "metrics": {}, "roofline": {}, "load": {"others_cpu_share": 0.02}},
+                    {"system": "x", "repeat": 1, "metrics": {}, "roofline": {}, "load": {"others_cpu_share": None}}]
+    report.add_goal(res, "fraction of the bound", 0.9, 0.8)
+    assert "caution" not in report.goals_text(res)  # 2%: a quiet machine
+    res["runs"][1]["load"]["others_cpu_share"] = 0.47
+    text = report.goals_text(res)
+    assert text.splitlines()[0].startswith("fraction of the bound: median 0.9") and "up to 47% of the CPUs" in text
+
+
 def test_best_run_and_best_ratio():
     res = report.new_result("throughput", {})
     for rep, (a, b) in enumerate([(10.0, 2.0), (30.0, 3.0), (12.0, 4.0)]):

@@ -173,7 +173,13 @@ def markdown_table(result: dict, section: str = "summary") -> str:
     return "\n".join(rows)
 
 
+BUSY_SHARE = 0.10  # others' CPU share of a run above which its goal verdicts get a caution
+
+
 def goals_text(result: dict) -> str:
+    """One line per goal; a caution after them where other processes used more than
+    :data:`BUSY_SHARE` of the CPUs in a run (they slow the runs and the machine probe that
+    the roofline fractions divide by, so a verdict can flip either way)."""
     lines = []
     for g in result["goals"]:
         state = {True: "MET", False: "NOT MET", None: "not measured"}[g["met"]]
@@ -182,6 +188,12 @@ def goals_text(result: dict) -> str:
                                                  f"{'MET' if g['met_by_best'] else 'NOT MET'}")
         lines.append(f"{g['name']}: median {m} (goal {g['direction']} {g['target']:g}) {state}{best}"
                      + (f" - {g['note']}" if g["note"] else ""))
+    shares = [(r.get("load") or {}).get("others_cpu_share") for r in result["runs"]]
+    busiest = max((x for x in shares if x is not None), default=None)
+    if lines and busiest is not None and busiest > BUSY_SHARE:
+        lines.append(f"caution: other processes used up to {100 * busiest:.0f}% of the CPUs during these runs; "
+                     "they slow the runs and the machine probe the roofline fractions divide by, so these "
+                     "verdicts may be off either way (rerun on a quiet machine)")
     return "\n".join(lines)
 
 
