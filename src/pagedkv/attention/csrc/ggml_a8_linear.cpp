@@ -411,9 +411,6 @@ at::Tensor ggml_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
 }  // namespace
 
 #ifdef PAGEDKV_GGML_A8
-at::Tensor ggml_a8_linear_fn(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
-  return ggml_a8_linear(x, packed, qtype, n);
-}
 void ggml_a8_linear_into(const float* x, int64_t M, int64_t K, const at::Tensor& packed, int64_t qtype, int64_t n,
                          float* y) {
   check_packed(packed, qtype, K, n);

@@ -150,9 +150,6 @@ void rope_rotate_rows(float* x, int64_t T, int64_t H, int64_t D, int64_t row_str
   });
 }
 
-at::Tensor rms_norm_fn(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps); }
-at::Tensor silu_and_mul_fn(const at::Tensor& x) { return silu_and_mul(x); }
-void rope_rotate_fn(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) { rope_rotate_(x, cos, sin); }
 
 }  // namespace pagedkv
 

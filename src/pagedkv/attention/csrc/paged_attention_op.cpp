@@ -55,6 +55,14 @@ void check_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check_caches(q.size(1), q.size(2), k, v, info, tables);
 }
 
+// A window >= 0 (0: none), sinks only with one, sink queries only with sinks.
+void check_window(int64_t window, int64_t sinks, bool sink_q) {
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "paged_attention: sinks must be >= 0 and need a window, got ",
+              sinks, " with window ", window);
+  TORCH_CHECK(!sink_q || sinks > 0, "paged_attention: sink_q scores attention sinks, but sinks is 0");
+}
+
 // Each sequence's rows (of T), table slice and block ids must lie inside their tensors.
 void check_sequences(int64_t T, const at::Tensor& k, const at::Tensor& info, const at::Tensor& tables) {
   const int64_t* s = info.data_ptr<int64_t>();
@@ -105,12 +113,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_q, double softcap) {
   check_tensors(q, k_cache, v_cache, seq_info, block_tables);
   TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
-  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
-  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "paged_attention: sinks must be >= 0 and need a window, got ",
-              sinks, " with window ", window);
+  check_window(window, sinks, sink_q.has_value());
   check_sequences(q.size(0), k_cache, seq_info, block_tables);
   if (sink_q.has_value()) {
-    TORCH_CHECK(sinks > 0, "paged_attention: sink_q scores attention sinks, but sinks is 0");
     TORCH_CHECK(sink_q->sizes() == q.sizes() && sink_q->scalar_type() == at::kFloat && sink_q->is_contiguous() &&
                     sink_q->device() == q.device(),
                 "paged_attention: sink_q must be a contiguous float32 tensor shaped like q ", q.sizes(), ", got ",
@@ -144,10 +149,7 @@ void paged_attention_into(const float* q, float* out, int64_t T, int64_t H, int6
   const KVType type = kv_type(k_cache);
   TORCH_CHECK(!is_quantized(type), "paged_attention_into: unquantized pages only");
   check_caches(H, D, k_cache, v_cache, seq_info, block_tables);
-  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
-  TORCH_CHECK(sinks >= 0 && (sinks == 0 || window > 0), "paged_attention: sinks must be >= 0 and need a window, got ",
-              sinks, " with window ", window);
-  TORCH_CHECK(sink_q == nullptr || sinks > 0, "paged_attention: sink_q scores attention sinks, but sinks is 0");
+  check_window(window, sinks, sink_q != nullptr);
   if (check) {
     check_sequences(T, k_cache, seq_info, block_tables);
     // every row of the buffers belongs to exactly one sequence: none is left unwritten
@@ -166,13 +168,6 @@ void paged_attention_into(const float* q, float* out, int64_t T, int64_t H, int6
                        k_cache.size(1), static_cast<float>(scale), -1, window, sinks, sink_q, 0.0f};
   at::internal::lazy_init_num_threads();
   paged_attention_cpu(a);
-}
-
-at::Tensor paged_attention_fn(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Tensor& seq_info, const at::Tensor& block_tables, double scale,
-                              int64_t window, int64_t sinks, const c10::optional<at::Tensor>& sink_q) {
-  return paged_attention(q, k_cache, v_cache, seq_info, block_tables, scale, -1, c10::nullopt, c10::nullopt, window,
-                         sinks, sink_q, 0.0);
 }
 
 }  // namespace pagedkv
