@@ -90,3 +90,45 @@ def test_reference_mode_uses_torch(monkeypatch):
     assert torch.equal(rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6))
     gate, up = torch.randn(3, 128).chunk(2, dim=-1)
     assert torch.equal(silu_and_mul(torch.cat([gate, up], -1)), F.silu(gate) * up)
+
+
+def _argmax_cases(rows: int, vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rows * vocab)
+    cases = [torch.randn(rows, vocab, generator=g), torch.randint(-2, 2, (rows, vocab), generator=g).float()]
+    bad = torch.randn(rows, vocab, generator=g)
+    bad[0, torch.randint(0, vocab, (3,), generator=g)] = float("nan")
+    bad[-1, torch.randint(0, vocab, (2,), generator=g)] = float("inf")
+    cases.append(bad)
+    cases.append(torch.full((rows, vocab), float("-inf")))
+    edge = torch.full((rows, vocab), float("-inf"))
+    edge[:, -1] = 3.0          # the maximum in the tail after the last whole chunk
+    edge[0, 0] = float("nan")  # a NaN first
+    cases.append(edge)
+    late = torch.zeros(rows, vocab)
+    late[:, vocab // 2:] = 1.0
+    late[-1, -1] = float("nan")  # a NaN after the maximum
+    cases.append(late)
+    return cases
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (20, 1000), (3, 7), (2, 128), (4, 129), (9, 257)])
+def test_greedy_argmax_is_torch_argmax(rows, vocab):
+    """The one-pass greedy pick equals torch.argmax (first maximum on ties, first NaN, +inf,
+    all -inf rows, tails past the last 128-float chunk) and flags non-finite picks; the
+    sampler's helper gives the same on the kernel and in torch."""
+    from pagedkv.engine.sampler import greedy_picks
+
+    for x in _argmax_cases(rows, vocab):
+        best, finite = torch.ops.pagedkv.greedy_argmax(x)
+        ref = torch.argmax(x, dim=-1)
+        assert torch.equal(best, ref)
+        assert torch.equal(finite, torch.isfinite(x.gather(1, ref.unsqueeze(1))).squeeze(1))
+        assert greedy_picks(x) == (ref.tolist(), finite.tolist())
+        assert greedy_picks(x[:, ::1].t().contiguous().t()) == (ref.tolist(), finite.tolist())  # strided: torch
+
+
+def test_greedy_argmax_refuses_bad_logits():
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.pagedkv.greedy_argmax(torch.zeros(2, 5, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"\[n, V\]"):
+        torch.ops.pagedkv.greedy_argmax(torch.zeros(5))
