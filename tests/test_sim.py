@@ -64,9 +64,20 @@ def test_efficiency_factors_and_overheads():
                                                             few_row_factors=(2.0,), few_row_kv_factors=(3.0,)))
     w, mm, kv, attn = plain.phases(one)
     assert phased_few.seconds(one, 1) == pytest.approx(2 * (max(w, mm) / 0.5 + attn / 0.1) + 3 * kv / 0.25)
+    # a lone prefill takes prefill[M] (straight in log M between anchors, the end's past them),
+    # a decode step few_row[M], a step mixing prefill and decodes neither
+    pre = StepCost(cost, dev, "bfloat16", Efficiency(few_row_factors=(2.0,) * 64, prefill_factors=((16, 0.5), (64, 0.9))))
+    lone = {m: StepWork(m, 1, m, m * (m + 1) // 2) for m in (8, 16, 32, 64, 500)}
+    got = {m: pre.seconds(w, 1) / plain.seconds(w, 1) for m, w in lone.items()}
+    assert got == pytest.approx({8: 0.5, 16: 0.5, 32: 0.7, 64: 0.9, 500: 0.9})
+    mixed = StepWork(40, 4, 400, 1000)
+    assert pre.seconds(mixed, 4) == pytest.approx(plain.seconds(mixed, 4))
+    assert pre.seconds(two, 2) == pytest.approx(2 * plain.seconds(two, 2))
     for bad in (dict(memory=0), dict(compute=2.0), dict(step_overhead_s=-1), dict(kv_read=0.5),
                 dict(few_row_factors=(1.0, 0.0)), dict(few_row_kv_factors=(-1.0,)),
-                dict(kv_read=0.5, attention=0.0)):
+                dict(kv_read=0.5, attention=0.0), dict(prefill_factors=((64, 1.0), (16, 1.0))),
+                dict(prefill_factors=((16, 0.0),)), dict(prefill_factors=((True, 1.0),)),
+                dict(prefill_factors=((16.5, 1.0),)), dict(prefill_factors=(1.0, 2.0))):
         with pytest.raises(ValueError):
             Efficiency(**bad)
 
@@ -108,10 +119,30 @@ def test_few_row_factors_split_the_kv_phase_where_contexts_differ():
     assert len(few) == len(few_kv) == 32 and few[15] == pytest.approx(0.8) and few_kv[15] == pytest.approx(0.8)
     assert few[11] == pytest.approx(1.0 + (0.8 - 1.0) * 8 / 12)  # between 4 rows (1.0) and 16 (0.8)
     assert few[23] == pytest.approx(0.9) and few[31] == pytest.approx(1.0)
+    # a prefill chunk of M tokens (fewer requests than rows) is not a decode of M rows
+    with_prefill = samples + [((0.006, 0.0004), 1, 2, 10 * 0.0064), ((0.006, 0.0004), 1, 2, 10 * 0.0064)]
+    assert few_row_factors(Parts(), *zip(*with_prefill), rows=8) == few_row_factors(Parts(), *zip(*samples), rows=8)
     # a split that only noise decides (the rest's factor ~0) falls back to one factor; bad times are left out
     noisy = [((1.0, kv), 1, 1, t) for kv, t in ((0.1, 1.0), (0.2, 2.0), (0.1, 1.0), (0.2, 2.0))]
     few, few_kv = few_row_factors(Parts(), *zip(*(noisy + [((1.0, 0.1), 1, 1, 0.0), ((1.0, 0.1), 1, 1, math.nan)])))
     assert few == few_kv == (pytest.approx(statistics.median([1 / 1.1, 2 / 1.2] * 2)),)
+
+
+def test_prefill_factors_come_from_lone_prefills():
+    """One anchor per token count of one-request prefills (the median of measured / modelled),
+    ascending; decodes, several requests' prefills and bad times are left out."""
+    from pagedkv.sim.calibrate import prefill_factors
+
+    class Parts:
+        def parts(self, ph, n):
+            return ph[0], ph[1]
+
+    samples = [((0.09, 0.01), 1, 256, 0.08), ((0.09, 0.01), 1, 256, 0.12), ((0.09, 0.01), 1, 256, 0.11),
+               ((0.018, 0.002), 1, 32, 0.03), ((0.01, 0.0), 1, 1, 0.5), ((0.1, 0.0), 4, 256, 0.5),
+               ((0.01, 0.0), 1, 64, math.inf), ((0.01, 0.0), 1, 64, 0.0)]
+    got = prefill_factors(Parts(), *zip(*samples))
+    assert [m for m, _ in got] == [32, 256] and [f for _, f in got] == pytest.approx([1.5, 1.1])
+    assert prefill_factors(Parts(), *zip(*samples[4:])) == ()
 
 
 # ---- workloads ------------------------------------------------------------------------
@@ -318,6 +349,7 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     assert r["fit"]["samples"] == r["steps"] and r["reference_s"] > 0
     # the quick profile decodes 1, 8 and 16 requests, three 16-row steps: measured to 16, back to 1 at 32
     assert len(r["efficiency"]["few_row_factors"]) == 32
+    assert [m for m, _ in r["efficiency"]["prefill_factors"]] == [16, 128]  # the quick profile's lone prefills
     c = cal.cached(config, str(tiny_model_dir))
     eff, cost = c.efficiency, c.cost
     assert (c.bandwidth, c.fp32_flops) == (r["ceilings"]["bandwidth"], r["ceilings"]["fp32_flops"])

@@ -4,7 +4,8 @@ A short profile of the real engine (:class:`~pagedkv.engine.engine.LLMEngine`, d
 the benchmark driver after a warm-up) covers the shapes a serving run mixes:
 
 - prefill: one prompt each of :data:`PREFILL_LENS` tokens (chunks up to
-  ``max_num_batched_tokens``);
+  ``max_num_batched_tokens``), which also give the prefill corrections
+  (:func:`prefill_factors`);
 - decode: :data:`DECODE_SHAPES` (requests at once, prompt tokens), :data:`DECODE_STEPS`
   tokens each (the first step of each batch is a batched prefill); the 1-5 request decodes
   at two context lengths and the 8-request one also give the few-row corrections
@@ -47,7 +48,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.planner.roofline import ModelCost
 from pagedkv.sim.cost import Efficiency
 
-PREFILL_LENS = (16, 64, 256, 1024, 2048)
+PREFILL_LENS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 1024, 2048)
 DECODE_SHAPES = ((1, 64), (2, 64), (3, 64), (4, 64), (5, 64), (1, 512), (2, 512), (3, 512), (4, 512), (5, 512),
                  (16, 64), (48, 64), (64, 192), (8, 512), (32, 256))
 DECODE_STEPS = 12
@@ -132,7 +133,8 @@ def _parse(entry) -> Calibration | None:
 def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS,
                     batch_rows: int = BATCH_ROWS) -> tuple[tuple, tuple]:
     """``(few_row, few_row_kv)`` factors (:class:`~pagedkv.sim.cost.Efficiency`) per ``M = 1
-    .. rows`` token rows, from the profiled steps of exactly ``M`` rows: with ``(rest, kv)``
+    .. rows`` token rows, from the profiled decode steps of exactly ``M`` rows (one per
+    request: a prefill chunk of ``M`` tokens is priced by :func:`prefill_factors`): with ``(rest, kv)``
     each step's modelled parts (:meth:`~pagedkv.sim.cost.StepCost.parts`), the non-negative
     ``(a, b)`` minimizing the relative error of ``a * rest + b * kv`` where the steps read KV
     of at least two sizes (a factor of 2 apart, 4 steps or more) and both lie within
@@ -149,7 +151,7 @@ def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS,
     factors = {}
     for m in range(1, max(rows, batch_rows) + 1):
         got = [(cost.parts(ph, n), t) for ph, n, k, t in zip(phases, reqs, tokens, secs)
-               if k == m and 0 < t < math.inf]
+               if k == m == n and 0 < t < math.inf]
         if not got or (m > rows and len(got) < MIN_BATCH_STEPS):
             continue
         r = statistics.median(t / (rest + kv) for (rest, kv), t in got)
@@ -175,6 +177,19 @@ def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS,
         f_lo, f_hi = factors[lo], factors[hi]
         out.append(f_lo if lo == hi else tuple(a + (b - a) * (m - lo) / (hi - lo) for a, b in zip(f_lo, f_hi)))
     return tuple(a for a, _ in out), tuple(b for _, b in out)
+
+
+def prefill_factors(cost, phases, reqs, tokens, secs) -> tuple[tuple[int, float], ...]:
+    """``(M, prefill[M])`` anchors (:class:`~pagedkv.sim.cost.Efficiency`): for each token
+    count ``M`` of the profile's lone prefills (one request, ``M`` > 1 rows), the median of
+    measured / modelled seconds over its steps (without the factors; ``cost`` is a
+    :class:`~pagedkv.sim.cost.StepCost`). Steps without a positive, finite time are left out."""
+    got: dict[int, list[float]] = {}
+    for ph, n, k, t in zip(phases, reqs, tokens, secs):
+        if n == 1 and k > 1 and 0 < t < math.inf:
+            rest, kv = cost.parts(ph, n)
+            got.setdefault(k, []).append(t / (rest + kv))
+    return tuple((k, statistics.median(v)) for k, v in sorted(got.items()))
 
 
 REFERENCE = ((1, 64), (16, 64))  # decode shapes of the drift probe, after one 256-token prefill
@@ -249,7 +264,8 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
                             f"{100 * f.median_abs_rel_error:.1f}%, max {100 * f.max_abs_rel_error:.1f}%)")
     probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
     few, few_kv = few_row_factors(probe_eff, phases, reqs, tokens, secs)
-    eff = replace(eff, few_row_factors=few, few_row_kv_factors=few_kv)
+    eff = replace(eff, few_row_factors=few, few_row_kv_factors=few_kv,
+                  prefill_factors=prefill_factors(probe_eff, phases, reqs, tokens, secs))
     probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
     key = calibration_key(config, engine.config.model)
     entry = {"efficiency": eff.to_dict(), "cost": cost.to_dict(), "fit": asdict(f),

@@ -18,9 +18,16 @@ term at its own fraction of the roofline, plus fixed costs::
                + step_overhead_s + request_overhead_s * requests in the step) * few_row[M]
               + kv_s / kv_read * few_row_kv[M]
 
-where ``few_row[M]`` and ``few_row_kv[M]`` correct steps of only ``M`` token rows (decodes
-of a few requests; batched decodes of up to 64 where the profile has them), measured per
-``M`` (1 for larger steps, :func:`pagedkv.sim.calibrate.few_row_factors`): on this CPU the GGML-block
+where ``few_row[M]`` and ``few_row_kv[M]`` correct decode steps of ``M`` requests (a few;
+batched decodes of up to 64 where the profile has them), measured per ``M`` (1 for larger
+steps, :func:`pagedkv.sim.calibrate.few_row_factors`); one request's prefill chunk alone (an
+arrival at an idle engine) takes ``prefill[M]`` for both instead, interpolated in ``log M``
+between the token counts of the profile's lone prefills
+(:func:`pagedkv.sim.calibrate.prefill_factors`; 1 where none were measured), and a step
+mixing prefill chunks with other requests none: a 48-row decode's factor priced a 50-token
+prefill ~14% fast, and the batch-fitted terms priced lone 96-256-token prefills ~10% slow,
+while steps of several requests' prefills fitted better uncorrected than with either
+(AMD EPYC family 26, 2026-12-05). On this CPU the GGML-block
 linear kernel widens each weight once per tile of up to 4 activation rows, and once per
 row for a lone row (a single-row step, or the row after whole tiles at 5 and 9 rows;
 ``attention/csrc/ggml_linear.cpp``), so its cost per row is not flat; and a decode of one
@@ -31,6 +38,7 @@ is a roofline term.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import asdict, dataclass
 
@@ -61,6 +69,8 @@ class Efficiency:
             (each > 0); ``()``: none (1 for every step).
         few_row_kv_factors: the ``few_row_kv[M]`` factors (each > 0); ``()``: the KV term
             takes ``few_row[M]`` too.
+        prefill_factors: ``(M, prefill[M])`` anchors, ``M`` ascending token rows (each
+            factor > 0); ``()``: none.
         step_overhead_s: seconds every step adds (scheduling, launches, sampling), >= 0.
         request_overhead_s: seconds each request in the step adds (per-sequence
             metadata, Python), >= 0.
@@ -78,6 +88,7 @@ class Efficiency:
     attention: float | None = None
     few_row_factors: tuple[float, ...] = ()
     few_row_kv_factors: tuple[float, ...] = ()
+    prefill_factors: tuple[tuple[int, float], ...] = ()
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     source: str = "roofline (no efficiency factors, no overheads)"
@@ -96,6 +107,7 @@ class Efficiency:
             if not isinstance(v, (list, tuple)) or not all(_real(f) and 0 < f <= MAX_FEW_ROW_FACTOR for f in v):
                 raise ValueError(f"{name} must be a list of numbers in (0, {MAX_FEW_ROW_FACTOR:g}], got {v!r}")
             object.__setattr__(self, name, tuple(float(f) for f in v))
+        object.__setattr__(self, "prefill_factors", _anchors(self.prefill_factors))
         for name in ("step_overhead_s", "request_overhead_s"):
             v = getattr(self, name)
             if not (_real(v) and 0.0 <= v <= MAX_OVERHEAD_S):
@@ -104,12 +116,44 @@ class Efficiency:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def correction(self, tokens: int, num_requests: int) -> tuple[float, float]:
+        """The factors of a step's ``(rest, kv)`` parts: ``prefill[M]`` for one request's
+        prefill chunk alone, ``few_row`` for a decode step, 1 for a mixed one."""
+        if num_requests == 1 and tokens > 1 and self.prefill_factors:
+            f = _interpolate_log(self.prefill_factors, tokens)
+            return f, f
+        return self.few_row(tokens) if tokens == num_requests else (1.0, 1.0)
+
     def few_row(self, tokens: int) -> tuple[float, float]:
         """``(few_row[M], few_row_kv[M])`` for a step of ``tokens`` rows (1 past the tables)."""
         few = self.few_row_factors[tokens - 1] if 0 < tokens <= len(self.few_row_factors) else 1.0
         if not self.few_row_kv_factors:
             return few, few
         return few, self.few_row_kv_factors[tokens - 1] if 0 < tokens <= len(self.few_row_kv_factors) else 1.0
+
+
+def _anchors(v) -> tuple[tuple[int, float], ...]:
+    """``(M, factor)`` pairs: M positive and ascending, factors in (0, MAX_FEW_ROW_FACTOR]."""
+    bad = ValueError(f"prefill_factors must be (token rows, factor) pairs, rows ascending and factors in "
+                     f"(0, {MAX_FEW_ROW_FACTOR:g}], got {v!r}")
+    if not isinstance(v, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v):
+        raise bad
+    out = tuple((p[0], p[1]) for p in v)
+    if not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 and _real(f) and 0 < f <= MAX_FEW_ROW_FACTOR
+               for m, f in out) or any(a[0] >= b[0] for a, b in zip(out, out[1:])):
+        raise bad
+    return tuple((m, float(f)) for m, f in out)
+
+
+def _interpolate_log(anchors: tuple[tuple[int, float], ...], m: int) -> float:
+    """The factor at ``m`` rows: straight between the anchors around it in ``log m``, the
+    nearest end's past them."""
+    if m <= anchors[0][0]:
+        return anchors[0][1]
+    for (m0, f0), (m1, f1) in zip(anchors, anchors[1:]):
+        if m <= m1:
+            return f0 + (f1 - f0) * math.log(m / m0) / math.log(m1 / m0)
+    return anchors[-1][1]
 
 
 @dataclass(frozen=True)
@@ -149,7 +193,7 @@ class StepCost:
         """Modelled seconds of a step of ``tokens`` rows with these :meth:`phases` (see the
         module docstring), plus its tensor-parallel all-reduces (:meth:`allreduce_seconds`)."""
         rest, kv = self.parts(phases, num_requests)
-        few, few_kv = self.efficiency.few_row(tokens)
+        few, few_kv = self.efficiency.correction(tokens, num_requests)
         return few * rest + few_kv * kv + self.allreduce_seconds(tokens)
 
     def allreduce_seconds(self, tokens: int) -> float:
