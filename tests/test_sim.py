@@ -194,6 +194,27 @@ def test_simulate_a_70b_model_on_a100s():
     assert r.timeline["waiting"][0] > 0 and r.timeline["waiting"][-1] == 0  # a burst queues, then drains
 
 
+def test_the_first_step_after_an_idle_wait_pays_the_wake_up():
+    """Efficiency.idle_wake_s lands on the first step after the engine sat idle (the driver
+    waited >= IDLE_WAKE_AFTER_S for an arrival), not on a request arriving at the start or
+    while others run."""
+    from pagedkv.bench.workloads import BenchRequest
+
+    def reqs(gap):
+        return [BenchRequest((5,) * 64, 4, 4, arrival_s=a) for a in (0.0, 0.001, gap)]
+
+    def ttfts(wake, gap):
+        eff = Efficiency(step_overhead_s=0.002, idle_wake_s=wake)
+        r = simulate("llama-3-8b", "a100-80gb-sxm4", workload=reqs(gap), efficiency=eff)
+        return [x.ttft for x in r.run.records]  # in completion order: the arrivals' here
+
+    base, woken = ttfts(0.0, 5.0), ttfts(0.5, 5.0)
+    assert woken[:2] == pytest.approx(base[:2]) and woken[2] == pytest.approx(base[2] + 0.5)
+    assert ttfts(0.5, 0.01) == pytest.approx(ttfts(0.0, 0.01))  # no idle wait: no wake-up
+    with pytest.raises(ValueError):
+        Efficiency(idle_wake_s=-0.1)
+
+
 def test_gemma2s_hybrid_pages_double_the_pool_as_in_the_engine():
     """Gemma 2's window and full layers share pages (one group's layers per page), so the
     same memory holds twice the pages; the contiguous allocator (one group) keeps whole-layer
@@ -350,6 +371,7 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     # the quick profile decodes 1, 8 and 16 requests, three 16-row steps: measured to 16, back to 1 at 32
     assert len(r["efficiency"]["few_row_factors"]) == 32
     assert [m for m, _ in r["efficiency"]["prefill_factors"]] == [16, 128]  # the quick profile's lone prefills
+    assert r["efficiency"]["idle_wake_s"] >= 0
     c = cal.cached(config, str(tiny_model_dir))
     eff, cost = c.efficiency, c.cost
     assert (c.bandwidth, c.fp32_flops) == (r["ceilings"]["bandwidth"], r["ceilings"]["fp32_flops"])

@@ -11,9 +11,13 @@ the benchmark driver after a warm-up) covers the shapes a serving run mixes:
   at two context lengths and the 8-request one also give the few-row corrections
   (:func:`few_row_factors`).
 
-The profile runs :data:`REPEATS` times and each step's time is the median over the repeats
-(the schedule is the same every time; a shared machine's noise only slows a step down, but
-a median resists one slow repeat without trusting one lucky one).
+The profile runs :data:`REPEATS` times, round robin (a group's repeats a whole profile
+apart: back to back, one fast or slow minute set all three, and lone prefills of 192 and 256
+tokens came out 30% faster than their neighbours in one sitting and not in the next), and
+each step's time is the median over the repeats (the schedule is the same every time; a
+shared machine's noise only slows a step down, but a median resists one slow repeat without
+trusting one lucky one). Last, :func:`idle_wake_seconds` measures what a step pays for
+starting after the engine sat idle.
 
 Every step's roofline terms are counted with the loaded model's own cost (weight bytes
 as stored, :func:`pagedkv.bench.roofline.model_cost`) on this machine's measured
@@ -192,6 +196,31 @@ def prefill_factors(cost, phases, reqs, tokens, secs) -> tuple[tuple[int, float]
     return tuple((k, statistics.median(v)) for k, v in sorted(got.items()))
 
 
+IDLE_WAKE_PAIRS = 6
+IDLE_S = 0.2  # the idle wait before a wake-up probe (penalties measured at 0.1-1 s: alike)
+
+
+def idle_wake_seconds(engine, pairs: int = IDLE_WAKE_PAIRS, idle_s: float = IDLE_S) -> float:
+    """Seconds a lone 64-token prefill takes longer when the engine sat idle ``idle_s``
+    before it than right after another step (``pairs`` of each, alternating; the difference
+    of the medians, at least 0): on this VM 2.2-3.5 ms after 0.1-1 s idle, alike at 50 and
+    200 tokens (AMD EPYC family 26, 2026-12-05), a wake-up cost, not a rate. The simulator
+    adds it to the first step after an idle wait (:data:`pagedkv.sim.runner.IDLE_WAKE_AFTER_S`)."""
+    import time
+
+    from pagedkv.bench.driver import drive
+
+    rng = random.Random(2)
+    busy, woken = [], []
+    for _ in range(pairs):
+        for idle, sink in ((False, busy), (True, woken)):
+            engine.reset_prefix_cache()
+            if idle:
+                time.sleep(idle_s)
+            sink.append(drive(engine, [_request(rng, 64, 1)], sample_waste=False).step_seconds[0])
+    return max(0.0, statistics.median(woken) - statistics.median(busy))
+
+
 REFERENCE = ((1, 64), (16, 64))  # decode shapes of the drift probe, after one 256-token prefill
 
 
@@ -246,11 +275,13 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
     cost, dev = model_cost(engine), cpu_device(fresh=True, save=save)  # this sitting's ceilings
     probe = StepCost(cost, dev, "int8" if config.activation_dtype == "int8" else "float32")
     phases, reqs, tokens, secs = [], [], [], []
-    for group in profile_workload(quick):
-        runs = []
-        for _ in range(repeats):
+    groups = profile_workload(quick)
+    repeated = [[] for _ in groups]
+    for _ in range(repeats):  # round robin: a group's repeats a whole profile apart, not in one minute
+        for group, runs in zip(groups, repeated):
             engine.reset_prefix_cache()
             runs.append(drive(engine, group, sample_waste=False))
+    for runs in repeated:
         for i, (work, n) in enumerate(zip(runs[0].steps, runs[0].running)):
             phases.append(probe.phases(work))
             reqs.append(n)
@@ -265,7 +296,8 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
     probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
     few, few_kv = few_row_factors(probe_eff, phases, reqs, tokens, secs)
     eff = replace(eff, few_row_factors=few, few_row_kv_factors=few_kv,
-                  prefill_factors=prefill_factors(probe_eff, phases, reqs, tokens, secs))
+                  prefill_factors=prefill_factors(probe_eff, phases, reqs, tokens, secs),
+                  idle_wake_s=idle_wake_seconds(engine, 2 if quick else IDLE_WAKE_PAIRS))
     probe_eff = StepCost(cost, dev, probe.compute_dtype, eff)
     key = calibration_key(config, engine.config.model)
     entry = {"efficiency": eff.to_dict(), "cost": cost.to_dict(), "fit": asdict(f),

@@ -33,7 +33,8 @@ row for a lone row (a single-row step, or the row after whole tiles at 5 and 9 r
 ``attention/csrc/ggml_linear.cpp``), so its cost per row is not flat; and a decode of one
 or two sequences reads its KV far below the rate a batch reaches (a 1-row step measured
 9 us per cached token against 3.8 us modelled from the batch-fitted ``kv_read``): neither
-is a roofline term.
+is a roofline term. The simulator's runner adds ``idle_wake_s`` to the first step after
+the engine sat idle (:class:`pagedkv.sim.runner.SimRunner`): measured, not modelled.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class Efficiency:
         step_overhead_s: seconds every step adds (scheduling, launches, sampling), >= 0.
         request_overhead_s: seconds each request in the step adds (per-sequence
             metadata, Python), >= 0.
+        idle_wake_s: seconds the first step after an idle wait adds (the simulator's
+            runner applies it; :func:`pagedkv.sim.calibrate.idle_wake_seconds`), >= 0.
         source: where the numbers come from (``roofline``, or the calibration run).
 
     Raises:
@@ -91,6 +94,7 @@ class Efficiency:
     prefill_factors: tuple[tuple[int, float], ...] = ()
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
+    idle_wake_s: float = 0.0
     source: str = "roofline (no efficiency factors, no overheads)"
 
     def __post_init__(self) -> None:
@@ -108,7 +112,7 @@ class Efficiency:
                 raise ValueError(f"{name} must be a list of numbers in (0, {MAX_FEW_ROW_FACTOR:g}], got {v!r}")
             object.__setattr__(self, name, tuple(float(f) for f in v))
         object.__setattr__(self, "prefill_factors", _anchors(self.prefill_factors))
-        for name in ("step_overhead_s", "request_overhead_s"):
+        for name in ("step_overhead_s", "request_overhead_s", "idle_wake_s"):
             v = getattr(self, name)
             if not (_real(v) and 0.0 <= v <= MAX_OVERHEAD_S):
                 raise ValueError(f"{name} must be in [0, {MAX_OVERHEAD_S:g}] seconds, got {v!r}")

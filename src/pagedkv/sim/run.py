@@ -86,7 +86,7 @@ class SimSetup:
         spec = (SpecDraws(sc.num_speculative_tokens, self.spec_acceptance_rate, self.seed, self.draft_cost)
                 if sc is not None and self.spec_acceptance_rate is not None else None)
         runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config), spec=spec,
-                           eviction=eviction_policy(self.config))
+                           eviction=eviction_policy(self.config), idle_wake_s=self.step_cost.efficiency.idle_wake_s)
         return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock, self.tier, connector)
 
 

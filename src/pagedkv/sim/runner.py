@@ -40,6 +40,9 @@ def kept_indices(length: int, budget: int, num_sinks: int, window: int) -> list[
     return list(range(num_sinks + room)) + list(range(length - window, length))
 
 
+IDLE_WAKE_AFTER_S = 0.05  # an idle wait this long makes the next step pay the wake-up cost
+
+
 class StepTimes(Protocol):
     def __call__(self, index: int, work: StepWork, num_requests: int) -> float: ...
 
@@ -125,19 +128,23 @@ class SimRunner:
             then read only the kept cache.
         tier: the KV tiers' worker (:class:`~pagedkv.sim.tier.SimTierWorker`): each step's
             loads and swaps add to it, its saves overlap it, disk writes finish on the clock.
+        idle_wake_s: seconds added to the first step after the driver's idle waits add up to
+            :data:`IDLE_WAKE_AFTER_S` or more (:attr:`~pagedkv.sim.cost.Efficiency.idle_wake_s`;
+            not under replay, whose instants hold it).
     """
 
     def __init__(self, clock: VirtualClock, times: StepTimes | None = None,
                  replay: RecordedTimes | None = None, replay_t0: float = 0.0,
                  token_id: int = 0, windows: tuple[tuple[int | None, float], ...] = (),
                  spec: SpecDraws | None = None, eviction: KVEvictionPolicy | None = None,
-                 tier: SimTierWorker | None = None) -> None:
+                 tier: SimTierWorker | None = None, idle_wake_s: float = 0.0) -> None:
         if (times is None) == (replay is None):
             raise ValueError("give one of times and replay")
         self.clock, self.times, self.replay, self.replay_t0 = clock, times, replay, replay_t0
         self.token_id, self.windows, self.spec, self.eviction = token_id, windows, spec, eviction
         self.evict: dict[str, _EvictState] = {}  # per request, what the eviction policy reads
         self.tier = tier
+        self.idle_wake_s, self.idle_s = idle_wake_s, 0.0  # idle_s: the driver's waits since the last step
         self.lengths: dict[str, int] = {}   # tokens of each request the runner knows of
         self.num_steps = 0
         self.busy_s = 0.0                   # modelled seconds of every step
@@ -214,8 +221,11 @@ class SimRunner:
             self.clock.set(max(self.clock(), self.replay_t0 + end))
         else:
             forward = self.times(self.num_steps, work, num_requests) if work.tokens else 0.0
+            if self.idle_s >= IDLE_WAKE_AFTER_S:
+                forward += self.idle_wake_s
             seconds = before_s + max(forward + extra_s, beside_s)
             self.clock.advance(seconds)
+        self.idle_s = 0.0
         self.num_steps += 1
         self.busy_s += seconds
         return seconds
@@ -224,6 +234,7 @@ class SimRunner:
         """The driver's idle wait: ``seconds`` on the clock, and under replay on to the
         recorded start of the next step (a real sleep overshoots; the recording saw when)."""
         self.clock.advance(seconds)
+        self.idle_s += seconds
         nxt = self.replay.start(self.num_steps) if self.replay is not None else None
         if nxt is not None:
             self.clock.set(max(self.clock(), self.replay_t0 + nxt))
