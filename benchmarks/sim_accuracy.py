@@ -72,7 +72,7 @@ def simulated(setup, requests, recording=None, scale: float = 1.0) -> dict:
         engine.core.runner = SimRunner(clock, replay=RecordedTimes.of(recording))
     elif scale != 1.0:
         times = engine.runner.times
-        engine.runner.times = lambda i, work, n: scale * times(i, work, n)
+        engine.runner.times = lambda i, work, n, kind=None: scale * times(i, work, n, kind)
     run = drive(engine, requests, clock=clock, sleep=engine.runner.sleep)
     return summary(run.metrics() | extra_metrics(run))
 

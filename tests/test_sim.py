@@ -15,7 +15,7 @@ from pagedkv.planner.hardware import get_device
 from pagedkv.planner.models import load_model
 from pagedkv.planner.plan import plan
 from pagedkv.planner.roofline import Roofline, StepWork, config_cost
-from pagedkv.sim.cost import Efficiency, StepCost
+from pagedkv.sim.cost import Efficiency, StepCost, step_kind
 from pagedkv.sim.fit import fit
 from pagedkv.sim.run import simulate
 from pagedkv.sim.sweep import sweep
@@ -72,12 +72,22 @@ def test_efficiency_factors_and_overheads():
     assert got == pytest.approx({8: 0.5, 16: 0.5, 32: 0.7, 64: 0.9, 500: 0.9})
     mixed = StepWork(40, 4, 400, 1000)
     assert pre.seconds(mixed, 4) == pytest.approx(plain.seconds(mixed, 4))
+    # the kind the runner tells (step_kind) beats the shape: one request verifying 4 drafts is a
+    # decode of 5 rows, not a 5-token prefill
+    assert step_kind([5], [4]) == "decode" and step_kind([5], [0]) == "prefill" and step_kind([5, 1], [0, 0]) == "mixed"
+    verify = StepWork(5, 1, 205, 1015)
+    assert pre.seconds(verify, 1, "decode") == pytest.approx(2 * plain.seconds(verify, 1))
+    assert pre.seconds(verify, 1) == pytest.approx(0.5 * plain.seconds(verify, 1))
+    # anchors far apart interpolate in floats (no integer overflow); on an anchor, its factor exactly
+    wide = Efficiency(prefill_factors=((16, 0.5), (1 << 40, 0.9)))
+    assert 0.5 < wide.correction(1 << 20, 1)[0] < 0.9 and wide.correction(1 << 40, 1) == (0.9, 0.9)
     assert pre.seconds(two, 2) == pytest.approx(2 * plain.seconds(two, 2))
     for bad in (dict(memory=0), dict(compute=2.0), dict(step_overhead_s=-1), dict(kv_read=0.5),
                 dict(few_row_factors=(1.0, 0.0)), dict(few_row_kv_factors=(-1.0,)),
                 dict(kv_read=0.5, attention=0.0), dict(prefill_factors=((64, 1.0), (16, 1.0))),
                 dict(prefill_factors=((16, 0.0),)), dict(prefill_factors=((True, 1.0),)),
-                dict(prefill_factors=((16.5, 1.0),)), dict(prefill_factors=(1.0, 2.0))):
+                dict(prefill_factors=((16.5, 1.0),)), dict(prefill_factors=(1.0, 2.0)),
+                dict(prefill_factors=((16, 1.0), (10 ** 310, 2.0)))):
         with pytest.raises(ValueError):
             Efficiency(**bad)
 
@@ -454,6 +464,15 @@ def test_speculation_accepts_drafts_at_the_rate_given_and_shortens_tpot():
     none = _spec_run(0.0)
     assert none.metrics["spec_decode"]["num_accepted_tokens"] == 0
     assert none.metrics["tpot_s"]["p50"] >= plain.metrics["tpot_s"]["p50"]  # verifying 4 more tokens costs
+    # a lone request's verify step is a decode, not a 5-token prefill: lone-prefill factors leave
+    # its TPOT alone (they reach only the prompts' prefills)
+    def alone(efficiency):  # requests far apart: every step holds one request
+        return simulate("llama-3-70b", "a100-80gb-sxm4", tp=4, workload="random", num_prompts=6, request_rate=0.01,
+                        input_len=256, output_len=32, speculative_config={"num_speculative_tokens": 4, "method": "ngram"},
+                        spec_acceptance_rate=0.6, efficiency=efficiency).metrics
+    base, slow = alone(Efficiency()), alone(Efficiency(prefill_factors=((1, 50.0),)))
+    assert slow["tpot_s"]["p50"] == pytest.approx(base["tpot_s"]["p50"], rel=1e-9)
+    assert slow["ttft_s"]["p50"] > 30 * base["ttft_s"]["p50"]  # the prompts' prefills took the factor
 
 
 def test_a_draft_model_costs_its_own_steps_and_shares_the_pool():

@@ -89,7 +89,7 @@ def _threads() -> int:
 def _load() -> dict:
     try:
         data = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (a file nested past the parser's depth)
         return {}
     return data if isinstance(data, dict) else {}  # a damaged file: as if none
 

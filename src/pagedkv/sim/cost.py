@@ -48,6 +48,12 @@ from pagedkv.planner.roofline import Ceilings, ModelCost, StepWork
 
 MAX_FEW_ROW_FACTOR = 1e3  # a step at 1,000x its modelled cost is a typo, not a machine
 MAX_OVERHEAD_S = 3600.0
+MAX_ANCHOR_ROWS = 1 << 40  # token rows of a prefill anchor: far past any context
+
+
+def _brief(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _real(v) -> bool:
@@ -116,17 +122,21 @@ class Efficiency:
             v = getattr(self, name)
             if not (_real(v) and 0.0 <= v <= MAX_OVERHEAD_S):
                 raise ValueError(f"{name} must be in [0, {MAX_OVERHEAD_S:g}] seconds, got {v!r}")
+            object.__setattr__(self, name, float(v) + 0.0)  # (a numpy scalar, -0.0: a plain 0.0)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def correction(self, tokens: int, num_requests: int) -> tuple[float, float]:
-        """The factors of a step's ``(rest, kv)`` parts: ``prefill[M]`` for one request's
-        prefill chunk alone, ``few_row`` for a decode step, 1 for a mixed one."""
-        if num_requests == 1 and tokens > 1 and self.prefill_factors:
+    def correction(self, tokens: int, num_requests: int, kind: str | None = None) -> tuple[float, float]:
+        """The factors of a step's ``(rest, kv)`` parts by its ``kind`` (:func:`step_kind`;
+        None: from the shape alone, a step of one row a request being a decode and of one
+        request a prefill): ``few_row[M]`` for a decode (speculative verify rows included),
+        ``prefill[M]`` for one request's prefill chunk alone, 1 for a mixed step."""
+        kind = kind or ("decode" if tokens == num_requests else "prefill" if num_requests == 1 else "mixed")
+        if kind == "prefill" and self.prefill_factors:
             f = _interpolate_log(self.prefill_factors, tokens)
             return f, f
-        return self.few_row(tokens) if tokens == num_requests else (1.0, 1.0)
+        return self.few_row(tokens) if kind == "decode" else (1.0, 1.0)
 
     def few_row(self, tokens: int) -> tuple[float, float]:
         """``(few_row[M], few_row_kv[M])`` for a step of ``tokens`` rows (1 past the tables)."""
@@ -136,14 +146,22 @@ class Efficiency:
         return few, self.few_row_kv_factors[tokens - 1] if 0 < tokens <= len(self.few_row_kv_factors) else 1.0
 
 
+def step_kind(num_rows: list[int], num_drafts: list[int]) -> str:
+    """``decode``, ``prefill`` or ``mixed``: a step whose chunks have ``num_rows`` rows, each
+    verifying ``num_drafts`` speculative tokens (a decode chunk: 1 + drafts rows)."""
+    prefills = sum(n > 1 + d for n, d in zip(num_rows, num_drafts))
+    return "decode" if not prefills else "prefill" if len(num_rows) == 1 else "mixed"
+
+
 def _anchors(v) -> tuple[tuple[int, float], ...]:
-    """``(M, factor)`` pairs: M positive and ascending, factors in (0, MAX_FEW_ROW_FACTOR]."""
-    bad = ValueError(f"prefill_factors must be (token rows, factor) pairs, rows ascending and factors in "
-                     f"(0, {MAX_FEW_ROW_FACTOR:g}], got {v!r}")
+    """``(M, factor)`` pairs: M in [1, MAX_ANCHOR_ROWS] and ascending, factors in (0, MAX_FEW_ROW_FACTOR]."""
+    bad = ValueError(f"prefill_factors must be (token rows, factor) pairs, rows ascending in [1, "
+                     f"{MAX_ANCHOR_ROWS}] and factors in (0, {MAX_FEW_ROW_FACTOR:g}], got {_brief(v)}")
     if not isinstance(v, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v):
         raise bad
     out = tuple((p[0], p[1]) for p in v)
-    if not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 and _real(f) and 0 < f <= MAX_FEW_ROW_FACTOR
+    if not all(isinstance(m, int) and not isinstance(m, bool) and 0 < m <= MAX_ANCHOR_ROWS and _real(f)
+               and 0 < f <= MAX_FEW_ROW_FACTOR
                for m, f in out) or any(a[0] >= b[0] for a, b in zip(out, out[1:])):
         raise bad
     return tuple((m, float(f)) for m, f in out)
@@ -156,7 +174,7 @@ def _interpolate_log(anchors: tuple[tuple[int, float], ...], m: int) -> float:
         return anchors[0][1]
     for (m0, f0), (m1, f1) in zip(anchors, anchors[1:]):
         if m <= m1:
-            return f0 + (f1 - f0) * math.log(m / m0) / math.log(m1 / m0)
+            return f1 if m == m1 else f0 + (f1 - f0) * (math.log(m) - math.log(m0)) / (math.log(m1) - math.log(m0))
     return anchors[-1][1]
 
 
@@ -189,15 +207,17 @@ class StepCost:
         w, mm, kv, attn = self.phases(work)
         return w + kv, mm + attn
 
-    def seconds(self, work: StepWork, num_requests: int) -> float:
-        """Modelled seconds of one step computing ``work`` for ``num_requests`` requests."""
-        return self.seconds_of(self.phases(work), num_requests, work.tokens)
+    def seconds(self, work: StepWork, num_requests: int, kind: str | None = None) -> float:
+        """Modelled seconds of one step computing ``work`` for ``num_requests`` requests
+        (``kind``: :func:`step_kind`, or None to tell it from the shape)."""
+        return self.seconds_of(self.phases(work), num_requests, work.tokens, kind)
 
-    def seconds_of(self, phases: tuple[float, float, float, float], num_requests: int, tokens: int = 0) -> float:
+    def seconds_of(self, phases: tuple[float, float, float, float], num_requests: int, tokens: int = 0,
+                   kind: str | None = None) -> float:
         """Modelled seconds of a step of ``tokens`` rows with these :meth:`phases` (see the
         module docstring), plus its tensor-parallel all-reduces (:meth:`allreduce_seconds`)."""
         rest, kv = self.parts(phases, num_requests)
-        few, few_kv = self.efficiency.correction(tokens, num_requests)
+        few, few_kv = self.efficiency.correction(tokens, num_requests, kind)
         return few * rest + few_kv * kv + self.allreduce_seconds(tokens)
 
     def allreduce_seconds(self, tokens: int) -> float:

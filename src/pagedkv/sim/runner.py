@@ -18,7 +18,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedkv.planner.roofline import StepWork, chunk_work
 from pagedkv.sim.clock import VirtualClock
-from pagedkv.sim.cost import StepCost
+from pagedkv.sim.cost import StepCost, step_kind
 from pagedkv.sim.spec import SpecDraws
 from pagedkv.sim.tier import SimTierWorker
 
@@ -44,17 +44,18 @@ IDLE_WAKE_AFTER_S = 0.05  # an idle wait this long makes the next step pay the w
 
 
 class StepTimes(Protocol):
-    def __call__(self, index: int, work: StepWork, num_requests: int) -> float: ...
+    """Seconds of step ``index``: its work, requests and kind (:func:`~pagedkv.sim.cost.step_kind`)."""
+    def __call__(self, index: int, work: StepWork, num_requests: int, kind: str | None = None) -> float: ...
 
 
 def cost_model_times(cost: StepCost) -> StepTimes:
     """Each step's seconds from the cost model (:class:`~pagedkv.sim.cost.StepCost`)."""
-    return lambda index, work, num_requests: cost.seconds(work, num_requests)
+    return lambda index, work, num_requests, kind=None: cost.seconds(work, num_requests, kind)
 
 
 def fixed_times(seconds: float) -> StepTimes:
     """Every step takes ``seconds``."""
-    return lambda index, work, num_requests: seconds
+    return lambda index, work, num_requests, kind=None: seconds
 
 
 class RecordedTimes:
@@ -180,7 +181,9 @@ class SimRunner:
             else:
                 cache = [(s, n) for _, s, n in chunks]
             work = chunk_work(cache, len(sampling), self.windows)
-            result.execute_seconds = self._advance(work, len(chunks), draft_s, before_s, saves_s)
+            drafts = out.scheduled_spec_decode_tokens
+            kind = step_kind([n for _, _, n in chunks], [len(drafts.get(rid, ())) for rid, _, _ in chunks])
+            result.execute_seconds = self._advance(work, len(chunks), draft_s, before_s, saves_s, kind)
         if self.tier is not None:
             result.kv_connector_output = self.tier.finish(self.clock())
         return result
@@ -211,7 +214,7 @@ class SimRunner:
         return self.spec.accepted(len(drafts)) if drafts and self.spec is not None else 0
 
     def _advance(self, work: StepWork, num_requests: int, extra_s: float = 0.0, before_s: float = 0.0,
-                 beside_s: float = 0.0) -> float:
+                 beside_s: float = 0.0, kind: str | None = None) -> float:
         """Move the clock by the step: ``before_s`` of copies, then the forward (and
         ``extra_s``: a draft model's rounds) or ``beside_s`` of copies overlapping it, whichever
         is longer (a recorded run: its recorded instants)."""
@@ -220,7 +223,7 @@ class SimRunner:
             seconds = self.replay.seconds[self.num_steps]
             self.clock.set(max(self.clock(), self.replay_t0 + end))
         else:
-            forward = self.times(self.num_steps, work, num_requests) if work.tokens else 0.0
+            forward = self.times(self.num_steps, work, num_requests, kind) if work.tokens else 0.0
             if self.idle_s >= IDLE_WAKE_AFTER_S:
                 forward += self.idle_wake_s
             seconds = before_s + max(forward + extra_s, beside_s)
