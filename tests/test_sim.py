@@ -539,3 +539,11 @@ def test_simulated_disk_writes_queue_on_one_writer():
     nxt.disk_writes = [(2, b"c", b"b", (3,))]
     w.price(nxt, start=12.0)                               # queued behind b: ends at 13.6
     assert w.finish(13.0)[3] == ([b"b"], [], []) and w.finish(14.0)[3] == ([b"c"], [], [])
+
+
+def test_the_cost_model_line_names_the_measured_corrections():
+    from pagedkv.sim.report import _corrections
+
+    eff = Efficiency(few_row_factors=(1.3, 0.9), prefill_factors=((16, 0.8), (2048, 1.1)), idle_wake_s=0.003).to_dict()
+    assert _corrections(eff) == ", decodes of 1-2 requests x0.90-1.30, lone prefills x0.80-1.10 (2 lengths), +3.00 ms after idle"
+    assert _corrections(Efficiency().to_dict()) == ""

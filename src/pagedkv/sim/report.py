@@ -11,6 +11,20 @@ from __future__ import annotations
 from pagedkv.sim.run import SimResult
 
 
+def _corrections(eff: dict) -> str:
+    """The calibration's measured corrections, briefly (none: empty)."""
+    out = ""
+    few = eff.get("few_row_factors") or ()
+    if few:
+        out += f", decodes of 1-{len(few)} requests x{min(few):.2f}-{max(few):.2f}"
+    pre = [f for _, f in eff.get("prefill_factors") or ()]
+    if pre:
+        out += f", lone prefills x{min(pre):.2f}-{max(pre):.2f} ({len(pre)} lengths)"
+    if eff.get("idle_wake_s"):
+        out += f", +{1e3 * eff['idle_wake_s']:.2f} ms after idle"
+    return out
+
+
 def _ms(d: dict) -> str:
     if d.get("p50") is None:
         return "-"
@@ -31,7 +45,8 @@ def render(r: SimResult) -> str:
         f"cost model: {eff['source']}; memory x{eff['memory']:.3f}, compute x{eff['compute']:.3f}"
         + ("" if eff["kv_read"] is None else
            f", attention phase: KV reads x{eff['kv_read']:.3f}, FLOPs x{eff['attention']:.3f}")
-        + f", +{1e3 * eff['step_overhead_s']:.2f} ms/step, +{1e3 * eff['request_overhead_s']:.3f} ms/request",
+        + f", +{1e3 * eff['step_overhead_s']:.2f} ms/step, +{1e3 * eff['request_overhead_s']:.3f} ms/request"
+        + _corrections(eff),
         f"workload: {w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
         f"arrivals {rate}",
         "",

@@ -241,8 +241,10 @@ def step_cost(m: ModelConfig, p, dev, config: EngineConfig, model: str, tp: int,
         eff, cost, w_dtype, dev = efficiency or calibration.efficiency, calibration.cost, config.weight_dtype, \
             calibration.on(dev)
     elif dev.is_cpu and efficiency is None:
-        eff = Efficiency(source="roofline: no calibration cached for this CPU and these settings "
-                                "(run pagedkv simulate --calibrate)")
+        auto = (" (the planner's auto on the CPU; the engine's auto keeps a GGUF's blocks: --weight-dtype q4_1 or "
+                "q8_0 prices those)") if weight_dtype == "auto" else ""
+        eff = Efficiency(source=f"roofline: no calibration cached for this CPU and these settings (run pagedkv "
+                                f"simulate --calibrate); weights priced as {p.weight_dtype}{auto}")
     return StepCost(cost, dev, p.weight_dtype, eff), w_dtype
 
 
