@@ -44,16 +44,12 @@ import numbers
 from dataclasses import asdict, dataclass
 
 from pagedkv.planner.roofline import Ceilings, ModelCost, StepWork
+from pagedkv.reprs import brief
 
 
 MAX_FEW_ROW_FACTOR = 1e3  # a step at 1,000x its modelled cost is a typo, not a machine
 MAX_OVERHEAD_S = 3600.0
 MAX_ANCHOR_ROWS = 1 << 40  # token rows of a prefill anchor: far past any context
-
-
-def _brief(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _real(v) -> bool:
@@ -156,7 +152,7 @@ def step_kind(num_rows: list[int], num_drafts: list[int]) -> str:
 def _anchors(v) -> tuple[tuple[int, float], ...]:
     """``(M, factor)`` pairs: M in [1, MAX_ANCHOR_ROWS] and ascending, factors in (0, MAX_FEW_ROW_FACTOR]."""
     bad = ValueError(f"prefill_factors must be (token rows, factor) pairs, rows ascending in [1, "
-                     f"{MAX_ANCHOR_ROWS}] and factors in (0, {MAX_FEW_ROW_FACTOR:g}], got {_brief(v)}")
+                     f"{MAX_ANCHOR_ROWS}] and factors in (0, {MAX_FEW_ROW_FACTOR:g}], got {brief(v)}")
     if not isinstance(v, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v):
         raise bad
     out = tuple((p[0], p[1]) for p in v)
