@@ -149,6 +149,33 @@ def test_loading_the_kernel_leaves_its_build_directory_where_it_is():
     assert (kernel.build_directory() / "pagedkv_attention.so").exists()
 
 
+def test_the_build_runs_this_environments_ninja_first(tmp_path):
+    """cpp_extension runs the first ninja on PATH; ours (pyproject's ninja package) goes first,
+    listed once, so a shell with and without the virtual environment on PATH share one build."""
+    env_bin = tmp_path / "venv" / "bin"
+    env_bin.mkdir(parents=True)
+    path = os.pathsep.join(["/usr/local/bin", str(env_bin), "/usr/bin"])
+    assert kernel.ninja_search_path(path, env_bin) == path  # no ninja there: PATH as it was
+    (env_bin / "ninja").write_text("")
+    assert kernel.ninja_search_path(path, env_bin) == os.pathsep.join([str(env_bin), "/usr/local/bin", "/usr/bin"])
+
+
+def test_a_load_without_the_environment_on_path_does_not_rebuild():
+    """`make run` calls .venv/bin/pagedkv with the system's PATH; an activated .venv puts its own
+    ninja first. A second ninja version discarded the first's build log and rebuilt (~40 s)."""
+    try:
+        kernel.load_kernel()
+    except kernel.KernelBuildError as e:
+        pytest.skip(f"no kernel on this machine: {e}")
+    library = kernel.build_directory() / "pagedkv_attention.so"
+    before = library.stat().st_mtime_ns
+    script = "from pagedkv.attention import kernel; kernel.load_kernel()"
+    env = dict(os.environ, PATH=os.pathsep.join(p for p in ("/usr/local/bin", "/usr/bin", "/bin") if os.path.isdir(p)))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert library.stat().st_mtime_ns == before, "the kernels were compiled again"
+
+
 def test_build_directory_names_the_source_version(tmp_path, monkeypatch):
     """Checkouts of different kernel sources must not share (and rebuild over) one library."""
     from pagedkv.attention import kernel

@@ -92,6 +92,23 @@ def build_directory() -> Path:
     return cache / "pagedkv" / "torch_extensions" / tag.replace("+", "_")
 
 
+def ninja_search_path(path: str | None = None, env_bin: Path | None = None) -> str:
+    """``PATH`` for the build: this interpreter's environment's ``bin`` first where it holds
+    ``ninja`` (the ``ninja`` package pyproject.toml requires), else ``path`` unchanged.
+
+    torch's ``cpp_extension`` runs whichever ``ninja`` ``PATH`` finds first, and two ninja
+    versions keep their build logs in different formats, each discarding the other's: `make
+    run` (no virtual environment on ``PATH``: the system's ninja) and an activated ``.venv``
+    then rebuilt the kernels for each other, ~40 s a switch, without the compile notice.
+    """
+    path = os.environ.get("PATH", "") if path is None else path
+    env_bin = Path(sys.executable).parent if env_bin is None else env_bin  # not resolved: a venv links its python
+    if not (env_bin / "ninja").is_file():
+        return path
+    rest = [p for p in path.split(os.pathsep) if p and Path(p) != env_bin]
+    return os.pathsep.join([str(env_bin), *rest])
+
+
 def _build() -> Callable[..., torch.Tensor]:
     from torch.utils import cpp_extension
 
@@ -105,9 +122,17 @@ def _build() -> Callable[..., torch.Tensor]:
     if fresh:  # say why the first run is slow
         print(f"pagedkv: compiling the CPU kernels into {directory} (once per source version, "
               "about a minute on 2 idle cores)", file=sys.stderr, flush=True)
-    cpp_extension.load(name="pagedkv_attention", sources=[str(CSRC / s) for s in SOURCES],
-                       extra_cflags=cflags(), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
-                       is_python_module=False, verbose=False)
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = ninja_search_path()
+    try:
+        cpp_extension.load(name="pagedkv_attention", sources=[str(CSRC / s) for s in SOURCES],
+                           extra_cflags=cflags(), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
+                           is_python_module=False, verbose=False)
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
     try:
         os.utime(directory)  # in use: prune_builds keeps it
     except OSError:
