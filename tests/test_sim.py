@@ -18,7 +18,7 @@ from pagedkv.planner.roofline import Roofline, StepWork, config_cost
 from pagedkv.sim.cost import Efficiency, StepCost, step_kind
 from pagedkv.sim.fit import fit
 from pagedkv.sim.run import simulate
-from pagedkv.sim.sweep import sweep
+from pagedkv.sim.sweep import MAX_HALVINGS, sweep
 from pagedkv.sim.workloads import PAPER_MEANS, load_trace, synthetic_workload
 
 
@@ -287,6 +287,22 @@ def test_sweep_finds_the_edge_of_the_target():
     assert max(met) == best and min(missed) > best and min(missed) / best < 1.1  # bisected close
     with pytest.raises(ValueError, match="unknown latency target"):
         sweep(run, reqs, "ttft_p42", 0.5)
+
+
+def test_sweep_halves_below_its_start_rate_when_the_start_misses():
+    """A target met only under 0.5 req/s (a long workload, a tight latency) still gets a rate.
+    The stand-in run's latency is its requests' arrival rate: the edge sits at 0.1 req/s."""
+    reqs = synthetic_workload("random", 400, input_len=16, output_len=4)
+
+    def run(rq):
+        return {"e2e_s": {"p99": len(rq) / rq[-1].arrival_s}}
+
+    best, points = sweep(run, reqs, "e2e_p99", 0.1)
+    assert points[0].rate == 0.5 and not points[0].meets
+    assert best is not None and 0.08 < best < 0.12
+    assert min(p.rate for p in points if not p.meets) / best < 1.1  # bisected close
+    never, points = sweep(lambda rq: {"e2e_s": {"p99": 1.0}}, reqs, "e2e_p99", 0.5)
+    assert never is None and len(points) == 1 + MAX_HALVINGS and min(p.rate for p in points) == 0.5 / 2**MAX_HALVINGS
 
 
 # ---- the command line -----------------------------------------------------------------

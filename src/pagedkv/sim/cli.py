@@ -249,7 +249,7 @@ def _run_sweep(a, flags: dict, weight: str) -> int:
                           "points": [{"rate": p.rate, "value": p.value, "meets": p.meets} for p in points]}, indent=2))
         return 0
     if best is None:
-        verdict = f"none: even {points[0].rate:g} req/s misses it"
+        verdict = f"none: even {min(p.rate for p in points):g} req/s misses it"
     elif all(p.meets for p in points):
         verdict = (f"met at every rate tried, up to {best:g} req/s: {len(reqs)} requests then arrive almost at once "
                    "(raise --num-prompts, or tighten the target)")

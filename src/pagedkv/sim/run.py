@@ -128,17 +128,20 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
         efficiency = load_efficiency(efficiency)  # a name or a path; anything else: ValueError
     if dev.is_cpu and kv_cache_memory is None:
         kv_cache_memory = config.kv_cache_memory  # the engine's own default budget
+    sc = config.speculative_config
+    draft_model = sc if sc is not None and sc.method == "draft_model" else None
+    # a draft model: the planner takes its weights off the budget and sizes pages holding both models' KV
     p = plan(model, gpu, kv_cache_dtype=config.kv_cache_dtype, weight_dtype=weight_dtype,
              seq_len=config.max_model_len or 4096, tp=tp, gpu_memory_utilization=gpu_memory_utilization,
              block_size=config.block_size, kv_cache_memory=kv_cache_memory,
-             kv_scale_granularity=config.kv_cache_scale)
+             kv_scale_granularity=config.kv_cache_scale, speculative_config=draft_model)
     m = load_model(model)
     num_blocks = config.num_blocks or p.num_blocks
     page = sim_page_bytes(m, p, config, tp)
     draft = draft_parts(config, p, dev, tp, spec_acceptance_rate)
     if draft is not None:  # pages hold both models' KV (one pool, as the engine keeps them)
         page += draft[1]
-    if not config.num_blocks:  # the plan's pool in this layout's pages (a hybrid model on one group: whole-layer pages)
+    elif not config.num_blocks:  # the plan's pool in this layout's pages (a hybrid model on one group: whole-layer pages)
         num_blocks = num_blocks * m.kv_spec(p.kv_cache_dtype, config.block_size, tp,
                                             config.kv_cache_scale).page_size_bytes // page
     check_pool(m, p, dev, config, tp, num_blocks, kv_cache_memory is not None, page)
@@ -220,12 +223,14 @@ def check_pool(m: ModelConfig, p, dev, config: EngineConfig, tp: int, num_blocks
     if num_blocks < 1 and budget_given:
         raise ValueError(f"a KV cache budget of {p.cache_budget_bytes:,} bytes per device holds no block of "
                          f"{config.block_size} tokens ({page:,} bytes)")
+    weights = p.weight_bytes_per_device + -(-(p.draft_weight_bytes or 0) // tp)  # a draft model's too
+    drafted = " with the draft model's" if p.draft_weight_bytes else ""
     if num_blocks < 1:
-        raise ValueError(f"{p.model} at tp {tp} on {dev.name}: the weights ({p.weight_bytes_per_device / 1e9:.1f} GB "
+        raise ValueError(f"{p.model} at tp {tp} on {dev.name}: the weights{drafted} ({weights / 1e9:.1f} GB "
                          f"per device) leave no room for a KV cache; raise --tp")
-    if p.weight_bytes_per_device + (num_blocks + 1) * page > dev.memory_bytes:
-        raise ValueError(f"{num_blocks:,} KV blocks ({(num_blocks + 1) * page / 2**30:.1f} GiB) and the weights "
-                         f"({p.weight_bytes_per_device / 2**30:.1f} GiB) exceed {dev.name}'s "
+    if weights + (num_blocks + 1) * page > dev.memory_bytes:
+        raise ValueError(f"{num_blocks:,} KV blocks ({(num_blocks + 1) * page / 2**30:.1f} GiB) and the weights"
+                         f"{drafted} ({weights / 2**30:.1f} GiB) exceed {dev.name}'s "
                          f"{dev.memory_bytes / 2**30:.1f} GiB per device")
 
 

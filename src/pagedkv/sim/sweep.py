@@ -1,7 +1,8 @@
 """``pagedkv simulate --sweep``: the highest request rate that meets a latency target.
 
 The same requests (same lengths and seed) are simulated at Poisson rates found by
-doubling from ``start`` until the target is missed, then bisecting between the last rate
+doubling from ``start`` until the target is missed (or, where ``start`` misses it, halving
+until it is met, at most :data:`MAX_HALVINGS` times), then bisecting between the last rate
 that met it and the first that did not, :data:`BISECT_STEPS` times (a queue that never
 drains makes latency grow with the run's length, so "meets" is a property of this
 workload's size, as in the PagedAttention paper's figure 12, where the number of requests
@@ -20,6 +21,7 @@ TARGETS = ("normalized_latency", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50",
            "e2e_p50", "e2e_p90", "e2e_p99")
 BISECT_STEPS = 6
 MAX_DOUBLINGS = 20
+MAX_HALVINGS = 12  # down to start / 4096: from 0.5 req/s, one request every ~2.3 hours
 
 
 def target_value(metrics: dict, target: str) -> float | None:
@@ -43,7 +45,7 @@ def sweep(run: Callable[[list[BenchRequest]], dict], requests: list[BenchRequest
     """The highest rate (requests/s) whose run meets ``value <= limit``, and every point tried.
 
     ``run(requests)`` simulates and returns metrics. Returns ``None`` for the rate when
-    even ``start`` misses the target.
+    even ``start / 2**MAX_HALVINGS`` misses the target.
 
     Raises:
         ValueError: an unknown target, a limit or start that is not positive.
@@ -68,6 +70,13 @@ def sweep(run: Callable[[list[BenchRequest]], dict], requests: list[BenchRequest
             bad = rate
             break
         good, rate = rate, rate * 2
+    if good is None:  # even start misses: halve until a rate meets the target
+        for _ in range(MAX_HALVINGS):
+            rate /= 2
+            if at(rate):
+                good = rate
+                break
+            bad = rate
     if good is None or bad is None:
         return good, points
     for _ in range(BISECT_STEPS):
