@@ -493,12 +493,17 @@ def test_speculation_accepts_drafts_at_the_rate_given_and_shortens_tpot():
 
 def test_a_draft_model_costs_its_own_steps_and_shares_the_pool():
     """With a draft model each step also runs the draft k times, and pages hold both
-    models' KV: at acceptance 0 it only costs (TPOT above plain), and the pool is smaller."""
+    models' KV: at acceptance 0 it only costs (TPOT above plain), and the pool is smaller:
+    the draft's weights come off the budget, and each page holds both models' tokens."""
     plain, draft0, draft = _spec_run(), _spec_run(0.0, "llama-3-8b"), _spec_run(0.7, "llama-3-8b")
     assert draft0.metrics["tpot_s"]["p50"] > 1.3 * plain.metrics["tpot_s"]["p50"]
     assert draft.metrics["tpot_s"]["p50"] < plain.metrics["tpot_s"]["p50"]
+    budget = plain.settings["cache_budget_bytes"]
+    draft_weights = 8_030_261_248 * 2 / 4  # llama-3-8b in bfloat16, a quarter a device at tp 4
     ratio = plain.settings["num_blocks"] / draft.settings["num_blocks"]
-    assert ratio == pytest.approx((327_680 + 131_072) / 327_680, rel=0.01)  # both models' bytes per token
+    assert ratio == pytest.approx((327_680 + 131_072) / 327_680 * budget / (budget - draft_weights), rel=0.01)
+    with pytest.raises(ValueError, match="the weights with the draft model's"):  # 405B beside 70B on 4 A100s
+        _spec_run(0.7, "llama-3.1-405b")
 
 
 def test_the_cpu_tier_reloads_evicted_prefixes_over_the_host_link():
