@@ -12,11 +12,12 @@ import sys
 import pytest
 
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schedules import OPS, assert_solo_outputs, check_with_connector, run_schedule, schedule_prompt, solo_tokens
 
 from pagedkv import SamplingParams
 from pagedkv.kv.hashing import ROOT_HASH
-from pagedkv.kv.tier_index import TierIndex
+from pagedkv.kv.tier_index import FreeSlots, TierIndex
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
 FILLERS = [list(range(3000 + 100 * i, 3000 + 100 * i + 60)) for i in range(4)]  # evict the device cache
@@ -48,6 +49,33 @@ def test_a_prompt_reloaded_from_the_cpu_tier_gives_identical_output(tiny_llm_fac
     assert s["blocks_loaded"] > 0 and s["blocks_saved"] > 0 and s["bytes_read"] == s["blocks_loaded"] * (
         llm.engine.parts.spec.page_size_bytes)
     assert llm.engine.kv.usage().used == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12), st.lists(st.booleans(), max_size=60))
+def test_free_slots_hand_out_the_order_of_a_full_stack(capacity, ops):
+    """FreeSlots (a counter and the slots given back) takes slots in the order the list of every
+    slot, lowest on top, took them (pop: True, give one back: False), whatever the history."""
+    free, stack, taken = FreeSlots(capacity), list(range(capacity - 1, -1, -1)), []
+    for take in ops:
+        if take and stack:
+            got = free.pop()
+            assert got == stack.pop()
+            taken.append(got)
+        elif not take and taken:
+            s = taken.pop(len(taken) // 2)
+            free.append(s)
+            stack.append(s)
+        assert len(free) == len(stack) and sorted(free.slots()) == sorted(stack)
+    if not stack:
+        with pytest.raises(IndexError):
+            free.pop()
+
+
+def test_a_huge_tier_costs_no_memory_up_front():
+    """A 1e12-slot tier (a simulated 2,000 TB disk of 2 MB pages, say) does not list its slots."""
+    t = TierIndex(10**12)
+    assert t.reserve(bytes(32), ROOT_HASH, (1,), step=1) == 0 and len(t._free) == 10**12 - 1
 
 
 def test_tier_eviction_takes_chains_tail_first_and_lookups_stop_at_a_gap():

@@ -181,7 +181,14 @@ def test_trace_loading_and_its_errors(tmp_path):
     with pytest.raises(ValueError, match="line 1: .* exceed max_model_len 2048"):
         load_trace(huge, max_model_len=2048)
     cases = {"": "no requests", '{"arrival": 0}\n': "line 1", '{"arrival": -1, "prompt_len": 1, "output_len": 1}':
-             "line 1", 'not json': "line 1"}
+             "line 1", 'not json': "line 1",
+             '{"arrival": 0, "prompt_len": 10.7, "output_len": 1}': "line 1: prompt_len and output_len must be integ",
+             '{"arrival": 0, "prompt_len": "10", "output_len": 1}': "line 1: .*integers",
+             '{"arrival": 0, "prompt_len": true, "output_len": 1}': "line 1: .*integers",
+             '{"arrival": 0, "prompt_len": Infinity, "output_len": 1}': "line 1: .*integers",
+             '{"arrival": true, "prompt_len": 1, "output_len": 1}': "line 1: .*arrival a number",
+             '{"arrival": 0, "prompt_len": 1, "output_len": 1}\n{"arrival": 1e308, "prompt_len": 1, "output_len": 1}':
+             "line 2: arrives 1e\\+308 s after the first request"}
     for text, msg in cases.items():
         bad = tmp_path / "bad.jsonl"
         bad.write_text(text)
@@ -225,17 +232,30 @@ def test_the_first_step_after_an_idle_wait_pays_the_wake_up():
         Efficiency(idle_wake_s=-0.1)
 
 
+def test_vllms_tensor_parallel_size_is_tp_and_inf_is_json_text(capsys):
+    """simulate(tensor_parallel_size=2) runs at tp 2 as --tensor-parallel-size does, and the
+    --json output holds no bare Infinity (strict parsers refuse it): an inf rate is "inf"."""
+    kw = dict(workload="random", num_prompts=2, input_len=16, output_len=2)
+    assert simulate("llama-3-70b", "a100-80gb-sxm4", tensor_parallel_size=2, **kw).settings["tp"] == 2
+    assert main(["simulate", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--workload", "random", "--num-prompts",
+                 "2", "--request-rate", "inf", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c} in the JSON"))
+    assert d["settings"]["request_rate"] == "inf"
+
+
 def test_gemma2s_hybrid_pages_double_the_pool_as_in_the_engine():
     """Gemma 2's window and full layers share pages (one group's layers per page), so the
     same memory holds twice the pages; the contiguous allocator (one group) keeps whole-layer
     pages, and the simulator sizes each pool as the engine would."""
     kw = dict(workload="random", num_prompts=4, request_rate=math.inf, input_len=64, output_len=4)
     paged = simulate("gemma-2-9b", "a100-80gb-sxm4", **kw).settings["num_blocks"]
-    whole = simulate("gemma-2-9b", "a100-80gb-sxm4", kv_allocator="contiguous", **kw).settings["num_blocks"]
+    contiguous = simulate("gemma-2-9b", "a100-80gb-sxm4", kv_allocator="contiguous", **kw).settings
+    whole, budget = contiguous["num_blocks"], contiguous["cache_budget_bytes"]
     assert abs(paged - 2 * whole) <= 1
     draft = simulate("gemma-2-9b", "a100-80gb-sxm4", speculative_config={"model": "gemma-2-9b",
                      "num_speculative_tokens": 2}, spec_acceptance_rate=0.5, **kw).settings["num_blocks"]
-    assert abs(whole - 2 * draft) <= 1  # a draft: one group, whole-layer pages with both models' KV
+    # a draft: one group, whole-layer pages with both models' KV, after the draft's bf16 weights
+    assert abs(whole * (budget - 2 * 9_241_705_984) / budget - 2 * draft) <= 2
 
 
 def test_a_small_cache_preempts_and_rejects_what_never_fits():
@@ -267,7 +287,18 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                     (dict(speculative_config={"model": "no-such-draft", "num_speculative_tokens": 2},
                                           spec_acceptance_rate=0.5), "unknown model 'no-such-draft'"),
                                     (dict(kv_offload_memory="1GiB", kv_offload_dir="/tmp/x",
-                                          kv_offload_disk_size="1KiB"), "holds no block record")])
+                                          kv_offload_disk_size="1KiB"), "holds no block record"),
+                                    (dict(request_rate="5"), "must be a number"),
+                                    (dict(request_rate=1e-15), "raise the request rate"),
+                                    (dict(foo=1), "not an engine setting"),
+                                    (dict(workload=[(1, 2, 3)]), "BenchRequest objects"),
+                                    (dict(workload="random", output_len=2.5), "must be integers"),
+                                    (dict(workload=[BenchRequest((1, 2), 2, 2, 2e9)]), "arrival_s"),
+                                    (dict(spec_acceptance_rate=0.5), "needs speculative decoding"),
+                                    (dict(tensor_parallel_size=2, tp=4), "give one integer"),
+                                    (dict(model="llama-3-70b", gpu="a100-80gb-sxm4", tp=4,
+                                          speculative_config={"model": "llama-3.1-405b", "num_speculative_tokens": 2},
+                                          spec_acceptance_rate=0.5), "with the draft model's")])
 def test_bad_input_is_a_clear_error(kw, msg):
     args = dict(model="llama-3-8b", gpu="a100-80gb-sxm4", workload="random", num_prompts=2) | kw
     with pytest.raises(ValueError, match=msg):
@@ -331,19 +362,31 @@ def test_cli_text_and_sweep(capsys):
     assert "met at every rate tried" in capsys.readouterr().out  # not a made-up edge
 
 
-@pytest.mark.parametrize("argv,msg", [(["--gpu", "nope"], "unknown GPU"), (["--request-rate", "0"], "rate"),
-                                      (["--num-prompts", "0"], "--num-prompts"),
-                                      (["--sweep", "--target", "ttft_p50"], "METRIC=SECONDS"),
-                                      (["--sweep", "--plot", "x.png"], "not with --sweep: --plot"),
-                                      (["--trace", "t.jsonl", "--request-rate", "2"], "not both"),
-                                      (["--trace", "/nonexistent.jsonl"], "cannot read trace"),
-                                      (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
-                                       "--spec-acceptance-rate"),
-                                      (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-                                        "--spec-acceptance-rate", "1.5"], "in [0, 1]")])
+RANDOM = ["--workload", "random"]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    ([*RANDOM, "--gpu", "nope"], "unknown GPU"), ([*RANDOM, "--request-rate", "0"], "rate"),
+    ([*RANDOM, "--num-prompts", "0"], "--num-prompts"),
+    ([*RANDOM, "--sweep", "--target", "ttft_p50"], "METRIC=SECONDS"),
+    ([*RANDOM, "--sweep", "--plot", "x.png"], "not with --sweep: --plot"),
+    (["--trace", "t.jsonl", "--request-rate", "2"], "not both"),
+    (["--trace", "/nonexistent.jsonl"], "cannot read trace"),
+    ([*RANDOM, "--trace", "t.jsonl"], "--trace replaces --workload"),
+    (["--num-prompts", "5", "--trace", "t.jsonl"], "--trace replaces"),
+    ([*RANDOM, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'], "--spec-acceptance-rate"),
+    ([*RANDOM, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--spec-acceptance-rate",
+      "1.5"], "in [0, 1]"),
+    ([*RANDOM, "--spec-acceptance-rate", "0.5"], "needs speculative decoding"),
+    ([*RANDOM, "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    ([*RANDOM, "--plot", "kv"], "name an image file"), ([*RANDOM, "--output", ""], "not a file name"),
+    ([*RANDOM, "--output", "/"], "not a file name"),
+    ([*RANDOM, "--request-rate", "1e-15"], "raise the request rate"),
+    ([*RANDOM, "--disagg", "999P1D"], "at most 256 instances"),
+    ([*RANDOM, "--model", "SmolLM2.Q4_1.gguf"], "is a GGUF file"),
+])
 def test_cli_bad_input_is_one_line(argv, msg, capsys):
-    assert main(["simulate", "--model", "llama-3-8b", "--gpu", "a100-80gb-sxm4", "--workload", "random",
-                 *argv]) == 2
+    assert main(["simulate", "--model", "llama-3-8b", "--gpu", "a100-80gb-sxm4", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and msg in err and "\n" not in err
 

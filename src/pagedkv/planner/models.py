@@ -46,6 +46,9 @@ def load_model(name_or_path: str) -> ModelConfig:
     path = Path(key).expanduser()
     if path.is_dir():
         path = path / "config.json"
+    if path.suffix.lower() == ".gguf":
+        raise ValueError(f"{name_or_path!r} is a GGUF file: the planner and the simulator read a model's shape from "
+                         "a bundled name (pagedkv plan --list-models) or a Hugging Face config.json (or its folder)")
     if not path.is_file():
         raise ValueError(f"unknown model {name_or_path!r}: not a bundled name (see --list-models) "
                          "and no config.json at that path")

@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import warnings
+from pathlib import Path
 
 from pagedkv.cli_common import add_engine_args, engine_kwargs
 
@@ -57,10 +58,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default: 1)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights + KV cache (default: 0.9)")
-    s.add_argument("--workload", default="arena-hard", choices=DATASETS + SYNTHETIC,
+    s.add_argument("--workload", default=None, choices=DATASETS + SYNTHETIC,
                    help="requests: a bundled dataset or a synthetic length distribution (default: arena-hard)")
     s.add_argument("--trace", help="a JSONL trace instead of --workload (arrival, prompt_len, output_len)")
-    s.add_argument("--num-prompts", type=int, default=100, help="requests (default: 100)")
+    s.add_argument("--num-prompts", type=int, default=None, help="requests (default: 100)")
     s.add_argument("--request-rate", type=float, default=None,
                    help="Poisson arrivals per second, or inf: all at once (default: inf; not with --trace or --sweep)")
     s.add_argument("--max-prompt-tokens", type=int, default=512,
@@ -100,6 +101,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         if a.dest == "weight_dtype":
             a.choices = None
             a.help = "auto, an engine weight dtype, or a planner name (bf16, fp8, int4, ...) (default: auto)"
+        if a.dest == "model":
+            a.help = ("a planner model name (pagedkv plan --list-models) or a Hugging Face config.json or its folder "
+                      "(default: smollm2-135m-instruct)")
         if a.dest == "kv_cache_memory":
             a.help = ("KV cache budget per device, e.g. 20GB or 512MiB (default: device memory x "
                       "--gpu-memory-utilization - weights / tp; on cpu the engine's 4GiB)")
@@ -111,7 +115,9 @@ def _engine_flags(a) -> tuple[dict, str]:
     """The engine flags (``--weight-dtype`` apart: it takes the planner's names too) and it."""
     kw = engine_kwargs(a)
     kw.pop("kv_cache_memory")
-    tp = kw.pop("tensor_parallel_size", 1) or 1  # vLLM's name for --tp
+    tp = kw.pop("tensor_parallel_size", 1)  # vLLM's name for --tp
+    if tp is None or tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
     if tp != 1:
         if a.tp not in (1, tp):
             raise ValueError(f"--tp {a.tp} and --tensor-parallel-size {tp} disagree: give one")
@@ -149,6 +155,10 @@ def _run(a) -> int:
     from pagedkv.config import EngineConfig
 
     flags, weight = _engine_flags(a)
+    if a.trace is not None and (a.workload is not None or a.num_prompts is not None):
+        raise ValueError("--trace replaces --workload and --num-prompts: give one or the other")
+    a.workload = a.workload or "arena-hard"
+    a.num_prompts = 100 if a.num_prompts is None else a.num_prompts
     if a.calibrate:
         from pagedkv.sim.calibrate import calibrate
 
@@ -158,7 +168,7 @@ def _run(a) -> int:
         r = calibrate(EngineConfig(**kw))
         for w in calibration_warnings(r):
             print(f"warning: {w}", file=sys.stderr)
-        print(json.dumps(r, indent=2) if a.json else f"{r['efficiency']['source']}\n"
+        print(dumps(r, indent=2) if a.json else f"{r['efficiency']['source']}\n"
               f"memory x{r['efficiency']['memory']:.3f}, compute x{r['efficiency']['compute']:.3f}, "
               f"+{1e3 * r['efficiency']['step_overhead_s']:.2f} ms/step, "
               f"+{1e3 * r['efficiency']['request_overhead_s']:.3f} ms/request; cached for {r['key']}")
@@ -189,21 +199,52 @@ def _setup_and_requests(a, flags: dict, weight: str, rate: float | None):
                         seed=a.workload_seed), a.spec_acceptance_rate)
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _check_outputs(a) -> None:
+    """Refuse --output and --plot paths that cannot be written, before the run."""
+    for flag, path in (("--output", a.output), ("--plot", a.plot)):
+        if path is None:
+            continue
+        if not path.strip() or Path(path).is_dir() or not Path(path).parent.is_dir():
+            raise ValueError(f"{flag} {path!r}: not a file name in an existing folder")
+    if a.plot is not None and Path(a.plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {a.plot!r}: name an image file ({', '.join(PLOT_SUFFIXES)})")
+
+
+def dumps(obj, **kw) -> str:
+    """JSON text with non-finite numbers (an ``inf`` request rate, an infinite target) as the
+    strings "inf", "-inf" and "nan" (vLLM's benchmarks write "inf" too): strict parsers and jq
+    reject or mangle bare Infinity."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(obj), allow_nan=False, **kw)
+
+
 def _run_one(a, flags: dict, weight: str) -> int:
     from pagedkv.sim.report import plot_timeline, render
     from pagedkv.sim.run import run_setup
 
+    _check_outputs(a)
     setup, reqs = _setup_and_requests(a, flags, weight, a.request_rate)
     r = run_setup(setup, reqs)
     r.settings["request_rate"] = a.request_rate
     if a.output:
         with open(a.output, "w") as f:
-            json.dump(r.to_dict(), f)
+            f.write(dumps(r.to_dict()))
     if a.plot:
         plot_timeline(r, a.plot)
     d = r.to_dict()
     d.pop("timeline")
-    print(json.dumps(d, indent=2) if a.json else render(r))
+    print(dumps(d, indent=2) if a.json else render(r))
     for what, path in (("result", a.output), ("plot", a.plot)):
         if path and not a.json:
             print(f"{what} written to {path}")
@@ -220,16 +261,19 @@ def _run_disagg(a, flags: dict, weight: str) -> int:
     rows = compare_disagg(setup, reqs, a.model, a.tp, num_prefill, num_decode, a.kv_link_gbps * 1e9 / 8,
                           a.ttft_slo, a.tpot_slo)
     if a.json:
-        print(json.dumps({"settings": setup.settings, "request_rate": a.request_rate, "kv_link_gbps": a.kv_link_gbps,
+        print(dumps({"settings": setup.settings, "request_rate": a.request_rate, "kv_link_gbps": a.kv_link_gbps,
                           "ttft_slo_s": a.ttft_slo, "tpot_slo_s": a.tpot_slo, "rows": rows}, indent=2))
         return 0
     print(f"{len(reqs)} requests, {a.tp} device(s) per instance, KV link {a.kv_link_gbps:g} Gbit/s per device; "
           f"SLO: TTFT <= {a.ttft_slo:g} s and TPOT <= {a.tpot_slo:g} s")
     print(f"cost model: {setup.settings['efficiency']['source']}")
     print(f"{'setup':>14} {'in SLO':>7} {'TTFT p50/p90 (s)':>17} {'TPOT p50/p90 (ms)':>18} {'output tok/s':>13}")
+    def ms(v):  # TPOT: none where every request had one output token
+        return "-" if v is None else f"{1e3 * v:.2f}"
+
     for r in rows:
         print(f"{r['setup']:>14} {r['slo_attainment']:7.1%} {r['ttft_p50_s']:8.3f}/{r['ttft_p90_s']:<8.3f} "
-              f"{1e3 * r['tpot_p50_s']:8.2f}/{1e3 * r['tpot_p90_s']:<9.2f} {r['output_tokens_per_s']:13.1f}")
+              f"{ms(r['tpot_p50_s']):>8}/{ms(r['tpot_p90_s']):<9} {r['output_tokens_per_s']:13.1f}")
     return 0
 
 
@@ -245,7 +289,7 @@ def _run_sweep(a, flags: dict, weight: str) -> int:
     setup, reqs = _setup_and_requests(a, flags, weight, math.inf)
     best, points = sweep(lambda rq: run_setup(setup, rq).metrics, reqs, metric, limit_s, seed=a.workload_seed)
     if a.json:
-        print(json.dumps({"target": metric, "limit_s": limit_s, "best_rate": best, "settings": setup.settings,
+        print(dumps({"target": metric, "limit_s": limit_s, "best_rate": best, "settings": setup.settings,
                           "points": [{"rate": p.rate, "value": p.value, "meets": p.meets} for p in points]}, indent=2))
         return 0
     if best is None:

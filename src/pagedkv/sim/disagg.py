@@ -27,6 +27,7 @@ from pagedkv.bench.metrics import RequestRecord, summarize_requests
 from pagedkv.bench.workloads import BenchRequest
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from pagedkv.reprs import brief
 from pagedkv.sim.engine import SimEngine
 
 
@@ -132,15 +133,20 @@ def _admit(inst: _Instance, requests: list[BenchRequest], full: bool) -> dict:
     return added
 
 
+MAX_INSTANCES = 256  # X + Y: each instance holds an engine's scheduler and block pool (~5 MB here)
+
+
 def parse_disagg(spec: str) -> tuple[int, int]:
     """``"2P1D"`` -> (2, 1): prefill and decode instances.
 
     Raises:
-        ValueError: not of the form XPYD with X, Y >= 1.
+        ValueError: not of the form XPYD with X, Y >= 1, or more than :data:`MAX_INSTANCES` in all.
     """
     m = re.fullmatch(r"\s*(\d+)\s*[pP]\s*(\d+)\s*[dD]\s*", spec or "")
     if not m or int(m[1]) < 1 or int(m[2]) < 1:
-        raise ValueError(f"--disagg is XPYD with X, Y >= 1 (e.g. 2P1D), got {spec!r}")
+        raise ValueError(f"--disagg is XPYD with X, Y >= 1 (e.g. 2P1D), got {brief(spec)}")
+    if int(m[1]) + int(m[2]) > MAX_INSTANCES:
+        raise ValueError(f"--disagg {spec.strip()}: at most {MAX_INSTANCES} instances in all (each is an engine in memory)")
     return int(m[1]), int(m[2])
 
 

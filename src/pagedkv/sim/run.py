@@ -34,13 +34,15 @@ from pagedkv.planner.hardware import disk_block_load_seconds, get_device, nvme_w
 from pagedkv.planner.models import load_model
 from pagedkv.planner.plan import plan, tier_link
 from pagedkv.planner.roofline import config_cost, layer_window_mix
+from pagedkv.reprs import brief
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import Efficiency, StepCost
 from pagedkv.sim.engine import SimEngine
 from pagedkv.sim.runner import SimRunner, cost_model_times
 from pagedkv.sim.spec import SpecDraws, alpha_for
 from pagedkv.sim.tier import TierCosts
-from pagedkv.sim.workloads import SYNTHETIC, check_requests, dataset_workload, load_trace, synthetic_workload
+from pagedkv.sim.workloads import (MAX_ARRIVAL_S, SYNTHETIC, check_requests, dataset_workload, load_trace,
+                                   synthetic_workload)
 
 
 @dataclass
@@ -188,6 +190,9 @@ def draft_parts(config: EngineConfig, p, dev, tp: int, rate: float | None):
     """
     sc = config.speculative_config
     if sc is None:
+        if rate is not None:
+            raise ValueError("a draft acceptance rate (spec_acceptance_rate, --spec-acceptance-rate) needs "
+                             "speculative decoding (speculative_config, --speculative-config)")
         return None
     if rate is None:
         raise ValueError("speculative decoding is simulated at a given draft acceptance rate: pass "
@@ -272,6 +277,8 @@ def build_requests(workload: str | list[BenchRequest], num_prompts: int, request
     Raises:
         ValueError: an unknown workload, a bad rate or length, an unreadable or empty trace.
     """
+    if request_rate is not None and (isinstance(request_rate, bool) or not isinstance(request_rate, (int, float))):
+        raise ValueError(f"request rate must be a number of requests/s (or inf), got {brief(request_rate)}")
     if request_rate is not None and not request_rate > 0:
         raise ValueError(f"request rate must be positive (or inf), got {request_rate}")
     if trace is not None:
@@ -292,7 +299,12 @@ def build_requests(workload: str | list[BenchRequest], num_prompts: int, request
         raise ValueError("the workload has no requests")
     if request_rate is None:
         return list(reqs) if isinstance(workload, list) else with_poisson_arrivals(reqs, math.inf, seed)
-    return with_poisson_arrivals(reqs, request_rate, seed)
+    timed = with_poisson_arrivals(reqs, request_rate, seed)
+    if not timed[-1].arrival_s <= MAX_ARRIVAL_S:
+        raise ValueError(f"at {request_rate:g} req/s the last of {len(timed)} requests arrives after "
+                         f"{timed[-1].arrival_s:.3g} s, past the simulator's {MAX_ARRIVAL_S:.0e} s (its clock "
+                         "would lose sub-millisecond time): raise the request rate")
+    return timed
 
 
 @contextmanager
@@ -395,6 +407,12 @@ def prepare(model: str, gpu: str, tp: int, engine_flags: dict, weight_dtype: str
     (part of a calibration's key)."""
     if weight_dtype in WEIGHT_DTYPES:
         engine_flags = engine_flags | {"weight_dtype": weight_dtype}
+    if "tensor_parallel_size" in engine_flags:  # vLLM's name for tp
+        engine_flags = dict(engine_flags)
+        given = engine_flags.pop("tensor_parallel_size")
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1 or tp not in (1, given):
+            raise ValueError(f"tensor_parallel_size {brief(given)} and tp {brief(tp)}: give one integer >= 1")
+        tp = given
     setup = sim_setup(model, gpu, tp, engine_config(engine_flags), weight_dtype, gpu_memory_utilization,
                       kv_cache_memory, efficiency, spec_acceptance_rate, workload_kw.get("seed", 0))
     requests = build_requests(workload, num_prompts, request_rate, max_model_len=setup.engine().max_model_len,
@@ -408,4 +426,7 @@ def engine_config(flags: dict) -> EngineConfig:
     Raises:
         ValueError: a bad engine flag (the engine's own checks).
     """
-    return EngineConfig(**flags)
+    try:
+        return EngineConfig(**flags)
+    except TypeError as e:  # a keyword EngineConfig does not take
+        raise ValueError(f"not an engine setting: {e}") from None

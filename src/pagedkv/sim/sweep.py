@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals
+from pagedkv.sim.workloads import MAX_ARRIVAL_S
 
 TARGETS = ("normalized_latency", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
            "e2e_p50", "e2e_p90", "e2e_p99")
@@ -73,6 +74,8 @@ def sweep(run: Callable[[list[BenchRequest]], dict], requests: list[BenchRequest
     if good is None:  # even start misses: halve until a rate meets the target
         for _ in range(MAX_HALVINGS):
             rate /= 2
+            if len(requests) / rate > MAX_ARRIVAL_S / 10:  # the last arrival near the clock's limit
+                break
             if at(rate):
                 good = rate
                 break

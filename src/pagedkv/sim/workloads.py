@@ -24,12 +24,16 @@ import random
 from pathlib import Path
 
 from pagedkv.bench.workloads import DATASETS, BenchRequest
+from pagedkv.reprs import brief
 
 SYNTHETIC = ("random", "sharegpt-like", "alpaca-like")
 #: (mean input, mean output) tokens, Kwon et al. 2023 section 6.1
 PAPER_MEANS = {"sharegpt-like": (161.31, 337.99), "alpaca-like": (19.31, 58.45)}
 LENGTH_SIGMA = 0.9  # lognormal shape of the paper-like lengths: our assumption (see above)
 VOCAB = 32000       # token ids of synthetic prompts are drawn below this
+#: Latest arrival the virtual clock takes (seconds, ~32 years): float64 seconds resolve ~0.1 us
+#: there, while at a rate of 1e-15 req/s (arrivals near 1e15 s) a millisecond TTFT rounds to 0.
+MAX_ARRIVAL_S = 1e9
 
 
 def random_ids(rng: random.Random, n: int) -> tuple[int, ...]:
@@ -54,9 +58,14 @@ def synthetic_workload(name: str, num_prompts: int, input_len: int = 256, output
         raise ValueError(f"unknown synthetic workload {name!r}; choose from {', '.join(SYNTHETIC)}")
     if not 0 <= range_ratio < 1:
         raise ValueError(f"random range ratio must be in [0, 1), got {range_ratio}")
-    if input_len < 1 or output_len < 1 or input_len + output_len > max_model_len:
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in (num_prompts, input_len, output_len, max_model_len)):
+        raise ValueError(f"prompt count and lengths must be integers, got num_prompts {brief(num_prompts)}, input_len "
+                         f"{brief(input_len)}, output_len {brief(output_len)}, max_model_len {brief(max_model_len)}")
+    if name == "random" and (input_len < 1 or output_len < 1 or input_len + output_len > max_model_len):
         raise ValueError(f"input {input_len} + output {output_len} tokens must be positive and fit "
                          f"max_model_len {max_model_len}")
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len {max_model_len} holds no prompt and output token")
     rng, out = random.Random(seed), []
     for i in range(num_prompts):
         if name == "random":
@@ -91,10 +100,14 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int | None = None
             continue
         try:
             row = json.loads(line)
-            t, p, o = float(row["arrival"]), int(row["prompt_len"]), int(row["output_len"])
+            t, p, o = row["arrival"], row["prompt_len"], row["output_len"]
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"trace {path} line {no}: expected {{\"arrival\", \"prompt_len\", \"output_len\"}} "
                              f"({type(e).__name__})") from None
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (p, o)) or \
+                isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise ValueError(f"trace {path} line {no}: prompt_len and output_len must be integers and arrival a "
+                             f"number, got {brief(p)}, {brief(o)}, {brief(t)}")
         if p < 1 or o < 1 or not t >= 0 or t == float("inf"):
             raise ValueError(f"trace {path} line {no}: lengths must be >= 1 and arrival a finite time >= 0")
         if max_model_len is not None and p + o > max_model_len:
@@ -103,6 +116,10 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int | None = None
     if not rows:
         raise ValueError(f"trace {path} has no requests")
     rng, t0 = random.Random(seed), min(t for _, t, _, _ in rows)
+    for no, t, _, _ in rows:
+        if t - t0 > MAX_ARRIVAL_S:
+            raise ValueError(f"trace {path} line {no}: arrives {t - t0:.4g} s after the first request, past the "
+                             f"simulator's {MAX_ARRIVAL_S:.0e} s (its clock would lose sub-millisecond time)")
     return [BenchRequest(random_ids(rng, p), o, o, t - t0, label=f"trace/{no}") for no, t, p, o in rows]
 
 
@@ -114,12 +131,15 @@ def check_requests(reqs: list[BenchRequest]) -> None:
             arrival that is not a finite time >= 0 (naming the request's index).
     """
     for i, r in enumerate(reqs):
+        if not isinstance(r, BenchRequest):
+            raise ValueError(f"request {i}: a workload list holds BenchRequest objects, got {brief(r)}")
         if not r.prompt_token_ids or r.output_len < 1 or r.max_tokens < r.output_len:
             raise ValueError(f"request {i}: needs a prompt and 1 <= output_len <= max_tokens "
                              f"(got {r.num_prompt_tokens} prompt tokens, output_len {r.output_len}, "
                              f"max_tokens {r.max_tokens})")
-        if not 0 <= r.arrival_s < float("inf"):
-            raise ValueError(f"request {i}: arrival_s must be a finite time >= 0, got {r.arrival_s}")
+        if not 0 <= r.arrival_s <= MAX_ARRIVAL_S:
+            raise ValueError(f"request {i}: arrival_s must be a time from 0 to {MAX_ARRIVAL_S:.0e} s (the "
+                             f"simulator's clock resolves microseconds up to there), got {r.arrival_s}")
 
 
 def dataset_workload(name: str, num_prompts: int, max_prompt_tokens: int, max_tokens: int,
