@@ -289,6 +289,7 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                     (dict(kv_offload_memory="1GiB", kv_offload_dir="/tmp/x",
                                           kv_offload_disk_size="1KiB"), "holds no block record"),
                                     (dict(request_rate="5"), "must be a number"),
+                                    (dict(block_size=10**11), "holds no block of 100000000000 tokens"),
                                     (dict(request_rate=1e-15), "raise the request rate"),
                                     (dict(foo=1), "not an engine setting"),
                                     (dict(workload=[(1, 2, 3)]), "BenchRequest objects"),

@@ -43,10 +43,12 @@ import os
 import platform
 import random
 import statistics
+import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from pagedkv.config import EngineConfig
 from pagedkv.planner.roofline import ModelCost
@@ -255,8 +257,9 @@ def reference_seconds(engine, repeats: int = REPEATS) -> float:
 
 
 def calibrate(config: EngineConfig | None = None, quick: bool = False, save: bool = True,
-              repeats: int = REPEATS) -> dict:
-    """Profile the real engine, fit the factors and (``save``) cache them.
+              repeats: int = REPEATS, progress: bool = False) -> dict:
+    """Profile the real engine, fit the factors and (``save``) cache them; ``progress``: a
+    bar of the profile's runs on stderr (the whole takes minutes).
 
     Returns ``{"key", "efficiency", "cost", "fit", "ceilings", "reference_s", "steps",
     "samples"}`` (the fit's relative errors, the machine's ceilings and drift probe, the
@@ -277,10 +280,14 @@ def calibrate(config: EngineConfig | None = None, quick: bool = False, save: boo
     phases, reqs, tokens, secs = [], [], [], []
     groups = profile_workload(quick)
     repeated = [[] for _ in groups]
+    bar = tqdm(total=repeats * len(groups), desc="profiling the engine", unit="run", file=sys.stderr, leave=False,
+               mininterval=2.0, disable=not progress)
     for _ in range(repeats):  # round robin: a group's repeats a whole profile apart, not in one minute
         for group, runs in zip(groups, repeated):
             engine.reset_prefix_cache()
             runs.append(drive(engine, group, sample_waste=False))
+            bar.update()
+    bar.close()
     for runs in repeated:
         for i, (work, n) in enumerate(zip(runs[0].steps, runs[0].running)):
             phases.append(probe.phases(work))

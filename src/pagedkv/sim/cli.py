@@ -146,6 +146,8 @@ def run_simulate(a) -> int:
         warnings.showwarning = lambda message, *_a, **_k: print(f"warning: {message}", file=sys.stderr)
         try:
             return _run(a)
+        except BrokenPipeError:  # `... | head`: pagedkv.cli.main ends quietly
+            raise
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -165,7 +167,7 @@ def _run(a) -> int:
         if a.efficiency is not None:
             raise ValueError("not with --calibrate: --efficiency (calibrating fits the factors)")
         kw = flags | {"weight_dtype": weight} | ({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory else {})
-        r = calibrate(EngineConfig(**kw))
+        r = calibrate(EngineConfig(**kw), progress=True)
         for w in calibration_warnings(r):
             print(f"warning: {w}", file=sys.stderr)
         print(dumps(r, indent=2) if a.json else f"{r['efficiency']['source']}\n"

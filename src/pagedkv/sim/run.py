@@ -230,6 +230,9 @@ def check_pool(m: ModelConfig, p, dev, config: EngineConfig, tp: int, num_blocks
                          f"{config.block_size} tokens ({page:,} bytes)")
     weights = p.weight_bytes_per_device + -(-(p.draft_weight_bytes or 0) // tp)  # a draft model's too
     drafted = " with the draft model's" if p.draft_weight_bytes else ""
+    if num_blocks < 1 and p.cache_budget_bytes > 0:
+        raise ValueError(f"the KV cache budget left after the weights{drafted} ({p.cache_budget_bytes:,} bytes per "
+                         f"device) holds no block of {config.block_size} tokens ({page:,} bytes): lower --block-size")
     if num_blocks < 1:
         raise ValueError(f"{p.model} at tp {tp} on {dev.name}: the weights{drafted} ({weights / 1e9:.1f} GB "
                          f"per device) leave no room for a KV cache; raise --tp")
