@@ -292,6 +292,7 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                     (dict(block_size=10**11), "holds no block of 100000000000 tokens"),
                                     (dict(request_rate=1e-15), "raise the request rate"),
                                     (dict(foo=1), "not an engine setting"),
+                                    (dict(random_input_len=5), "--random-input-len input_len"),
                                     (dict(workload=[(1, 2, 3)]), "BenchRequest objects"),
                                     (dict(workload="random", output_len=2.5), "must be integers"),
                                     (dict(workload=[BenchRequest((1, 2), 2, 2, 2e9)]), "arrival_s"),

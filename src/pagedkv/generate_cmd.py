@@ -39,7 +39,8 @@ def _parse_line(line: str, n: int) -> str:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"prompts file line {n}: invalid JSON ({e.msg})") from None
+        raise ValueError(f"prompts file line {n}: invalid JSON ({e.msg}); a .jsonl or .json file holds one JSON "
+                         "object or string a line (plain-text prompts: another file name)") from None
     if isinstance(obj, str):
         return obj
     if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):

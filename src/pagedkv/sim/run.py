@@ -432,4 +432,10 @@ def engine_config(flags: dict) -> EngineConfig:
     try:
         return EngineConfig(**flags)
     except TypeError as e:  # a keyword EngineConfig does not take
-        raise ValueError(f"not an engine setting: {e}") from None
+        cli = {k: v for k, v in CLI_NAMES.items() if k in flags}
+        hint = "".join(f"; simulate() calls --{k.replace('_', '-')} {v}" for k, v in cli.items())
+        raise ValueError(f"not an engine setting: {e}{hint}") from None
+
+
+#: CLI flags whose simulate() keyword has another name
+CLI_NAMES = {"random_input_len": "input_len", "random_output_len": "output_len", "random_range_ratio": "range_ratio"}
