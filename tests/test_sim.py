@@ -176,6 +176,9 @@ def test_trace_loading_and_its_errors(tmp_path):
     epoch.write_text('{"arrival": 1718000000, "prompt_len": 2, "output_len": 1}\n'
                      '{"arrival": 1718000002.5, "prompt_len": 2, "output_len": 1}\n')
     assert [r.arrival_s for r in load_trace(epoch)] == [0.0, 2.5]
+    whole = tmp_path / "whole.jsonl"  # counts written as floats (10.0) are whole numbers still
+    whole.write_text('{"arrival": 0, "prompt_len": 10.0, "output_len": 3.0}\n')
+    assert [(r.num_prompt_tokens, r.output_len) for r in load_trace(whole)] == [(10, 3)]
     huge = tmp_path / "huge.jsonl"  # refused before a trillion token ids are made
     huge.write_text('{"arrival": 0, "prompt_len": 1000000000000, "output_len": 3}\n')
     with pytest.raises(ValueError, match="line 1: .* exceed max_model_len 2048"):

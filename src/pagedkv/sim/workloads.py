@@ -104,10 +104,10 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int | None = None
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"trace {path} line {no}: expected {{\"arrival\", \"prompt_len\", \"output_len\"}} "
                              f"({type(e).__name__})") from None
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (p, o)) or \
-                isinstance(t, bool) or not isinstance(t, (int, float)):
+        if not all(_whole(n) for n in (p, o)) or isinstance(t, bool) or not isinstance(t, (int, float)):
             raise ValueError(f"trace {path} line {no}: prompt_len and output_len must be integers and arrival a "
                              f"number, got {brief(p)}, {brief(o)}, {brief(t)}")
+        p, o = int(p), int(o)
         if p < 1 or o < 1 or not t >= 0 or t == float("inf"):
             raise ValueError(f"trace {path} line {no}: lengths must be >= 1 and arrival a finite time >= 0")
         if max_model_len is not None and p + o > max_model_len:
@@ -121,6 +121,11 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int | None = None
             raise ValueError(f"trace {path} line {no}: arrives {t - t0:.4g} s after the first request, past the "
                              f"simulator's {MAX_ARRIVAL_S:.0e} s (its clock would lose sub-millisecond time)")
     return [BenchRequest(random_ids(rng, p), o, o, t - t0, label=f"trace/{no}") for no, t, p, o in rows]
+
+
+def _whole(n) -> bool:
+    """A JSON integer, or a float holding one (10.0, as some exporters write counts)."""
+    return not isinstance(n, bool) and (isinstance(n, int) or (isinstance(n, float) and n.is_integer()))
 
 
 def check_requests(reqs: list[BenchRequest]) -> None:
