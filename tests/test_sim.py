@@ -296,6 +296,7 @@ def test_a_small_cache_preempts_and_rejects_what_never_fits():
                                     (dict(request_rate=1e-15), "raise the request rate"),
                                     (dict(foo=1), "not an engine setting"),
                                     (dict(random_input_len=5), "--random-input-len input_len"),
+                                    (dict(trace="t.jsonl"), "a trace replaces workload"),
                                     (dict(workload=[(1, 2, 3)]), "BenchRequest objects"),
                                     (dict(workload="random", output_len=2.5), "must be integers"),
                                     (dict(workload=[BenchRequest((1, 2), 2, 2, 2e9)]), "arrival_s"),
@@ -342,6 +343,15 @@ def test_sweep_halves_below_its_start_rate_when_the_start_misses():
 
 
 # ---- the command line -----------------------------------------------------------------
+def test_plot_takes_every_format_matplotlib_writes(tmp_path, capsys):
+    argv = ["simulate", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--workload", "random", "--num-prompts", "4"]
+    for name in ("kv.webp", "kv.SVG"):
+        assert main([*argv, "--plot", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).stat().st_size > 0
+    assert main([*argv, "--output", str(tmp_path / "gone.json"), "--plot", str(tmp_path / "kv.txt")]) == 2
+    assert not (tmp_path / "gone.json").exists()  # the write probe left nothing behind
+
+
 def test_cli_json_output_and_plot(tmp_path, capsys):
     plot, out = tmp_path / "kv.png", tmp_path / "r.json"
     assert main(["simulate", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--workload", "random",
@@ -385,6 +395,8 @@ RANDOM = ["--workload", "random"]
     ([*RANDOM, "--spec-acceptance-rate", "0.5"], "needs speculative decoding"),
     ([*RANDOM, "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
     ([*RANDOM, "--plot", "kv"], "name an image file"), ([*RANDOM, "--output", ""], "not a file name"),
+    ([*RANDOM, "--output", "/proc/nope.json"], "cannot be written"),
+    (["--model", "smollm2-135m-instruct", "--gpu", "h200", *RANDOM, "--disagg", "64P64D"], "blocks simulated in memory"),
     ([*RANDOM, "--output", "/"], "not a file name"),
     ([*RANDOM, "--request-rate", "1e-15"], "raise the request rate"),
     ([*RANDOM, "--disagg", "999P1D"], "at most 256 instances"),

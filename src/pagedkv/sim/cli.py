@@ -201,18 +201,38 @@ def _setup_and_requests(a, flags: dict, weight: str, rate: float | None):
                         seed=a.workload_seed), a.spec_acceptance_rate)
 
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
-
-
 def _check_outputs(a) -> None:
-    """Refuse --output and --plot paths that cannot be written, before the run."""
+    """Refuse --output and --plot paths that cannot be written, before the run: a file name
+    in an existing folder that takes a new file (tried), and for --plot a format matplotlib
+    writes (without one, matplotlib appends .png to the name)."""
     for flag, path in (("--output", a.output), ("--plot", a.plot)):
         if path is None:
             continue
         if not path.strip() or Path(path).is_dir() or not Path(path).parent.is_dir():
             raise ValueError(f"{flag} {path!r}: not a file name in an existing folder")
-    if a.plot is not None and Path(a.plot).suffix.lower() not in PLOT_SUFFIXES:
-        raise ValueError(f"--plot {a.plot!r}: name an image file ({', '.join(PLOT_SUFFIXES)})")
+        _try_write(flag, Path(path))
+    if a.plot is not None:
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        if Path(a.plot).suffix.lower().lstrip(".") not in formats:
+            raise ValueError(f"--plot {a.plot!r}: name an image file matplotlib writes "
+                             f"(.{', .'.join(sorted(formats))})")
+
+
+def _try_write(flag: str, path: Path) -> None:
+    """Open ``path`` for writing (and remove it again if it was not there): a folder that
+    takes no file fails now, not after the run."""
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {str(path)!r}: cannot be written ({e.strerror})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def dumps(obj, **kw) -> str:

@@ -80,6 +80,10 @@ def run_disagg(setup, requests: list[BenchRequest], num_prefill: int, num_decode
     """
     if num_prefill < 1 or num_decode < 0 or not link_bytes_per_s > 0:
         raise ValueError("need at least one prefill instance and a positive link bandwidth")
+    if (num_prefill + num_decode) * setup.num_blocks > MAX_TOTAL_BLOCKS:
+        raise ValueError(f"{num_prefill + num_decode} instances of {setup.num_blocks:,} KV blocks each are more than "
+                         f"the {MAX_TOTAL_BLOCKS:,} blocks simulated in memory at once: fewer instances, a larger "
+                         "--block-size or a smaller --kv-cache-memory")
     colocated = num_decode == 0
     pre = [_Instance(setup.engine(), []) for _ in range(num_prefill)]
     dec = [_Instance(setup.engine(remote_prefill()), []) for _ in range(num_decode)]
@@ -133,7 +137,10 @@ def _admit(inst: _Instance, requests: list[BenchRequest], full: bool) -> dict:
     return added
 
 
-MAX_INSTANCES = 256  # X + Y: each instance holds an engine's scheduler and block pool (~5 MB here)
+MAX_INSTANCES = 256  # X + Y: each instance holds an engine's scheduler and block pool
+#: KV blocks of all instances simulated at once: a block's bookkeeping is ~90 bytes (31 MB an
+#: instance of SmolLM2 on an H200 at 16 tokens a block), so this is ~3 GB
+MAX_TOTAL_BLOCKS = 30_000_000
 
 
 def parse_disagg(spec: str) -> tuple[int, int]:

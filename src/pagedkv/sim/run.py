@@ -227,12 +227,13 @@ def check_pool(m: ModelConfig, p, dev, config: EngineConfig, tp: int, num_blocks
         raise ValueError(f"tp {tp} does not split {p.model}'s {m.num_attention_heads} attention heads evenly")
     if num_blocks < 1 and budget_given:
         raise ValueError(f"a KV cache budget of {p.cache_budget_bytes:,} bytes per device holds no block of "
-                         f"{config.block_size} tokens ({page:,} bytes)")
+                         f"{config.block_size} tokens ({page:,} bytes) beside the engine's reserved null block")
     weights = p.weight_bytes_per_device + -(-(p.draft_weight_bytes or 0) // tp)  # a draft model's too
     drafted = " with the draft model's" if p.draft_weight_bytes else ""
     if num_blocks < 1 and p.cache_budget_bytes > 0:
         raise ValueError(f"the KV cache budget left after the weights{drafted} ({p.cache_budget_bytes:,} bytes per "
-                         f"device) holds no block of {config.block_size} tokens ({page:,} bytes): lower --block-size")
+                         f"device) holds no block of {config.block_size} tokens ({page:,} bytes) beside the engine's "
+                         "reserved null block: lower --block-size")
     if num_blocks < 1:
         raise ValueError(f"{p.model} at tp {tp} on {dev.name}: the weights{drafted} ({weights / 1e9:.1f} GB "
                          f"per device) leave no room for a KV cache; raise --tp")
@@ -357,7 +358,7 @@ def extra_metrics(run: EngineRun) -> dict:
 
 
 def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1,
-             workload: str | list[BenchRequest] = "arena-hard", num_prompts: int = 100,
+             workload: str | list[BenchRequest] | None = None, num_prompts: int | None = None,
              request_rate: float | None = None, *, weight_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
              kv_cache_memory: int | str | None = None, efficiency: Efficiency | str | None = None,
              max_prompt_tokens: int = 512, max_tokens: int = 128, input_len: int = 256, output_len: int = 128,
@@ -372,8 +373,8 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
             and pays the planner's all-reduce time over the GPU link).
         workload: ``arena-hard``, ``hh-rlhf``, ``shared-prefix``, ``random``, ``sharegpt-like``,
             ``alpaca-like`` (:mod:`pagedkv.sim.workloads`), or a list of
-            :class:`~pagedkv.bench.workloads.BenchRequest`.
-        num_prompts, request_rate: how many requests, arriving as Poisson at this rate
+            :class:`~pagedkv.bench.workloads.BenchRequest` (default: ``arena-hard``).
+        num_prompts, request_rate: how many requests (default: 100), arriving as Poisson at this rate
             (requests/s; ``inf``: all at once; None: a list's own ``arrival_s``, else ``inf``).
         weight_dtype, gpu_memory_utilization, kv_cache_memory: as ``pagedkv plan``.
         efficiency: factors and overheads, or the name of a measured GPU fit or a JSON file
@@ -391,6 +392,10 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
     Raises:
         ValueError: unknown model, GPU or workload; bad numbers; settings not simulated.
     """
+    if trace is not None and (workload is not None or num_prompts is not None):
+        raise ValueError("a trace replaces workload and num_prompts: give one or the other")
+    workload = "arena-hard" if workload is None else workload
+    num_prompts = 100 if num_prompts is None else num_prompts
     setup, requests = prepare(model, gpu, tp, engine_flags, weight_dtype, gpu_memory_utilization, kv_cache_memory,
                               efficiency, workload, num_prompts, request_rate,
                               dict(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, input_len=input_len,

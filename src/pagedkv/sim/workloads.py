@@ -118,8 +118,8 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int | None = None
     rng, t0 = random.Random(seed), min(t for _, t, _, _ in rows)
     for no, t, _, _ in rows:
         if t - t0 > MAX_ARRIVAL_S:
-            raise ValueError(f"trace {path} line {no}: arrives {t - t0:.4g} s after the first request, past the "
-                             f"simulator's {MAX_ARRIVAL_S:.0e} s (its clock would lose sub-millisecond time)")
+            raise ValueError(f"trace {path} line {no}: arrives {t - t0:,.6g} s after the first request, past the "
+                             f"simulator's limit of {MAX_ARRIVAL_S:,.0f} s (its clock would lose sub-millisecond time)")
     return [BenchRequest(random_ids(rng, p), o, o, t - t0, label=f"trace/{no}") for no, t, p, o in rows]
 
 
