@@ -172,6 +172,7 @@ def test_trace_loading_and_its_errors(tmp_path):
                     '"output_len": 1}\n')
     reqs = load_trace(good)
     assert [(r.arrival_s, r.num_prompt_tokens, r.output_len) for r in reqs] == [(0.0, 10, 3), (0.5, 4, 1)]
+    assert all(type(r.arrival_s) is float for r in reqs)  # an integer arrival (1) too: JSON output keeps 1.0
     epoch = tmp_path / "epoch.jsonl"  # absolute timestamps count from the first arrival
     epoch.write_text('{"arrival": 1718000000, "prompt_len": 2, "output_len": 1}\n'
                      '{"arrival": 1718000002.5, "prompt_len": 2, "output_len": 1}\n')
@@ -190,6 +191,7 @@ def test_trace_loading_and_its_errors(tmp_path):
              '{"arrival": 0, "prompt_len": true, "output_len": 1}': "line 1: .*integers",
              '{"arrival": 0, "prompt_len": Infinity, "output_len": 1}': "line 1: .*integers",
              '{"arrival": true, "prompt_len": 1, "output_len": 1}': "line 1: .*arrival a number",
+             '{"arrival": 1' + '0' * 400 + ', "prompt_len": 1, "output_len": 1}': "line 1: .*finite time",
              '{"arrival": 0, "prompt_len": 1, "output_len": 1}\n{"arrival": 1e308, "prompt_len": 1, "output_len": 1}':
              "line 2: arrives 1e\\+308 s after the first request"}
     for text, msg in cases.items():

@@ -107,7 +107,7 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int | None = None
         if not all(_whole(n) for n in (p, o)) or isinstance(t, bool) or not isinstance(t, (int, float)):
             raise ValueError(f"trace {path} line {no}: prompt_len and output_len must be integers and arrival a "
                              f"number, got {brief(p)}, {brief(o)}, {brief(t)}")
-        p, o = int(p), int(o)
+        p, o, t = int(p), int(o), _seconds(t)
         if p < 1 or o < 1 or not t >= 0 or t == float("inf"):
             raise ValueError(f"trace {path} line {no}: lengths must be >= 1 and arrival a finite time >= 0")
         if max_model_len is not None and p + o > max_model_len:
@@ -121,6 +121,14 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int | None = None
             raise ValueError(f"trace {path} line {no}: arrives {t - t0:,.6g} s after the first request, past the "
                              f"simulator's limit of {MAX_ARRIVAL_S:,.0f} s (its clock would lose sub-millisecond time)")
     return [BenchRequest(random_ids(rng, p), o, o, t - t0, label=f"trace/{no}") for no, t, p, o in rows]
+
+
+def _seconds(t: int | float) -> float:
+    """An arrival as float seconds; an integer past float's range is infinitely late."""
+    try:
+        return float(t)
+    except OverflowError:
+        return math.inf
 
 
 def _whole(n) -> bool:
