@@ -43,6 +43,15 @@ def test_drive_ends_requests_at_output_len_and_frees_pages(tiny_engine):
     assert 0 <= m["waste"] < 1 and m["samples"] == m["steps"]
 
 
+def test_one_token_outputs_report_the_pages_their_prefill_held(tiny_engine):
+    """Requests that end in their prefill step free their pages inside it: the driver's and
+    the engine's peaks are taken when the step is scheduled, not only after it."""
+    engine = tiny_engine()
+    m = drive(engine, _reqs(2, 20, output_len=1, max_tokens=1)).metrics()
+    assert m["output_tokens"] == 2 and m["peak_kv_blocks"] == 4  # two prompts of 20 tokens, 16-token blocks
+    assert engine.peak_blocks_used >= 4 and engine.kv.usage().used == 0
+
+
 def test_contiguous_wastes_more_and_runs_fewer_at_once(tiny_engine):
     work = _reqs(8, 20, output_len=4, max_tokens=100)    # reserves 120 slots, uses 24
     paged = drive(tiny_engine(num_blocks=20), work).metrics()

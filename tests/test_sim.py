@@ -630,3 +630,13 @@ def test_the_cost_model_line_names_the_measured_corrections():
     eff = Efficiency(few_row_factors=(1.3, 0.9), prefill_factors=((16, 0.8), (2048, 1.1)), idle_wake_s=0.003).to_dict()
     assert _corrections(eff) == ", decodes of 1-2 requests x0.90-1.30, lone prefills x0.80-1.10 (2 lengths), +3.00 ms after idle"
     assert _corrections(Efficiency().to_dict()) == ""
+
+
+def test_one_token_outputs_count_the_pages_their_prefill_held():
+    """A request that ends in its prefill step frees its pages in that step's update: the
+    peak is taken before the step runs, so it is the prompt's blocks, not 0."""
+    from pagedkv.bench.workloads import BenchRequest
+
+    reqs = [BenchRequest((5,) * 40, 1, 1, arrival_s=0.0)]
+    r = simulate("llama-3-8b", "a100-80gb-sxm4", workload=reqs, block_size=16)
+    assert r.metrics["output_tokens"] == 1 and r.metrics["peak_kv_blocks"] == 3  # ceil(40 / 16)

@@ -45,13 +45,14 @@ class EngineRun:
     running_after: list[int] = field(default_factory=list)  # requests running after each step
     waiting: list[int] = field(default_factory=list)        # requests waiting after each step
     idle_after: list[bool] = field(default_factory=list)    # the driver waited for an arrival after each step
+    scheduled_blocks_peak: int = 0  # most blocks in use right after a step was scheduled (before it freed any)
 
     def metrics(self) -> dict:
         m = summarize_requests(self.records, self.duration_s)
         prefill = sum(s.tokens for s in self.steps) - sum(max(0, r.num_output_tokens - 1) for r in self.records)
         return m | self.waste.summary() | {
             "preemptions": self.preemptions, "num_blocks": self.num_blocks,
-            "peak_kv_blocks": max(self.blocks_used, default=0),
+            "peak_kv_blocks": max(self.blocks_used + [self.scheduled_blocks_peak]),
             "max_running": max(self.running, default=0),
             "mean_running": sum(self.running) / len(self.running) if self.running else 0,
             "steps": len(self.steps), "prefill_tokens_computed": prefill,
@@ -84,17 +85,20 @@ def drive(engine, workload: list[BenchRequest], ignore_eos: bool = True, sample_
     Raises:
         ValueError: if the engine rejects a request (too long for it).
     """
-    sched, seen = engine.scheduler, []
-    schedule = sched.schedule
+    sched, seen, peak = engine.scheduler, [], [0]
+    schedule, pool = sched.schedule, engine.kv.pool
 
     def recording_schedule():
         seen.append(schedule())
+        peak[0] = max(peak[0], pool.num_used)  # a request ending in this step frees its pages after it
         return seen[-1]
 
     sched.schedule = recording_schedule   # an instance attribute, removed below
     try:
         order = sorted(enumerate(workload), key=lambda x: x[1].arrival_s)
-        return _loop(engine, order, ignore_eos, sample_waste, on_step, seen, clock, sleep)
+        run = _loop(engine, order, ignore_eos, sample_waste, on_step, seen, clock, sleep)
+        run.scheduled_blocks_peak = peak[0]
+        return run
     finally:
         del sched.schedule
 

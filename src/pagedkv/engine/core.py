@@ -79,6 +79,7 @@ class EngineCore:
         if not (sched.num_scheduled_tokens or sched.finished_req_ids or sched.preempted_req_ids
                 or self.scheduler.num_delayed_free or sched.kv_connector_metadata is not None):
             return []  # (a connector's plan always runs: it may hold pins until reported)
+        self._note_peak()  # before the step: requests that end in it free their pages in update
         try:
             result = self.runner.execute(sched)
         except Exception as e:
@@ -104,8 +105,11 @@ class EngineCore:
         out.kv_connector_metadata = sched.connector.build_connector_meta(out)
         sched.update(out, self.runner.execute(out), self.clock())
 
-    def _after_step(self) -> None:
+    def _note_peak(self) -> None:
         self.peak_blocks_used = max(self.peak_blocks_used, self.scheduler.kv.pool.num_used)
+
+    def _after_step(self) -> None:
+        self._note_peak()
         if self.debug_invariants:
             self.scheduler.kv.check_invariants()
             if self.scheduler.connector is not None:
