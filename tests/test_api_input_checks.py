@@ -66,6 +66,12 @@ def test_chat_takes_text_parts_and_refuses_lone_surrogates(tiny_llm_factory):
             llm.chat([{"role": "user", "content": bad}])
 
 
+def test_chat_takes_none_content_as_the_server_does(tiny_llm_factory):
+    llm = tiny_llm_factory()
+    with_none = llm.chat_prompt([{"role": "system", "content": None}, {"role": "user", "content": "Hi"}])
+    assert with_none == llm.chat_prompt([{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}])
+
+
 def test_huge_integers_in_float_fields_are_value_errors():
     for kw in ({"temperature": 10**400}, {"top_p": 10**400}, {"top_p": -10**400}):
         with pytest.raises(ValueError):

@@ -357,6 +357,14 @@ BAD = [  # (path, body, status, param or None, code or None)
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [49152]}, 400, "stop_token_ids", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**70]}, 400, "stop_token_ids", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "stop": ["y" * 1001]}, 400, "stop", "invalid_value"),
+    # a third break-it pass: tool calls in messages were dropped silently (as 'tools', refused)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                              "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f"}}]}]},
+     400, "messages[1].tool_calls", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}, 400,
+     "messages[0].tool_call_id", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": 3}]}, 400, "messages[0].name",
+     "invalid_type"),
     # issue 14: SnapKV's per-request budget
     ("/v1/completions", {"prompt": "x", "kv_budget_tokens": 0}, 400, "kv_budget_tokens", "invalid_value"),
 ]
@@ -998,3 +1006,11 @@ def test_engine_failure_is_503_not_a_hang(tiny_model_dir, one_thread, no_server_
     messages = [rec.getMessage() for rec in no_server_errors.records]
     assert messages == ["engine step failed; the server stops serving"]
     no_server_errors.records.clear()  # the one expected error
+
+
+def test_messages_keep_a_name_and_take_an_empty_tool_calls_list():
+    from pagedkv.server.protocol import parse_messages
+
+    out = parse_messages([{"role": "user", "content": "x", "name": "ann"},
+                          {"role": "assistant", "content": None, "tool_calls": []}])
+    assert out == [{"role": "user", "content": "x", "name": "ann"}, {"role": "assistant", "content": ""}]

@@ -42,7 +42,8 @@ class LLM:
                  cache_salt: str | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
+        A prompt is a string or ``{"prompt_token_ids": [...]}`` (a ``"prompt"`` text beside the
+        ids is only echoed back as the output's ``prompt``, not tokenized). ``sampling_params`` is one
         for all or one per prompt. ``on_output`` sees each request's output when it finishes.
         ``priority``: one per prompt, used with ``scheduling_policy="priority"`` (lower first).
 
@@ -157,8 +158,9 @@ class LLM:
     def chat_prompt(self, messages: list[dict]) -> dict:
         """``{"prompt_token_ids", "prompt"}`` of one conversation under the chat template.
 
-        A message's content is a string or, as in OpenAI's API, a list of
-        ``{"type": "text", "text": str}`` parts (joined).
+        A message's content is a string, ``None`` (empty) or, as in OpenAI's API, a list of
+        ``{"type": "text", "text": str}`` parts (joined). Roles and other keys go to the
+        template as given (the server allows OpenAI's roles only).
 
         Raises:
             ValueError: a message that is not ``{"role": str, "content": ...}``, text that is
@@ -202,6 +204,8 @@ def _content_text(content) -> str:
     Raises:
         ValueError: any other shape, or text with a lone surrogate (not valid Unicode).
     """
+    if content is None:  # OpenAI's shape for e.g. an assistant turn without text, as the server
+        return ""
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)

@@ -24,6 +24,7 @@ MAX_LOGPROBS = 20
 SEED_RANGE = (-2**63, 2**63 - 1)   # what SamplingParams accepts: a signed 64-bit integer
 PRIORITY_RANGE = SEED_RANGE        # vLLM's request priority: any integer; lower runs first
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+UNSUPPORTED_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "function_call")
 
 
 class APIError(Exception):
@@ -321,8 +322,16 @@ def parse_messages(v) -> list[dict]:
         role = m.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or dict is unhashable
             raise bad(f"{where}.role", f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {brief(role)}")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(m.get("content"), f"{where}.content")})
+        for key in UNSUPPORTED_MESSAGE_KEYS:
+            if m.get(key) not in (None, []):  # as 'tools': refused, not dropped (an empty list is none)
+                raise bad(f"{where}.{key}", f"{where}.{key}: tool calls are not supported", "unsupported_parameter")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _content(m.get("content"), f"{where}.content")}
+        if m.get("name") is not None:  # a participant's name: the template's to use or ignore
+            if not isinstance(m["name"], str):
+                raise bad(f"{where}.name", f"{where}.name must be a string, got {brief(m['name'])}", "invalid_type")
+            msg["name"] = _unicode(m["name"], f"{where}.name")
+        out.append(msg)
     if not any(m["content"] for m in out):
         raise bad("messages", "the messages are empty")
     return out
