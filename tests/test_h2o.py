@@ -94,3 +94,20 @@ def test_h2o_outputs_do_not_depend_on_batching_or_preemption(tiny_model_dir):
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == alone
     assert llm.engine.stats().num_preemptions > 0 and llm.engine.kv.usage().used == 0
+
+
+def test_h2o_generates_past_the_whole_cache_in_its_bounded_pages(tiny_model_dir):
+    """H2O holds at most its budget + a page (a prompt over the budget: the prompt, until it
+    is scored), so a cache of exactly that many pages runs a request far longer than the
+    cache, with the same tokens as a large one; one page less is refused at once, as is a
+    prompt the cache cannot hold whole."""
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    for prompt, pages in ((PROMPT[:20], (24 + 4) // 4), (PROMPT, 50 // 4 + 1)):
+        alone = LLM(model=str(tiny_model_dir), **H2O).generate([{"prompt_token_ids": prompt}], params)[0]
+        small = LLM(model=str(tiny_model_dir), debug_invariants=True, **(H2O | {"num_blocks": pages}))
+        assert small.engine.max_model_len > pages * 4  # not capped at what the cache holds densely
+        out = small.generate([{"prompt_token_ids": prompt}], params)[0]
+        assert out.token_ids == alone.token_ids and small.engine.peak_blocks_used <= pages
+        with pytest.raises(ValueError, match="exceeds max_model_len|whole cache has"):
+            LLM(model=str(tiny_model_dir), **(H2O | {"num_blocks": pages - 1})).generate(
+                [{"prompt_token_ids": prompt}], params)

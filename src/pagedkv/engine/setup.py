@@ -14,7 +14,9 @@ from dataclasses import dataclass, replace
 
 from pagedkv.attention.dispatch import attention_mode
 from pagedkv.config import SCORED_EVICTIONS, EngineConfig
+from pagedkv.engine.admission import request_peak_blocks
 from pagedkv.engine.calibrate import CALIBRATION_TOKENS, calibrate_static_scales, calibration_ids
+from pagedkv.engine.kv_eviction import eviction_policy
 from pagedkv.kv.groups import (FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers, hybrid_page_layers,
                                shared_page_slots, single_group, windows_free_pages)
 from pagedkv.kv.manager import KVCacheManager
@@ -109,14 +111,18 @@ def cap_to_cache(max_len: int, cache_tokens: int, explicit: bool) -> int:
 def cache_max_model_len(config: EngineConfig, kv: KVCacheManager, max_len: int) -> int:
     """``max_len`` capped by what one request can use of ``kv``'s pool: the longest request
     whose peak pages (:meth:`KVCacheManager.peak_blocks`, every group) fit the pool: the
-    whole cache under full attention, any length when a window bounds its pages, and for
-    window and full groups side by side what both hold at once (:func:`cap_to_cache` keeps a
-    value the user set)."""
-    num_blocks, step = kv.pool.num_blocks, step_tokens(config)
-    lo, hi = 0, max_len  # peak_blocks grows with the length: the longest that fits
+    whole cache under full attention, any length when a window or H2O eviction bounds its
+    pages (a long prompt is then refused by itself), and for window and full groups side by
+    side what both hold at once (:func:`cap_to_cache` keeps a value the user set)."""
+    num_blocks, step, policy = kv.pool.num_blocks, step_tokens(config), eviction_policy(config)
+
+    def fits(total: int) -> bool:  # a one-token prompt: SnapKV scores none, H2O scores as it goes
+        return request_peak_blocks(kv, total, 1, step, policy) <= num_blocks
+
+    lo, hi = 0, max_len  # the peak grows with the length: the longest that fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if kv.peak_blocks(mid, step) <= num_blocks else (lo, mid - 1)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     if lo == 0:
         raise ValueError(f"a KV cache of {num_blocks} blocks cannot hold a one-token request, which needs "
                          f"{kv.peak_blocks(1, step)} (a block in each of its {len(kv.groups)} KV groups at least): "

@@ -117,7 +117,8 @@ class SimEngine:
             if not isinstance(ids, (list, tuple)) or not ids:
                 raise ValueError("a simulated prompt is a non-empty list of token ids")
             max_tokens = resolve_max_tokens(self.kv, self.max_model_len, step_tokens(self.config), len(ids),
-                                            params, self.config.kv_eviction == "streaming")
+                                            params, self.config.kv_eviction == "streaming",
+                                            eviction_policy(self.config))
         except ValueError:
             self.num_rejected += 1
             raise
