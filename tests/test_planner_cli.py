@@ -108,3 +108,12 @@ def test_module_entry_point(capsys):
     from pagedkv.planner.__main__ import main
     assert main(["--model", "falcon-7b", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["attention"] == "MQA"
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (("--kv-cache-memory", "100MiB", "--batch", "4"), "need a cache of about 2,147,483,648 B"),  # not "--tp 1" at tp 1
+    (("--batch", "100", "--seq-len", "8192"), "all 100 fit with --tp 2"),
+])
+def test_a_batch_that_does_not_fit_gets_a_hint_that_changes_something(capsys, argv, hint):
+    rc, out, _ = run(capsys, "--model", "llama-3-8b", "--gpu", "h100-sxm", *argv)
+    assert rc == 0 and hint in out and "fit with --tp 1" not in out

@@ -11,12 +11,14 @@ from pagedkv.planner.units import fmt_bytes
 
 def _dtype_notes(r, dev: Device | None, kv_arg: str, w_arg: str) -> list[str]:
     out = []
-    where = "on a GPU, the checkpoint's 16-bit dtype" if dev and not dev.is_cpu else \
-        "the engine computes in float32 on CPU; pass --gpu NAME or a dtype"
+    gpu = dev and not dev.is_cpu
+    cpu = "the engine computes in float32 on CPU; pass --gpu NAME or a dtype"
+    kv_where = "on a GPU, the model's activation dtype" if gpu else cpu
+    w_where = "on a GPU, the checkpoint's own dtype" if gpu else cpu
     if str(kv_arg).lower() == "auto":
-        out.append(f"kv cache dtype auto -> {r.kv_cache_dtype} ({where})")
+        out.append(f"kv cache dtype auto -> {r.kv_cache_dtype} ({kv_where})")
     if str(w_arg).lower() == "auto":
-        out.append(f"weight dtype auto -> {r.weight_dtype} ({where}; the CPU engine's --weight-dtype auto "
+        out.append(f"weight dtype auto -> {r.weight_dtype} ({w_where}; the CPU engine's --weight-dtype auto "
                    "keeps a GGUF's Q4_1/Q8_0 blocks instead: plan them with --weight-dtype q4_1 or q8_0)")
     if dev and r.weight_dtype.startswith("fp8") and not dev.flops_fp8:
         out.append(f"{dev.label} has no FP8 matrix units: FP8 weights save memory and bandwidth, "
@@ -63,8 +65,10 @@ def _fit_notes(r) -> list[str]:
         hint = f"fits with --tp {r.min_tp_for_weights}" if r.min_tp_for_weights else "does not fit at --tp 64"
         out.append(f"weights do not fit: {per} per device > {usable} usable; {hint}")
     elif r.batch_fits is False and r.max_concurrent_requests is not None:
-        hint = (f"all {r.batch} fit with --tp {r.min_tp_for_batch}" if r.min_tp_for_batch
-                else "no --tp up to 64 fits them all")
+        need = fmt_bytes(r.paged_bytes_per_request_per_device * r.batch)
+        hint = (f"all {r.batch} fit with --tp {r.min_tp_for_batch}" if (r.min_tp_for_batch or 0) > r.tp
+                else f"they need a cache of about {need} per device at --tp {r.tp}"
+                + ("" if r.min_tp_for_batch else "; no --tp up to 64 fits them all"))
         out.append(f"only {r.max_concurrent_requests:,} of the {r.batch:,} requests of {r.seq_len:,} tokens "
                    f"fit in the cache; {hint}")
     if r.cache_budget_bytes is not None and r.usable_memory_bytes is not None and \

@@ -97,13 +97,14 @@ def _requests_fitting(specs: tuple[KVCacheSpec, ...], budget: int, seq_len: int)
 
 
 def _min_tp(c: _Inputs, need: int) -> int | None:
-    """Smallest TP degree where ``need`` requests (0: just the weights and one block) fit per device."""
+    """Smallest TP degree where ``need`` requests (0: just the weights and one block) fit per
+    device: in what the weights leave of it, or in ``--kv-cache-memory`` per device when given."""
     for tp in TP_CANDIDATES:
         try:
             specs = c.specs(tp)
         except ValueError:
             continue  # this degree does not split the KV heads
-        budget = int(c.dev.memory_bytes * c.util) - math.ceil(c.all_weight_bytes / tp)
+        budget = c.budget if c.budget is not None else int(c.dev.memory_bytes * c.util) - math.ceil(c.all_weight_bytes / tp)
         if (_requests_fitting(specs, budget, c.seq_len) >= need) if need else _budget_blocks(specs, budget) >= 1:
             return tp
     return None
