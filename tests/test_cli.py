@@ -82,6 +82,22 @@ def test_prompts_file_plain_lines(tmp_path):
     assert stats["num_requests"] == 2
 
 
+def test_prompts_file_json_array_settings_and_encoding(tmp_path):
+    from pagedkv.generate_cmd import read_prompts
+
+    (tmp_path / "a.json").write_text('[{"prompt": "hi", "id": 3}, "yo"]')
+    assert read_prompts(["x"], tmp_path / "a.json") == ["x", "hi", "yo"]
+    (tmp_path / "b.jsonl").write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    with pytest.raises(ValueError, match="line 1: max_tokens per prompt is not read"):
+        read_prompts([], tmp_path / "b.jsonl")
+    (tmp_path / "c.json").write_text('[{"prompt": "hi"}, 5]')
+    with pytest.raises(ValueError, match="item 1: expected a string"):
+        read_prompts([], tmp_path / "c.json")
+    (tmp_path / "d.txt").write_bytes(b"hi\xff\n")
+    with pytest.raises(ValueError, match="d.txt is not UTF-8"):
+        read_prompts([], tmp_path / "d.txt")
+
+
 @pytest.mark.slow
 def test_prompts_file_jsonl_and_positional(tmp_path):
     f = tmp_path / "prompts.jsonl"

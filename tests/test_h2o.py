@@ -111,3 +111,11 @@ def test_h2o_generates_past_the_whole_cache_in_its_bounded_pages(tiny_model_dir)
         with pytest.raises(ValueError, match="exceeds max_model_len|whole cache has"):
             LLM(model=str(tiny_model_dir), **(H2O | {"num_blocks": pages - 1})).generate(
                 [{"prompt_token_ids": prompt}], params)
+
+
+def test_h2o_runs_under_a_step_budget_smaller_than_its_window(tiny_model_dir):
+    """Only SnapKV's observation window must run in one step; H2O scores every query."""
+    prompt = [{"prompt_token_ids": PROMPT[:30]}]
+    alone = LLM(model=str(tiny_model_dir), **H2O).generate(prompt, GREEDY)[0].token_ids
+    tiny_steps = LLM(model=str(tiny_model_dir), debug_invariants=True, **(H2O | {"max_num_batched_tokens": 3}))
+    assert tiny_steps.generate(prompt, GREEDY)[0].token_ids == alone

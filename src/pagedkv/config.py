@@ -287,7 +287,7 @@ class EngineConfig:
             raise ValueError(f"kv_eviction {self.kv_eviction} needs kv_budget_tokens (--kv-budget-tokens) of at least "
                              f"num_sink_tokens + kv_window_tokens = {need}, "
                              + ("not set" if b is None else f"got {b!r}"))
-        if self.kv_window_tokens > self.max_num_batched_tokens:
+        if self.kv_eviction == "snapkv" and self.kv_window_tokens > self.max_num_batched_tokens:
             raise ValueError(f"kv_window_tokens {self.kv_window_tokens} (snapkv's observation window) must fit "
                              f"in one step: max_num_batched_tokens is {self.max_num_batched_tokens}")
         for clash, on in (("speculative_config", self.speculative_config is not None),

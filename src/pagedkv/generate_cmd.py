@@ -15,24 +15,43 @@ from pathlib import Path
 
 def read_prompts(positional: list[str], path: Path | None) -> list[str]:
     """Prompts from the command line and/or a file. A ``.jsonl``/``.json`` file holds one
-    JSON object with a ``prompt`` field (or a JSON string) per line; any other file holds
-    one plain-text prompt per line. Blank lines are skipped.
+    JSON object with a ``prompt`` field (or a JSON string) per line, or (``.json``) one JSON
+    array of them; any other file holds one plain-text prompt per line. Blank lines are
+    skipped. An object's other keys are ignored, except sampling settings (``max_tokens``,
+    ``temperature``, ...), which are refused: every prompt takes the command line's.
 
     Raises:
-        FileNotFoundError: missing file. ValueError: no prompt at all, or a bad JSONL line.
+        FileNotFoundError: missing file. ValueError: no prompt at all, a file that is not
+        UTF-8, or a bad JSON line or item (naming it).
     """
     prompts = list(positional)
     if path is not None:
         if path.is_dir() or not path.exists():
             raise FileNotFoundError(f"prompts file {path} does not exist or is a folder")
-        with open(path, encoding="utf-8", newline="") as f:  # only \n ends a line
-            lines = f.read().split("\n")
-        for n, line in enumerate((ln.removesuffix("\r") for ln in lines), 1):
-            if line.strip():
-                prompts.append(_parse_line(line, n) if path.suffix in (".jsonl", ".json") else line)
+        try:
+            with open(path, encoding="utf-8", newline="") as f:  # only \n ends a line
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompts file {path} is not UTF-8 text (byte {e.start})") from None
+        if path.suffix == ".json" and text.lstrip().startswith("["):
+            prompts += _parse_array(text)
+        else:
+            for n, line in enumerate((ln.removesuffix("\r") for ln in text.split("\n")), 1):
+                if line.strip():
+                    prompts.append(_parse_line(line, n) if path.suffix in (".jsonl", ".json") else line)
     if not prompts:
         raise ValueError("no prompt given: pass prompts as arguments or --prompts-file")
     return prompts
+
+
+def _parse_array(text: str) -> list[str]:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"prompts file: invalid JSON array ({e.msg}, line {e.lineno})") from None
+    if not isinstance(items, list):
+        raise ValueError("prompts file: expected one JSON array of prompts")
+    return [_prompt(obj, f"item {i}") for i, obj in enumerate(items)]
 
 
 def _parse_line(line: str, n: int) -> str:
@@ -40,12 +59,25 @@ def _parse_line(line: str, n: int) -> str:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"prompts file line {n}: invalid JSON ({e.msg}); a .jsonl or .json file holds one JSON "
-                         "object or string a line (plain-text prompts: another file name)") from None
+                         "object or string a line, or a .json file one array (plain-text prompts: another file "
+                         "name)") from None
+    return _prompt(obj, f"line {n}")
+
+
+def _prompt(obj, where: str) -> str:
+    from dataclasses import fields
+
+    from pagedkv.engine.sampling_params import SamplingParams
+
     if isinstance(obj, str):
         return obj
     if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+        settings = sorted(set(obj) & {f.name for f in fields(SamplingParams)})
+        if settings:
+            raise ValueError(f"prompts file {where}: {', '.join(settings)} per prompt is not read; every prompt "
+                             "takes the command line's (e.g. --max-tokens)")
         return obj["prompt"]
-    raise ValueError(f"prompts file line {n}: expected a string or an object with a 'prompt' string")
+    raise ValueError(f"prompts file {where}: expected a string or an object with a 'prompt' string")
 
 
 def _to_engine_prompts(llm, prompts: list[str], chat: bool | None) -> list:

@@ -96,7 +96,9 @@ def capped_chat_ids(tokenizer, messages: list[dict], cap: int) -> list[int]:
         ids = chat_ids(tokenizer, msgs)
         keep -= max(1, len(ids) - cap)
     if len(ids) > cap:
-        raise ValueError(f"the chat template alone needs {len(ids)} tokens, over the cap of {cap}")
+        floor = len(chat_ids(tokenizer, msgs[:-1] + [{**msgs[-1], "content": ""}]))
+        raise ValueError(f"the chat template alone needs {floor} tokens (the last message emptied), and this "
+                         f"prompt cut to fit reads {len(ids)}: over the cap of {cap}")
     return ids
 
 

@@ -200,13 +200,26 @@ def run_attn_error(a) -> int:
     return 0
 
 
+def _numbers(text: str, flag: str, kind: type) -> list:
+    """Comma-separated numbers of ``kind``. Raises ValueError naming ``flag`` and the bad item."""
+    out = []
+    for x in text.split(","):
+        if x.strip():
+            try:
+                out.append(kind(x))
+            except ValueError:
+                raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {x.strip()!r}") from None
+    return out
+
+
 def run_needle(a) -> int:
     from pagedkv.eval.needle import ANSWER_TOKENS, check_lengths, needle_eval
 
-    lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
-    depths = [float(x) for x in a.depths.split(",") if x.strip()]
+    lengths, depths = _numbers(a.lengths, "--lengths", int), _numbers(a.depths, "--depths", float)
     if not lengths or min(lengths) < 2 or not depths or a.num_trials < 1:
         raise ValueError("--lengths (each >= 2), --depths and --num-trials (>= 1) need at least one value")
+    if not all(0 <= d <= 1 for d in depths):
+        raise ValueError(f"--depths are fractions of the haystack from 0 (start) to 1 (end), got {a.depths}")
     frac = a.kv_budget_fraction
     if frac is not None and a.kv_eviction not in ("snapkv", "h2o"):
         raise ValueError("--kv-budget-fraction sets each request's budget under --kv-eviction snapkv or h2o")
