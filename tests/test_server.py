@@ -535,6 +535,9 @@ def test_tokenizing_does_not_block_the_event_loop(server, slow_tokenizer):
     ("/v1/completions", {"prompt": ["ok", "x" * (32 * MAX_MODEL_LEN + 1)]}),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x" * (16 * MAX_MODEL_LEN)},
                                            {"role": "user", "content": "y" * (16 * MAX_MODEL_LEN + 1)}]}),
+    # many empty messages: each counts its template framing (they once rendered to ~5 tokens apiece uncounted)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * (2 * MAX_MODEL_LEN + 100)
+                              + [{"role": "user", "content": "hi"}]}),
 ])
 def test_a_prompt_over_the_character_cap_is_refused_untokenized(server, slow_tokenizer, path, body):
     """Over 32 characters per token x max_model_len: a 400 at once, before the tokenizer."""

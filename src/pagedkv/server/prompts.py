@@ -22,6 +22,8 @@ from typing import Callable, TypeVar
 from pagedkv.server.protocol import APIError
 
 CHARS_PER_TOKEN = 32   # generous: English BPE averages about 4 characters per token
+MESSAGE_CHARS = 16     # a chat message's count beyond its text: the template's role and delimiters
+                       # (so 30,000 empty messages cannot render into 150,000 tokens uncounted)
 T = TypeVar("T")
 
 
@@ -53,7 +55,8 @@ class Prompts:
         """The messages rendered with the chat template, then tokenized. Raises APIError 400:
         no chat template, over the character cap, or the template refused the messages."""
         self._check_template()
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        self._check_chars(sum(len(m["content"]) + len(m.get("name", "")) + MESSAGE_CHARS for m in messages),
+                          "messages")
         return await self._off_loop(lambda: self.chat_prompt(messages))
 
     async def tokenize(self, req) -> tuple[list[int], list[str] | None]:
@@ -103,7 +106,8 @@ class Prompts:
 
     def _check_chars(self, n: int, param: str) -> None:
         if n > self.max_chars:
-            raise APIError(400, f"the prompt has {n} characters, over the limit of {self.max_chars} "
+            framing = f" (with {MESSAGE_CHARS} a message for the template's framing)" if param == "messages" else ""
+            raise APIError(400, f"the prompt has {n} characters{framing}, over the limit of {self.max_chars} "
                            f"({CHARS_PER_TOKEN} per token x max_model_len); it cannot fit the context",
                            param=param, code="context_length_exceeded")
 
