@@ -169,7 +169,7 @@ class LLM:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ValueError('messages must be a non-empty list of {"role": str, "content": str}')
-        messages = [{**m, "role": _valid_text(m["role"], "role"), "content": _content_text(m.get("content"))}
+        messages = [{**m, "role": _valid_text(m["role"], "role"), "content": _content_text(m["content"] if "content" in m else ...)}
                     for m in messages]
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
@@ -205,7 +205,7 @@ def _content_text(content) -> str:
         ValueError: any other shape, or text with a lone surrogate (not valid Unicode).
     """
     if content is None:  # OpenAI's shape for e.g. an assistant turn without text, as the server
-        return ""
+        return ""           # (a missing content, passed as ..., is refused below)
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)
