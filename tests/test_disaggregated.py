@@ -232,3 +232,47 @@ def test_kv_transfer_config_is_checked():
         SamplingParams(kv_transfer_params={"do_remote_prefill": True})
     with pytest.raises(ValueError, match="not one of"):
         SamplingParams(kv_transfer_params={"transfer_id": 3})
+
+
+def test_a_kv_port_held_by_another_service_is_named_and_retried_slowly():
+    """A consumer whose kv_port answers as something else (an HTTP server) says so in one
+    line and retries every FOREIGN_RETRY_S, not every second: each try logs torch's stacks."""
+    import socket
+    import threading
+
+    from pagedkv.distributed import kv_link
+    from pagedkv.distributed.kv_transfer_config import KVTransferConfig
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            accepted.append(time.monotonic())
+            try:
+                c.recv(100)
+                c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            except OSError:
+                pass
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    cfg = KVTransferConfig(kv_connector="TorchDistConnector", kv_role="kv_consumer", kv_port=srv.getsockname()[1])
+    link = kv_link.KVLink(cfg, "fingerprint").start()
+    try:
+        deadline = time.monotonic() + kv_link.CONNECT_S + 5
+        while "not as a pagedkv prefill" not in link._last_error and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "another service on kv_port" in link._last_error
+        first = len(accepted)
+        time.sleep(2.0)
+        assert len(accepted) == first and not link.ready.is_set()  # waiting, not hammering the port
+    finally:
+        link.close()
+        srv.close()

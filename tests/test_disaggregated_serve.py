@@ -195,3 +195,29 @@ def test_choices_and_prompt_lists_each_get_their_transfer_and_a_leaving_client_a
     finally:
         for s in (proxy, d_srv, p_srv):
             s.stop()
+
+
+def test_a_decode_leg_cut_mid_stream_ends_with_an_error_event():
+    """The consumer dying mid-stream: whole events pass, a cut-off one is dropped, then an
+    error event and [DONE] (a single failing server's ending), not a broken chunked body."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from pagedkv.server.proxy import _relay
+
+    class Cut:
+        async def aiter_raw(self):
+            yield b'data: {"a": 1}\n\ndata: {"b"'
+            yield b': 2}\n\ndata: {"c": 3'
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+    async def collect(events):
+        return b"".join([c async for c in _relay(Cut(), events)])
+
+    body = asyncio.run(collect(True)).decode()
+    events = [e for e in body.split("\n\n") if e]
+    assert events[:2] == ['data: {"a": 1}', 'data: {"b": 2}'] and events[-1] == "data: [DONE]"
+    assert json.loads(events[2].removeprefix("data: "))["error"]["code"] == "decode_failed" and len(events) == 4
+    assert asyncio.run(collect(False)) == b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: {"c": 3'  # other bodies: as sent

@@ -1017,3 +1017,30 @@ def test_messages_keep_a_name_and_take_an_empty_tool_calls_list():
     out = parse_messages([{"role": "user", "content": "x", "name": "ann"},
                           {"role": "assistant", "content": None, "tool_calls": []}])
     assert out == [{"role": "user", "content": "x", "name": "ann"}, {"role": "assistant", "content": ""}]
+
+
+def test_an_idle_engine_loop_refreshes_its_stats():
+    """/metrics reads the loop's snapshot: an engine with no requests still refreshes it
+    (a KV link that went down showed link_up 1 until the next request)."""
+    from pagedkv.server import engine_loop
+
+    class Idle:
+        calls = 0
+
+        def stats(self):
+            Idle.calls += 1
+            return Idle.calls
+
+        def has_unfinished_requests(self):
+            return False
+
+        def close(self):
+            pass
+
+    loop = engine_loop.EngineLoop(Idle())
+    loop.start()
+    try:
+        time.sleep(2.5 * engine_loop.IDLE_STATS_REFRESH_S)
+        assert loop.stats >= 3  # the first snapshot, then one a second
+    finally:
+        loop.stop()

@@ -41,10 +41,15 @@ SILENT_S = 10.0  # the producer drops a consumer it has not heard from for this 
 JOIN_S = 5.0     # the producer waits this long for a consumer that said it joins, then opens the next generation
 JOIN_POLL_S = 0.1  # how often the producer looks for a consumer's join
 CONNECT_S = 3.0  # a consumer's attempt to reach the producer's store
+FOREIGN_RETRY_S = 30.0  # a consumer's retry when kv_port answers as something else (each try logs torch's stacks)
 
 
 class LinkError(RuntimeError):
     """The link failed, or a peer did not answer in time."""
+
+
+class ForeignPort(LinkError):
+    """A consumer's ``kv_port`` accepts connections but is not a producer's store."""
 
 
 class KVLink:
@@ -220,7 +225,7 @@ class KVLink:
                 self._last_error = str(e)
                 if self.rank == 1:
                     store = None  # the producer may have restarted: a new store
-                    self._stop.wait(1.0)
+                    self._stop.wait(FOREIGN_RETRY_S if isinstance(e, ForeignPort) else 1.0)
             old, self.pg = self.pg, None
             if old is not None:  # its pending receives end here, before the next generation
                 try:
@@ -232,8 +237,14 @@ class KVLink:
         wait = self.cfg.kv_timeout_s if self.rank == 0 else min(self.cfg.kv_timeout_s, CONNECT_S)
         if self.rank == 1:  # a producer not up yet: a plain connect fails quietly, where torch's store
             socket.create_connection((self.cfg.kv_ip, self.cfg.kv_port), timeout=wait).close()  # logs C++ stacks
-        return dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, self.rank == 0,
-                             timeout=datetime.timedelta(seconds=wait), wait_for_workers=False)
+        try:
+            return dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, self.rank == 0,
+                                 timeout=datetime.timedelta(seconds=wait), wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - torch raises several kinds
+            if self.rank == 0:
+                raise
+            raise ForeignPort(f"{self.cfg.kv_ip}:{self.cfg.kv_port} answers, but not as a pagedkv prefill "
+                              f"instance's KV store (another service on kv_port?): {str(e).splitlines()[0]}") from None
 
     def _connect(self, store) -> bool:
         """Build this generation's group and shake hands; False when no consumer came. The

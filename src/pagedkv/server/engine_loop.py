@@ -94,6 +94,7 @@ class _Add:
 
 
 _STOP = object()
+IDLE_STATS_REFRESH_S = 1.0  # how stale /metrics may be on an engine with no requests
 
 
 class EngineLoop:
@@ -104,7 +105,7 @@ class EngineLoop:
                  observer: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
         self.observer = observer
-        self.stats: EngineStats = engine.stats()  # latest snapshot, replaced after every step
+        self.stats: EngineStats = engine.stats()  # latest snapshot: after every step, every second when idle
         self.error: BaseException | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, _Route] = {}     # engine thread only
@@ -192,7 +193,12 @@ class EngineLoop:
         self._stopped = True
 
     def _drain(self, block: bool) -> list:
-        cmds = [self._cmds.get()] if block else []
+        cmds = []
+        if block:  # an idle engine still refreshes its stats (e.g. a KV link that went down) every second
+            try:
+                cmds.append(self._cmds.get(timeout=IDLE_STATS_REFRESH_S))
+            except queue.Empty:
+                return cmds
         while True:
             try:
                 cmds.append(self._cmds.get_nowait())

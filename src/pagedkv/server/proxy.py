@@ -9,7 +9,8 @@ leg's response, streamed or not. The client never waits on a dead instance:
 - a prefill leg the producer refuses (4xx) goes back to the client as it is;
 - a producer that is down, fails (5xx) or does not answer in ``--timeout`` seconds is
   skipped: the decode leg goes without a transfer and the consumer computes the prompt;
-- a consumer that is down or fails answers 502 (its own 4xx go back as they are);
+- a consumer that is down or fails answers 502 (its own 4xx go back as they are); one that
+  dies mid-stream ends the stream with an error event and ``[DONE]``;
 - a client that disconnects closes the decode leg (the consumer aborts the request and
   frees its pages; an unpulled lease on the producer ends within its ``kv_lease_s``).
 
@@ -20,6 +21,7 @@ instance's. The ``Authorization`` header is passed on to both.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 
@@ -49,6 +51,31 @@ async def until_disconnect(request: Request, leg):
         if await request.is_disconnected():
             task.cancel()
             return None
+
+
+async def _relay(upstream: httpx.Response, events: bool):
+    """The decode leg's body. An event stream goes on whole events at a time, so when the
+    consumer dies mid-stream the client gets what a failing server sends: an error event and
+    ``[DONE]`` (a cut-off partial event is dropped); another body just ends, logged."""
+    pending = b""
+    try:
+        async for chunk in upstream.aiter_raw():
+            if not events:
+                yield chunk
+                continue
+            pending += chunk
+            cut = pending.rfind(b"\n\n") + 2
+            if cut > 1:
+                yield pending[:cut]
+                pending = pending[cut:]
+        if pending:
+            yield pending
+    except httpx.HTTPError as e:
+        log.warning("the decode instance broke off a response (%s)", type(e).__name__)
+        if events:
+            err = {"message": f"the decode instance failed mid-stream ({type(e).__name__})",
+                   "type": "server_error", "param": None, "code": "decode_failed"}
+            yield f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
 
 
 def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> FastAPI:
@@ -106,8 +133,9 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
         if upstream.status_code >= 500:
             await upstream.aclose()
             return _error(502, f"the decode instance failed (HTTP {upstream.status_code})", "decode_failed")
-        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
-                                 media_type=upstream.headers.get("content-type"),
+        media = upstream.headers.get("content-type")
+        return StreamingResponse(_relay(upstream, (media or "").startswith("text/event-stream")),
+                                 status_code=upstream.status_code, media_type=media,
                                  background=BackgroundTask(upstream.aclose))
 
     def route(path: str):
