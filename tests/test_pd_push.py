@@ -313,3 +313,16 @@ def test_pushes_no_decode_leg_took_are_forgotten_while_idle(tiny_model_dir):
         drain(p)
     finally:
         close(p, d)
+
+
+def test_layer_pushes_after_their_transfer_ended_are_counted_late():
+    """Pushes arriving for a transfer already released (or taken) are thrown away and
+    counted as pushes_late, so sent = received + late on a link that lost nothing."""
+    from pagedkv.distributed.pd_push_buffer import PushBuffer
+
+    buf = PushBuffer(1 << 20, lease_s=5.0)
+    buf.release("t")  # e.g. a max_tokens 0 request whose decode leg never takes its pushes
+    data = buf.pool.take(64)
+    buf.receive({"transfer_id": "t", "layer": 0, "first_block": 1, "digest": 0}, data)
+    buf.receive({"transfer_id": "t", "op": "pushed"}, None)  # the done message carries no layer
+    assert buf.counts["pushes_late"] == 1 and buf.counts["pushes_received"] == 0 and "t" not in buf.entries

@@ -44,7 +44,8 @@ class PushBuffer:
         self.pool = BufferPool(capacity)  # what the link receives pushes into
         self.nbytes = 0
         self.cond = threading.Condition()
-        self.counts = dict.fromkeys(("pushes_received", "pushes_dropped", "push_hits", "push_misses"), 0)
+        self.counts = dict.fromkeys(("pushes_received", "pushes_late", "pushes_dropped", "push_hits",
+                                     "push_misses"), 0)
 
     def receive(self, meta: dict, data: torch.Tensor | None) -> None:
         """A push or done message from the link's thread."""
@@ -52,12 +53,12 @@ class PushBuffer:
         with self.cond:
             self._expire()
             if tid in self.taken:
-                return self.pool.give(data)
+                return self._late(data)
             entry = self.entries.get(tid)
             if entry is None:
                 entry = self.entries[tid] = PushEntry(time.monotonic() + self.lease_s)
             if entry.dropped:
-                return self.pool.give(data)
+                return self._late(data)
             if meta.get("given_up") or entry.done is not None:  # (after its done: another prompt under this id)
                 self.pool.give(data)
                 return self._drop(tid, entry)
@@ -115,6 +116,13 @@ class PushBuffer:
             for *_, data in entry.parts:
                 self.pool.give(data)
             entry.parts = []
+
+    def _late(self, data: torch.Tensor | None) -> None:
+        """A message for a transfer already taken, released or dropped: thrown away, counted
+        (a layer's data) as ``pushes_late``."""
+        if data is not None:
+            self.counts["pushes_late"] += 1
+        self.pool.give(data)
 
     def _drop(self, tid: str, entry: PushEntry) -> None:
         self.counts["pushes_dropped"] += 1

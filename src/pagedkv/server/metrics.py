@@ -171,10 +171,11 @@ def _transfer_metrics(t: dict | None):
         pulls.add_metric(role + [outcome], t["pulls_" + outcome])
     yield pulls
     outcomes = {"sent": "pushes", "given_up": "pushes_given_up", "received": "pushes_received",
-                "dropped": "pushes_dropped", "hit": "push_hits", "miss": "push_misses"}
+                "late": "pushes_late", "dropped": "pushes_dropped", "hit": "push_hits", "miss": "push_misses"}
     if any(key in t for key in outcomes.values()):  # kv_send_type PUT_ASYNC (producer), any consumer
         pushes = CounterMetricFamily("pagedkv_kv_transfer_pushes", "producer: layer pushes sent, transfers that "
-                                     "stopped pushing (given_up); consumer: pushes received or dropped, "
+                                     "stopped pushing (given_up); consumer: pushes received, thrown away after their "
+                                     "transfer ended (late), transfers dropped, "
                                      "transfers taken from the push buffer (hit) or not (miss)",
                                      labels=["role", "outcome"])
         for outcome, key in outcomes.items():
