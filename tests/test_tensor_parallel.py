@@ -233,3 +233,23 @@ def test_a_worker_that_dies_while_starting_is_reported_at_once(uneven_dir, monke
 
 def _exit_at_once(*args) -> None:
     os._exit(3)
+
+
+def test_a_failed_group_is_one_error_line_from_the_cli(monkeypatch, capsys):
+    """A dead rank ends `pagedkv generate` with its reason on one line (exit 1), gloo's
+    source path and advice left out, not a traceback."""
+    from pagedkv import cli
+    from pagedkv.distributed.executor import TPGroupError, _first_line
+
+    gloo = RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer. "
+                        "This is typically caused by a remote worker hanging. GLHF!")
+    assert _first_line(gloo) == "Read error [127.0.0.1]:1: Connection reset by peer."
+
+    def dead(_args):
+        raise TPGroupError(f"the tensor-parallel group failed: rank 1: the process exited (code -9); "
+                           f"rank 0: RuntimeError: {_first_line(gloo)}")
+
+    monkeypatch.setattr(cli, "_run_generate", dead)
+    assert cli.main(["generate", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the tensor-parallel group failed: rank 1")

@@ -85,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a tensor-parallel rank died or timed out: its reason in one line
+        from pagedkv.distributed.executor import TPGroupError
+
+        if not isinstance(e, TPGroupError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # e.g. `pagedkv generate ... | head -1`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

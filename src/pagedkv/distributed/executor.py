@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -32,6 +33,14 @@ from pagedkv.distributed.worker import load_timeout, share_threads, torchrun_wor
 from pagedkv.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from pagedkv.model.loader import resolve_model
 from pagedkv.model.partition import partition
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line without gloo's source path prefix and its trailing advice
+    ("[.../pair.cc:537] Read error ...: Connection reset by peer. This is typically ...")."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(" This is typically caused by")[0]
 
 
 class TPGroupError(RuntimeError):
@@ -175,7 +184,7 @@ class TPExecutor:
             p.join(0.5 if not p.is_alive() else 0.0)
         reasons = [r for r in (self._report(i) for i in range(len(self.procs))) if r]
         if error is not None:
-            reasons.append(f"rank 0: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            reasons.append(f"rank 0: {type(error).__name__}: {_first_line(error)}")
         self.dead = "the tensor-parallel group failed: " + "; ".join(reasons or ["unknown"])
         self._stop()
         return TPGroupError(self.dead)
