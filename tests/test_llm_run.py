@@ -91,3 +91,23 @@ def test_on_output_sees_requests_that_end_outside_the_calls_steps(tiny_llm_facto
 def test_run_refuses_what_is_not_a_list_of_known_ids(tiny_llm_factory, bad):
     with pytest.raises(ValueError):
         tiny_llm_factory(num_blocks=16).run(bad)
+
+
+def test_n_samples_per_prompt_are_n_seeded_requests_in_outputs(tiny_llm_factory):
+    """SamplingParams(n=k), vLLM's name: k requests a prompt, choice j seeded seed + j, all
+    in the first output's .outputs (each with its index); n = 1 keeps .outputs == [itself]."""
+    llm = tiny_llm_factory()
+    seeded = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7)
+    outs = llm.generate(["hello there", "abc"], [seeded, SamplingParams(max_tokens=4, temperature=0.0)])
+    assert len(outs) == 2 and [c.index for c in outs[0].outputs] == [0, 1, 2] and outs[1].outputs == [outs[1]]
+    alone = [llm.generate(["hello there"], SamplingParams(max_tokens=5, temperature=1.0, seed=7 + j))[0]
+             for j in range(3)]
+    assert [c.token_ids for c in outs[0].outputs] == [a.token_ids for a in alone]
+    assert outs[0].token_ids == outs[0].outputs[0].token_ids and llm.engine.kv.usage().used == 0
+    chats = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(n=2, max_tokens=3, temperature=0.0))
+    assert len(chats) == 1 and [c.token_ids for c in chats[0].outputs][0] == chats[0].outputs[1].token_ids
+    with pytest.raises(ValueError, match="n=2: LLMEngine.add_request runs one sample"):
+        llm.engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(n=2))
+    for bad in ({"n": 0}, {"n": 129}, {"n": 1.5}, {"n": 2, "seed": 2**63 - 1}):
+        with pytest.raises(ValueError, match="n must be|seed must be"):
+            SamplingParams(**bad)

@@ -154,6 +154,9 @@ class LLMEngine:
             if not isinstance(params or SamplingParams(), SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
             params = params or SamplingParams()
+            if params.n != 1:
+                raise ValueError(f"n={params.n}: LLMEngine.add_request runs one sample; LLM.generate runs n "
+                                 "requests (or add n, with seed + j for choice j)")
             if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
                 cache_salt = prompt["cache_salt"]  # vLLM's per-prompt salt
             if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt

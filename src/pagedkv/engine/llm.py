@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from pagedkv.config import EngineConfig
@@ -47,16 +48,27 @@ class LLM:
         for all or one per prompt. ``on_output`` sees each request's output when it finishes.
         ``priority``: one per prompt, used with ``scheduling_policy="priority"`` (lower first).
 
+        With ``SamplingParams(n=k)`` a prompt runs as k requests (``on_output`` sees each);
+        its output is the first sample's, with all k in ``.outputs``.
+
         Raises:
             ValueError: if any prompt is invalid or can never fit (naming its index and the
                 numbers); then no prompt of this call is run.
         """
-        return self.run(self.add_requests(prompts, sampling_params, cache_salt, priority), on_output)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif hasattr(prompts, "__iter__"):
+            prompts = list(prompts)  # (a generator is read once)
+        ids = self.add_requests(prompts, sampling_params, cache_salt, priority)
+        counts = [sp.n for sp in self._params_list(sampling_params, len(prompts))]  # (checked by add_requests)
+        return _group_choices(self.run(ids, on_output), counts)
 
     def add_requests(self, prompts: Prompt | Sequence[Prompt],
                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                      cache_salt: str | None = None, priority: Sequence[int] | None = None) -> list[str]:
         """Queue every prompt, or none: on the first invalid one, abort those already queued.
+        A prompt whose ``SamplingParams.n`` is k > 1 is queued as k requests (choice j with
+        ``seed + j`` when seeded): their ids follow each other in the list.
 
         Raises:
             ValueError: naming the prompt's index and the reason, or a ``priority`` list
@@ -127,7 +139,8 @@ class LLM:
         try:
             for i, (p, sp, prio) in enumerate(zip(prompts, params, priority)):
                 try:
-                    ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt, priority=prio).request_id)
+                    for one in _samples(sp):
+                        ids.append(self.engine.add_request(p, one, cache_salt=cache_salt, priority=prio).request_id)
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"prompt {i}: {e}") from None
         except BaseException:
@@ -196,6 +209,26 @@ class LLM:
 
     def stats(self):
         return self.engine.stats()
+
+
+def _samples(sp) -> list:
+    """``sp`` as the requests of its ``n`` samples: n = 1 each, choice j seeded ``seed + j``."""
+    if not isinstance(sp, SamplingParams) or sp.n == 1:
+        return [sp]  # (the engine names a wrong type)
+    return [replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j) for j in range(sp.n)]
+
+
+def _group_choices(outs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
+    """One output per prompt: ``outs`` holds ``counts[i]`` samples of prompt i in a row;
+    each gets its ``index``, and the first of several holds them all in ``choices``."""
+    grouped, i = [], 0
+    for n in counts:
+        group = [o if o is None else replace(o, index=j) for j, o in enumerate(outs[i:i + n])]
+        if n > 1 and group[0] is not None:
+            group[0].choices = group
+        grouped.append(group[0])
+        i += n
+    return grouped
 
 
 def _content_text(content) -> str:

@@ -39,6 +39,15 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None  # per prompt position; None at 0
     prompt_top_logprobs: list[dict[int, float] | None] | None = None  # top-k per position (prompt_logprobs=k>0)
     token_times: list[float] = field(default_factory=list, repr=False)
+    index: int = 0  # which of the prompt's n samples (SamplingParams.n) this is
+    choices: list[RequestOutput] | None = field(default=None, repr=False)  # all n, set on the first by LLM
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """The prompt's samples, as vLLM's ``RequestOutput.outputs`` (each has ``index``,
+        ``text``, ``token_ids``, ``logprobs``, ``finish_reason``, ``stop_reason``): all n
+        from ``LLM.generate`` with ``SamplingParams(n=...)``, else this output alone."""
+        return self.choices or [self]
 
 
 class TextRequest:

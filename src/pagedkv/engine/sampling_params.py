@@ -14,12 +14,17 @@ SAMPLING_EPS = 1e-5
 MAX_STOP_STRINGS = 32   # stop strings per request (OpenAI's API takes 4)
 MAX_STOP_CHARS = 1000   # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024  # each token is checked against every one
+MAX_N = 128             # samples per prompt (each is a request of its own)
 
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping settings.
 
     Attributes:
+        n: samples per prompt (1..``MAX_N``), vLLM's name. ``LLM.generate``/``LLM.chat`` run
+            them as n requests sharing the prompt's pages (prefix caching) and return them in
+            ``RequestOutput.outputs``; choice j samples with ``seed + j`` when ``seed`` is set.
+            ``LLMEngine.add_request`` takes n = 1.
         max_tokens: most tokens to generate; ``None`` = up to ``max_model_len``.
         temperature: 0 (or below 1e-5) = greedy; else logits are divided by it before sampling.
         top_k: keep the k most likely tokens; 0 or -1 = all.
@@ -62,6 +67,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     kv_budget_tokens: int | None = None
     kv_transfer_params: dict | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -87,8 +93,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {brief(self.top_p)}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {brief(self.top_k)}")
-        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a 64-bit integer, got {brief(self.seed)}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {brief(self.n)}")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed <= 2**63 - self.n):
+            raise ValueError(f"seed must be a 64-bit integer (seed + n - 1 too: choice j samples with seed + j), "
+                             f"got {brief(self.seed)}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {brief(getattr(self, name))}")
