@@ -93,3 +93,19 @@ def test_needle_cli_runs_on_the_tiny_model(tiny_model_dir):
         bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "eval", "needle", "--model", str(tiny_model_dir),
                               "--lengths", lengths, "--num-blocks", "64"], capture_output=True, text=True, timeout=300)
         assert bad.returncode != 0 and says in bad.stderr and "length " not in bad.stdout, (lengths, bad.stderr)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--depths", "0,,1"], "got '' in '0,,1'"), (["--depths", "0.5,0.5"], "repeats a value"),
+    (["--depths", "1.5"], "fractions of the haystack"), (["--lengths", "100,abc"], "comma-separated ints"),
+    (["--lengths", "0"], "prompt lengths in tokens"), (["--num-trials", "0"], "at least 1"),
+    (["--lengths", "1024", "--max-model-len", "512"], "exceed --max-model-len 512"),
+    (["--file", "/nonexistent/haystack.txt"], "does not exist"),
+])
+def test_needle_arguments_are_refused_before_the_model_loads(argv, says, capsys, monkeypatch):
+    from pagedkv import cli
+    from pagedkv.eval import cli as eval_cli
+
+    monkeypatch.setattr(eval_cli, "_llm_within", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(["eval", "needle", *argv]) == 2
+    assert says in capsys.readouterr().err

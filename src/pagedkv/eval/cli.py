@@ -204,11 +204,13 @@ def _numbers(text: str, flag: str, kind: type) -> list:
     """Comma-separated numbers of ``kind``. Raises ValueError naming ``flag`` and the bad item."""
     out = []
     for x in text.split(","):
-        if x.strip():
-            try:
-                out.append(kind(x))
-            except ValueError:
-                raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {x.strip()!r}") from None
+        try:
+            out.append(kind(x))
+        except ValueError:
+            raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {x.strip()!r} "
+                             f"in {text!r}") from None
+    if len(set(out)) < len(out):
+        raise ValueError(f"{flag} repeats a value: {text}")
     return out
 
 
@@ -216,8 +218,15 @@ def run_needle(a) -> int:
     from pagedkv.eval.needle import ANSWER_TOKENS, check_lengths, needle_eval
 
     lengths, depths = _numbers(a.lengths, "--lengths", int), _numbers(a.depths, "--depths", float)
-    if not lengths or min(lengths) < 2 or not depths or a.num_trials < 1:
-        raise ValueError("--lengths (each >= 2), --depths and --num-trials (>= 1) need at least one value")
+    if min(lengths) < 2:
+        raise ValueError(f"--lengths are prompt lengths in tokens (a passkey prompt needs about 75), got {a.lengths}")
+    if a.num_trials < 1:
+        raise ValueError(f"--num-trials must be at least 1, got {a.num_trials}")
+    if a.max_model_len is not None and max(lengths) + ANSWER_TOKENS > a.max_model_len:
+        raise ValueError(f"--lengths: the longest prompt ({max(lengths)}) and its {ANSWER_TOKENS}-token answer "
+                         f"exceed --max-model-len {a.max_model_len}")
+    if a.file is not None and not a.file.is_file():
+        raise FileNotFoundError(f"--file {a.file} does not exist or is not a file")
     if not all(0 <= d <= 1 for d in depths):
         raise ValueError(f"--depths are fractions of the haystack from 0 (start) to 1 (end), got {a.depths}")
     frac = a.kv_budget_fraction
