@@ -111,9 +111,17 @@ def test_module_entry_point(capsys):
 
 
 @pytest.mark.parametrize("argv,hint", [
-    (("--kv-cache-memory", "100MiB", "--batch", "4"), "need a cache of about 2,147,483,648 B"),  # not "--tp 1" at tp 1
+    (("--kv-cache-memory", "100MiB", "--batch", "4"), "none of the 4 requests of 4,096 tokens fit in the cache; "
+                                                       "they need a cache of about 2,147,483,648 B"),  # not "--tp 1"
+    (("--kv-cache-memory", "1KiB"), "the request of 4,096 tokens does not fit in the cache; it needs"),
     (("--batch", "100", "--seq-len", "8192"), "all 100 fit with --tp 2"),
 ])
 def test_a_batch_that_does_not_fit_gets_a_hint_that_changes_something(capsys, argv, hint):
     rc, out, _ = run(capsys, "--model", "llama-3-8b", "--gpu", "h100-sxm", *argv)
     assert rc == 0 and hint in out and "fit with --tp 1" not in out
+
+
+def test_a_budget_that_holds_no_block_is_flagged(capsys):
+    rc, out, _ = run(capsys, "--model", "smollm2-135m-instruct", "--kv-cache-memory", "1MiB")
+    assert rc == 0 and "holds no KV block beside the reserved null page: the engine refuses it" in out
+    assert "--tp up to 64" not in out  # no --gpu: no TP search was made

@@ -57,6 +57,20 @@ def _layout_notes(r, m: ModelConfig) -> list[str]:
     return out
 
 
+def _batch_note(r) -> str:
+    """What of the batch fits in the cache, and what would make all of it fit."""
+    one, need = r.batch == 1, fmt_bytes(r.paged_bytes_per_request_per_device * r.batch)
+    if (r.min_tp_for_batch or 0) > r.tp:
+        hint = f"{'it fits' if one else f'all {r.batch:,} fit'} with --tp {r.min_tp_for_batch}"
+    else:
+        hint = f"{'it needs' if one else 'they need'} a cache of about {need} per device at --tp {r.tp}" + (
+            "" if r.min_tp_for_batch or r.gpu is None else f"; no --tp up to 64 fits {'it' if one else 'them all'}")
+    if one:
+        return f"the request of {r.seq_len:,} tokens does not fit in the cache; {hint}"
+    some = "none" if r.max_concurrent_requests == 0 else f"only {r.max_concurrent_requests:,}"
+    return f"{some} of the {r.batch:,} requests of {r.seq_len:,} tokens fit in the cache; {hint}"
+
+
 def _fit_notes(r) -> list[str]:
     out = []
     if r.weights_fit is False:
@@ -65,12 +79,10 @@ def _fit_notes(r) -> list[str]:
         hint = f"fits with --tp {r.min_tp_for_weights}" if r.min_tp_for_weights else "does not fit at --tp 64"
         out.append(f"weights do not fit: {per} per device > {usable} usable; {hint}")
     elif r.batch_fits is False and r.max_concurrent_requests is not None:
-        need = fmt_bytes(r.paged_bytes_per_request_per_device * r.batch)
-        hint = (f"all {r.batch} fit with --tp {r.min_tp_for_batch}" if (r.min_tp_for_batch or 0) > r.tp
-                else f"they need a cache of about {need} per device at --tp {r.tp}"
-                + ("" if r.min_tp_for_batch else "; no --tp up to 64 fits them all"))
-        out.append(f"only {r.max_concurrent_requests:,} of the {r.batch:,} requests of {r.seq_len:,} tokens "
-                   f"fit in the cache; {hint}")
+        out.append(_batch_note(r))
+    if r.num_blocks == 0:
+        out.append("the cache budget holds no KV block beside the reserved null page: the engine refuses it "
+                   "(raise --kv-cache-memory)")
     if r.cache_budget_bytes is not None and r.usable_memory_bytes is not None and \
             r.cache_budget_bytes + r.weight_bytes_per_device > r.usable_memory_bytes:
         out.append("--kv-cache-memory plus the weights exceed the usable device memory")
