@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for prompts", epilog=GENERATE_EXAMPLES,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("prompts", nargs="*", help="prompt strings")
-    gen.add_argument("--prompts-file", type=Path, help="one prompt per line, or JSONL with a 'prompt' field")
+    gen.add_argument("--prompts-file", type=Path, help="prompts to run after any given as arguments: plain text, one a line; or, "
+                     "for .jsonl/.json names, one JSON string or {\"prompt\": ...} object a line (.json: or one "
+                     "array of them)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the model's chat template (default: on when the model has one)")
     gen.add_argument("--json", action="store_true", help="one JSON object per request, then a stats object")

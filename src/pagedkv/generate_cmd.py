@@ -40,7 +40,8 @@ def read_prompts(positional: list[str], path: Path | None) -> list[str]:
                 if line.strip():
                     prompts.append(_parse_line(line, n) if path.suffix in (".jsonl", ".json") else line)
     if not prompts:
-        raise ValueError("no prompt given: pass prompts as arguments or --prompts-file")
+        raise ValueError(f"the prompts file {path} holds no prompt" if path is not None else
+                         "no prompt given: pass prompts as arguments or --prompts-file")
     return prompts
 
 

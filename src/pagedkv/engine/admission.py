@@ -57,7 +57,7 @@ def resolve_max_tokens(kv: KVCacheManager, max_model_len: int, step_tokens: int,
     pool = kv.pool.num_blocks  # the cache set max_model_len: it holds that request and no longer one
     cache_bound = kv.peak_blocks(max_model_len, step_tokens) <= pool < kv.peak_blocks(max_model_len + 1, step_tokens)
     limit = f"max_model_len ({max_model_len}" + (
-        f", the most one request can hold in the whole KV cache: {pool} blocks of "
+        f", the most one request can hold in the whole KV cache: {pool} block{'s' if pool != 1 else ''} of "
         f"{kv.block_size} tokens)" if cache_bound else ")")
     if num_prompt >= max_model_len:
         hint = " (streaming eviction runs past the model's positions: raise --max-model-len)" if streaming else ""
