@@ -42,7 +42,8 @@ def model_info(name: str, check_kernel: bool = False) -> dict:
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     return {
         "model": name, "folder": str(folder), "size_bytes": size,
-        "files": {f: (folder / f).exists() for f in TOKENIZER_FILES},
+        "files": {f: (folder / f).exists() for f in TOKENIZER_FILES}  # the expected ones, then all there
+        | {p.name: True for p in sorted(folder.iterdir()) if p.is_file()},
         "has_chat_template": _has_chat_template(folder),
         "weights_sha256": files.weights_version,
         "architecture": {"layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
