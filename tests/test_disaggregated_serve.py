@@ -221,3 +221,31 @@ def test_a_decode_leg_cut_mid_stream_ends_with_an_error_event():
     assert events[:2] == ['data: {"a": 1}', 'data: {"b": 2}'] and events[-1] == "data: [DONE]"
     assert json.loads(events[2].removeprefix("data: "))["error"]["code"] == "decode_failed" and len(events) == 4
     assert asyncio.run(collect(False)) == b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: {"c": 3'  # other bodies: as sent
+
+
+def test_a_hung_producer_is_skipped_after_its_health_times_out(tiny_model_dir, expected):
+    """A producer that accepts connections but never answers (stopped, wedged) costs a request
+    LIVENESS_S, not the proxy's --timeout: the decode instance computes the prompt."""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from pagedkv.server import proxy as proxy_mod
+
+    hung = FastAPI()
+
+    @hung.get("/health")
+    @hung.post("/v1/completions")
+    async def never():
+        await asyncio.sleep(60)
+
+    p_srv = LiveServer(hung).start()
+    engine, d_srv = serve_here(tiny_model_dir)
+    proxy = LiveServer(build_proxy(p_srv.url, d_srv.url, timeout=30)).start()
+    try:
+        t0 = time.monotonic()
+        assert text_of(complete(proxy.url)) == expected
+        assert time.monotonic() - t0 < proxy_mod.LIVENESS_S + 5
+    finally:
+        for s in (proxy, d_srv, p_srv):
+            s.stop()

@@ -7,8 +7,9 @@ pulls the prompt's KV instead of computing it, and answers the client with the d
 leg's response, streamed or not. The client never waits on a dead instance:
 
 - a prefill leg the producer refuses (4xx) goes back to the client as it is;
-- a producer that is down, fails (5xx) or does not answer in ``--timeout`` seconds is
-  skipped: the decode leg goes without a transfer and the consumer computes the prompt;
+- a producer that is down, unhealthy (its ``/health`` not 200 within ``LIVENESS_S``: also one
+  that hangs), fails (5xx) or does not answer in ``--timeout`` seconds is skipped: the decode
+  leg goes without a transfer and the consumer computes the prompt;
 - a consumer that is down or fails answers 502 (its own 4xx go back as they are); one that
   dies mid-stream ends the stream with an error event and ``[DONE]``;
 - a client that disconnects closes the decode leg (the consumer aborts the request and
@@ -32,6 +33,7 @@ from starlette.background import BackgroundTask
 
 log = logging.getLogger("pagedkv.proxy")
 LEG_PATHS = ("/v1/completions", "/v1/chat/completions")
+LIVENESS_S = 2.0  # the producer's /health must answer within this before each prefill leg
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
@@ -98,6 +100,14 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
         for key in ("max_tokens", "max_completion_tokens"):
             leg.pop(key, None)
         leg["max_tokens"] = 1
+        try:  # a producer that hangs (stopped, wedged) still accepts connections: ask its /health first
+            alive = (await client.get(prefill_url + "/health", timeout=LIVENESS_S)).status_code == 200
+        except httpx.HTTPError:
+            alive = False
+        if not alive:
+            log.warning("prefill instance not healthy within %.0f s: the decode instance computes the prompt",
+                        LIVENESS_S)
+            return False
         try:
             r = await client.post(prefill_url + path, json=leg, headers=hdrs)
         except httpx.HTTPError as e:
