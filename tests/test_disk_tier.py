@@ -116,6 +116,17 @@ def test_one_engine_per_directory_and_unwritable_directories_fail_at_start(tiny_
     first = _tiered(tiny_llm_factory, tmp_path)
     with pytest.raises(ValueError, match="in use by another engine"):
         _tiered(tiny_llm_factory, tmp_path)
+    from pagedkv.engine import engine as engine_mod  # refused before the model loads
+
+    loads = []
+    real = engine_mod.build_parts
+    engine_mod.build_parts = lambda *a, **k: loads.append(1) or real(*a, **k)
+    try:
+        with pytest.raises(ValueError, match="in use by another engine"):
+            _tiered(tiny_llm_factory, tmp_path)
+    finally:
+        engine_mod.build_parts = real
+    assert loads == []
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a writable directory"):
         _tiered(tiny_llm_factory, tmp_path / "file")

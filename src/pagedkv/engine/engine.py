@@ -34,6 +34,7 @@ from pagedkv.distributed.group import tp_env_rank
 from pagedkv.distributed.pd_connectors import transfer_connector
 from pagedkv.kv.connector import KVConnector
 from pagedkv.kv.cpu_offload import cpu_offload_connector
+from pagedkv.kv.disk_tier import check_directory_free
 from pagedkv.reprs import brief
 from pagedkv.spec_decode.draft_model import DraftModelProposer
 from pagedkv.spec_decode.ngram import NgramProposer
@@ -62,6 +63,8 @@ class LLMEngine:
             warnings.warn("pagedkv: torchrun started several ranks but tensor_parallel_size is 1: every rank runs "
                           "an engine of its own (pass --tensor-parallel-size to split the model)", RuntimeWarning,
                           stacklevel=2)
+        if self.config.kv_offload_dir and self.config.kv_offload_memory:
+            check_directory_free(self.config.kv_offload_dir)  # before minutes of loading, not after
         tp = TPExecutor.start(self.config) if self.config.tensor_parallel_size > 1 else None
         try:
             self._build(kv_connector, tp)

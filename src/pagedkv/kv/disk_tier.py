@@ -112,6 +112,23 @@ def _quiet_unlink(path: Path) -> None:
         pass
 
 
+def check_directory_free(path: str | Path) -> None:
+    """Raise the ValueError :class:`DiskDirectory` would if another engine holds ``path``'s
+    lock, without taking it: lets an engine refuse before it loads its model."""
+    lock = Path(path).expanduser() / "lock"
+    try:
+        f = open(lock, "a+")  # noqa: SIM115 - closed below
+    except OSError:
+        return  # no directory yet, or not writable: DiskDirectory says which
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise ValueError(f"--kv-offload-dir {lock.parent.resolve()} is in use by another engine "
+                         "(one engine per directory)") from None
+    finally:
+        f.close()  # (drops the probe's lock)
+
+
 class DiskDirectory:
     """The records in one directory, owned by this engine (an exclusive ``flock``).
 
