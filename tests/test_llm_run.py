@@ -111,3 +111,13 @@ def test_n_samples_per_prompt_are_n_seeded_requests_in_outputs(tiny_llm_factory)
     for bad in ({"n": 0}, {"n": 129}, {"n": 1.5}, {"n": 2, "seed": 2**63 - 1}):
         with pytest.raises(ValueError, match="n must be|seed must be"):
             SamplingParams(**bad)
+
+
+def test_none_params_in_a_list_are_defaults_and_on_output_sees_each_choice_index(tiny_llm_factory):
+    llm = tiny_llm_factory()
+    outs = llm.generate(["hi", "abc"], [None, SamplingParams(n=2, max_tokens=2, temperature=0.0)])
+    assert len(outs) == 2 and len(outs[1].outputs) == 2 and not llm.engine.has_unfinished_requests()
+    seen = []
+    llm.generate(["hello"], SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=3),
+                 on_output=lambda o: seen.append(o.index))
+    assert sorted(seen) == [0, 1, 2] and llm.engine.kv.usage().used == 0

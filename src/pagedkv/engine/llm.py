@@ -48,8 +48,8 @@ class LLM:
         for all or one per prompt. ``on_output`` sees each request's output when it finishes.
         ``priority``: one per prompt, used with ``scheduling_policy="priority"`` (lower first).
 
-        With ``SamplingParams(n=k)`` a prompt runs as k requests (``on_output`` sees each);
-        its output is the first sample's, with all k in ``.outputs``.
+        With ``SamplingParams(n=k)`` a prompt runs as k requests (``on_output`` sees each, with
+        its ``index``); its output is the first sample's, with all k in ``.outputs``.
 
         Raises:
             ValueError: if any prompt is invalid or can never fit (naming its index and the
@@ -60,8 +60,11 @@ class LLM:
         elif hasattr(prompts, "__iter__"):
             prompts = list(prompts)  # (a generator is read once)
         ids = self.add_requests(prompts, sampling_params, cache_salt, priority)
-        counts = [sp.n for sp in self._params_list(sampling_params, len(prompts))]  # (checked by add_requests)
-        return _group_choices(self.run(ids, on_output), counts)
+        counts = [sp.n if isinstance(sp, SamplingParams) else 1  # (checked by add_requests; None: defaults)
+                  for sp in self._params_list(sampling_params, len(prompts))]
+        index = {rid: j for n, first in zip(counts, _starts(counts)) for j, rid in enumerate(ids[first:first + n])}
+        shown = None if on_output is None else (lambda o: on_output(replace(o, index=index.get(o.request_id, 0))))
+        return _group_choices(self.run(ids, shown), counts)
 
     def add_requests(self, prompts: Prompt | Sequence[Prompt],
                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -216,6 +219,15 @@ def _samples(sp) -> list:
     if not isinstance(sp, SamplingParams) or sp.n == 1:
         return [sp]  # (the engine names a wrong type)
     return [replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j) for j in range(sp.n)]
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """Where each prompt's samples start in the flat list of requests."""
+    out, at = [], 0
+    for n in counts:
+        out.append(at)
+        at += n
+    return out
 
 
 def _group_choices(outs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
