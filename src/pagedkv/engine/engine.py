@@ -216,7 +216,7 @@ class LLMEngine:
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         """Output tokens this request may make; rejects what could never fit."""
         return resolve_max_tokens(self.kv, self.max_model_len, step_tokens(self.config), num_prompt, params,
-                                  self.config.kv_eviction == "streaming", eviction_policy(self.config))
+                                  self.config.kv_eviction == "streaming", self.scheduler.eviction)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a queued or running request and free its pages; unknown ids are ignored."""

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -62,9 +63,12 @@ class LLM:
         ids = self.add_requests(prompts, sampling_params, cache_salt, priority)
         counts = [sp.n if isinstance(sp, SamplingParams) else 1  # (checked by add_requests; None: defaults)
                   for sp in self._params_list(sampling_params, len(prompts))]
-        index = {rid: j for n, first in zip(counts, _starts(counts)) for j, rid in enumerate(ids[first:first + n])}
-        shown = None if on_output is None else (lambda o: on_output(replace(o, index=index.get(o.request_id, 0))))
-        return _group_choices(self.run(ids, shown), counts)
+        ends = list(itertools.accumulate(counts))
+        groups = [ids[end - n:end] for n, end in zip(counts, ends)]  # each prompt's samples' ids, in order
+        index = {rid: j for group in groups for j, rid in enumerate(group)}
+        shown = None if on_output is None else (lambda o: on_output(replace(o, index=index[o.request_id])))
+        outs = dict(zip(ids, self.run(ids, shown)))
+        return [_choices([outs[rid] for rid in group]) for group in groups]
 
     def add_requests(self, prompts: Prompt | Sequence[Prompt],
                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -221,26 +225,13 @@ def _samples(sp) -> list:
     return [replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j) for j in range(sp.n)]
 
 
-def _starts(counts: list[int]) -> list[int]:
-    """Where each prompt's samples start in the flat list of requests."""
-    out, at = [], 0
-    for n in counts:
-        out.append(at)
-        at += n
-    return out
-
-
-def _group_choices(outs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
-    """One output per prompt: ``outs`` holds ``counts[i]`` samples of prompt i in a row;
-    each gets its ``index``, and the first of several holds them all in ``choices``."""
-    grouped, i = [], 0
-    for n in counts:
-        group = [o if o is None else replace(o, index=j) for j, o in enumerate(outs[i:i + n])]
-        if n > 1 and group[0] is not None:
-            group[0].choices = group
-        grouped.append(group[0])
-        i += n
-    return grouped
+def _choices(outs: list[RequestOutput | None]) -> RequestOutput | None:
+    """A prompt's output from its samples' outputs: the first, with each one's ``index`` and,
+    when there are several, all of them in ``choices``."""
+    group = [o if o is None else replace(o, index=j) for j, o in enumerate(outs)]
+    if len(group) > 1 and group[0] is not None:
+        group[0].choices = group
+    return group[0]
 
 
 def _content_text(content) -> str:

@@ -112,6 +112,10 @@ def _quiet_unlink(path: Path) -> None:
         pass
 
 
+def _in_use(path: Path) -> ValueError:
+    return ValueError(f"--kv-offload-dir {path} is in use by another engine (one engine per directory)")
+
+
 def check_directory_free(path: str | Path) -> None:
     """Raise the ValueError :class:`DiskDirectory` would if another engine holds ``path``'s
     lock, without taking it: lets an engine refuse before it loads its model."""
@@ -123,8 +127,7 @@ def check_directory_free(path: str | Path) -> None:
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        raise ValueError(f"--kv-offload-dir {lock.parent.resolve()} is in use by another engine "
-                         "(one engine per directory)") from None
+        raise _in_use(lock.parent.resolve()) from None
     finally:
         f.close()  # (drops the probe's lock)
 
@@ -152,8 +155,7 @@ class DiskDirectory:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self._lock.close()
-            raise ValueError(f"--kv-offload-dir {self.path} is in use by another engine "
-                             "(one engine per directory)") from None
+            raise _in_use(self.path) from None
         self.writable = True
         self.num_corrupt = 0
         self._warned: set[str] = set()

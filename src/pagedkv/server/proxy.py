@@ -36,9 +36,12 @@ LEG_PATHS = ("/v1/completions", "/v1/chat/completions")
 LIVENESS_S = 2.0  # the producer's /health must answer within this before each prefill leg
 
 
+def _error_body(message: str, code: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+
+
 def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
-                        status_code=status)
+    return JSONResponse(_error_body(message, code), status_code=status)
 
 
 async def until_disconnect(request: Request, leg):
@@ -75,9 +78,8 @@ async def _relay(upstream: httpx.Response, events: bool):
     except httpx.HTTPError as e:
         log.warning("the decode instance broke off a response (%s)", type(e).__name__)
         if events:
-            err = {"message": f"the decode instance failed mid-stream ({type(e).__name__})",
-                   "type": "server_error", "param": None, "code": "decode_failed"}
-            yield f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
+            err = _error_body(f"the decode instance failed mid-stream ({type(e).__name__})", "decode_failed")
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
 
 def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> FastAPI:
@@ -86,6 +88,13 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),  # as many legs as clients
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+
+    async def healthy(url: str, timeout: float) -> bool:
+        """Whether the instance's ``/health`` answers 200 within ``timeout`` seconds."""
+        try:
+            return (await client.get(url + "/health", timeout=timeout)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def headers(request: Request) -> dict:
         auth = request.headers.get("authorization")
@@ -100,11 +109,7 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
         for key in ("max_tokens", "max_completion_tokens"):
             leg.pop(key, None)
         leg["max_tokens"] = 1
-        try:  # a producer that hangs (stopped, wedged) still accepts connections: ask its /health first
-            alive = (await client.get(prefill_url + "/health", timeout=LIVENESS_S)).status_code == 200
-        except httpx.HTTPError:
-            alive = False
-        if not alive:
+        if not await healthy(prefill_url, LIVENESS_S):  # a hung producer still accepts connections
             log.warning("prefill instance not healthy within %.0f s: the decode instance computes the prompt",
                         LIVENESS_S)
             return False
@@ -159,10 +164,7 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
     @app.get("/health")
     async def health() -> Response:
         for url in (prefill_url, decode_url):
-            try:
-                if (await client.get(url + "/health", timeout=5.0)).status_code != 200:
-                    return JSONResponse({"status": "unavailable", "instance": url}, status_code=503)
-            except httpx.HTTPError:
+            if not await healthy(url, 5.0):
                 return JSONResponse({"status": "unavailable", "instance": url}, status_code=503)
         return JSONResponse({"status": "ok"})
 

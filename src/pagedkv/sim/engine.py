@@ -118,7 +118,7 @@ class SimEngine:
                 raise ValueError("a simulated prompt is a non-empty list of token ids")
             max_tokens = resolve_max_tokens(self.kv, self.max_model_len, step_tokens(self.config), len(ids),
                                             params, self.config.kv_eviction == "streaming",
-                                            eviction_policy(self.config))
+                                            self.scheduler.eviction)
         except ValueError:
             self.num_rejected += 1
             raise
