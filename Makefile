@@ -1,6 +1,6 @@
 # Two entry points that work on a fresh machine:
 #   make run   - set up .venv and generate with the default model
-#   make test  - set up .venv and run the test suite
+#   make test  - set up .venv, lint (ruff) and run the test suite
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -26,6 +26,7 @@ run: setup
 	$(BIN)/pagedkv generate --chat --temperature 0 --max-tokens 64 "$(PROMPT)"
 
 test: setup
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest
 
 clean:

@@ -11,7 +11,7 @@ to the first variant. Macros the kernel reads: ``PAGEDKV_A8_ROW_PANELS`` (1, 2 o
 one activation row reads at once), ``PAGEDKV_A8_PREFETCH_BLOCKS``, and for two or more rows
 ``PAGEDKV_A8_TILE_ROWS`` (2-8), ``PAGEDKV_A8_TILE_PANELS`` (1-4) and ``PAGEDKV_A8_CHAINS`` (VNNI: 1
 or 2 integer accumulators per (row, panel)). ``NAME=FILE:...`` builds FILE instead of the current
-source, e.g. an earlier commit's (``git show COMMIT:src/pagedkv/attention/csrc/ggml_a8_linear.cpp
+source, e.g. an earlier commit's (``git show COMMIT:src/pagedkv/kernels/cpu/csrc/ggml_a8_linear.cpp
 > old.cpp``), to A/B a code change; its bits must still match the engine kernel's.
 
     python benchmarks/ab_ggml_a8_variants.py --rows 1 --rounds 30 \\
@@ -29,15 +29,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
-
-from pagedkv.attention.kernel import CSRC, LDFLAGS, cflags
-from pagedkv.config import EngineConfig
-from pagedkv.engine.engine import LLMEngine
-from pagedkv.model.int8_weights import kernel_op
-
 from bench_ggml_rows import products_of
+from torch.utils import cpp_extension
 from tp_equivalence import cpu_name
+
+from pagedkv.config.engine import EngineConfig
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.kernels.cpu.library import CSRC, LDFLAGS, cflags
+from pagedkv.model.int8_weights import kernel_op
 
 
 def renamed_source(name: str, source: Path | None = None) -> str:
@@ -86,7 +85,8 @@ def parse_variant(text: str) -> tuple[str, list[str], Path | None]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variant", action="append", required=True, help="NAME[=FILE]:-DX=1,-DY=2 (repeatable; first: the base)")
+    p.add_argument("--variant", action="append", required=True,
+                   help="NAME[=FILE]:-DX=1,-DY=2 (repeatable; first: the base)")
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--rounds", type=int, default=30)
     a = p.parse_args()

@@ -27,17 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import time
-
-import pagedkv  # noqa: E402,F401  (numerics as the engine runs them: PAGEDKV_BATCH_INVARIANT)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pagedkv.attention.kernel import load_kernel  # noqa: E402
-from pagedkv.attention.paged import AttentionMetadata, SeqAttention, paged_attention_reference  # noqa: E402
+import pagedkv  # noqa: E402,F401  (numerics as the engine runs them: PAGEDKV_BATCH_INVARIANT)
+from pagedkv.attention.metadata import AttentionMetadata, SeqAttention  # noqa: E402
+from pagedkv.attention.reference import paged_attention_reference  # noqa: E402
+from pagedkv.kernels.cpu.library import load_kernel  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -79,7 +78,8 @@ class DecodeCase:
         torch.manual_seed(seed)
         self.batch, self.context, self.heads, self.kv_heads, self.head_dim = batch, context, heads, kv_heads, head_dim
         self.kv_bytes = batch * context * kv_heads * head_dim * 2 * dtype.itemsize
-        per_layer = self.kv_bytes * (1 + 4 / dtype.itemsize + (heads / kv_heads * 4 / dtype.itemsize if expanded else 0))
+        expand = heads / kv_heads * 4 / dtype.itemsize if expanded else 0
+        per_layer = self.kv_bytes * (1 + 4 / dtype.itemsize + expand)
         self.layers = max(1, min(16, math.ceil(256 * MIB / self.kv_bytes), int(budget_bytes // per_layer)))
         pages = -(-context // block_size)
         self.q = torch.randn(batch, heads, head_dim)                                   # [B, H, D]

@@ -42,9 +42,9 @@ def measure(rounds: int) -> dict:
     """Both shapes with the kernel this process builds (``PAGEDKV_KERNEL_MARCH`` is set)."""
     import torch
 
-    from pagedkv.attention import kernel
-    from pagedkv.attention.kernel import load_kernel
-    from pagedkv.attention.paged import AttentionMetadata, SeqAttention
+    from pagedkv.attention.metadata import AttentionMetadata, SeqAttention
+    from pagedkv.kernels.cpu import library as kernel
+    from pagedkv.kernels.cpu.library import load_kernel
 
     if not hasattr(kernel, "cflags"):  # a checkout from before PAGEDKV_KERNEL_MARCH (PYTHONPATH=old/src)
         kernel.CFLAGS = ["-O3", f"-march={os.environ['PAGEDKV_KERNEL_MARCH']}", "-fopenmp"]

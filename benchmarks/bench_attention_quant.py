@@ -20,12 +20,13 @@ import json
 import statistics
 
 import torch
+from bench_attention import Ceilings, timed
 
 import pagedkv  # noqa: F401  (numerics as the engine runs them)
-from bench_attention import Ceilings, timed
-from pagedkv.attention.kernel import load_kernel
-from pagedkv.attention.paged import AttentionMetadata, SeqAttention, paged_attention_reference
-from pagedkv.kv import quant
+from pagedkv.attention.metadata import AttentionMetadata, SeqAttention
+from pagedkv.attention.reference import paged_attention_reference
+from pagedkv.kernels.cpu.library import load_kernel
+from pagedkv.kv_cache import quant
 
 MIB = 2 ** 20
 DTYPES = ("float32", "float16", "int8", "fp8_e4m3", "fp8_e5m2")

@@ -60,8 +60,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     a = p.parse_args()
 
-    from pagedkv.attention.kernel import load_kernel
-    from pagedkv.attention.paged import AttentionMetadata, SeqAttention
+    from pagedkv.attention.metadata import AttentionMetadata, SeqAttention
+    from pagedkv.kernels.cpu.library import load_kernel
 
     op, scale = load_kernel(), D ** -0.5
     torch.manual_seed(0)

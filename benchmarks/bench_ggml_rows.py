@@ -21,12 +21,11 @@ import statistics
 import time
 
 import torch
+from tp_equivalence import cpu_name
 
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.int8_weights import kernel_op
-
-from tp_equivalence import cpu_name
 
 
 def products_of(model, lm_head: bool) -> dict[str, list[tuple]]:

@@ -47,7 +47,8 @@ def replay(engine, convs: list[list[str]], turns: int, max_tokens: int) -> list[
             rec = drive(engine, [BenchRequest(tuple(ids), max_tokens, max_tokens)], ignore_eos=False).records[0]
             out.append({"conv": i, "turn": k + 1, "prompt_tokens": len(ids), "cached": rec.num_cached_tokens,
                         "ttft": rec.ttft, "output": rec.output_token_ids})
-            history[i].append({"role": "assistant", "content": tok.decode(rec.output_token_ids, skip_special_tokens=True)})
+            history[i].append({"role": "assistant",
+                               "content": tok.decode(rec.output_token_ids, skip_special_tokens=True)})
     return out
 
 
@@ -103,7 +104,8 @@ def restart(directory: str, repeats: int, prefix_tokens: int = 1024) -> dict:
         cold.append(ttft(f" Question {r}: who is the captain?")[0])
         t, last = ttft(f" Question {r}: where does the ship come from?")
         warm.append(t)
-    return {"cold_ttft_s": cold, "warm_restart_ttft_s": warm, "ratio": statistics.median(cold) / statistics.median(warm),
+    return {"cold_ttft_s": cold, "warm_restart_ttft_s": warm,
+            "ratio": statistics.median(cold) / statistics.median(warm),
             "prefix_tokens": prefix_tokens, "warm_engine_tier": last}
 
 

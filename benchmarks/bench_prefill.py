@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-import pagedkv.model.llama as llama_module
+import pagedkv.model.llama_layer as llama_layer_module
 from pagedkv import LLM, SamplingParams
 from pagedkv.bench.roofline import Machine, model_cost
 
@@ -33,7 +33,7 @@ TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "long-context" 
 
 
 def timed_attention(sink: list[float]):
-    inner = llama_module.paged_attention
+    inner = llama_layer_module.paged_attention
 
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
@@ -82,7 +82,7 @@ def main() -> int:
     machine = Machine.measure("probe")
     sink = [0.0]
     inner, wrapper = timed_attention(sink)
-    llama_module.paged_attention = wrapper
+    llama_layer_module.paged_attention = wrapper
     rows = []
     try:
         llm.generate([{"prompt_token_ids": ids[:64]}], SamplingParams(max_tokens=1))  # warm-up (kernel load)
@@ -99,7 +99,7 @@ def main() -> int:
             rows.append({"tokens": n, "seconds": sec, "tokens_per_s": n / sec, "attention_s": att,
                          "attention_share": None if att is None else att / sec})
     finally:
-        llama_module.paged_attention = inner
+        llama_layer_module.paged_attention = inner
     for r in rows:  # every row against the best rates of the whole run (the header's)
         r["compute_bound_s"] = prefill_bound(cost, r["tokens"], machine, a.activation_dtype == "int8")
         r["fraction_of_bound"] = r["compute_bound_s"] / r["seconds"]

@@ -17,7 +17,7 @@ import json
 import statistics
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.bench.workloads import load_sonnet
+from pagedkv.data import load_sonnet
 
 
 def run(llm: LLM, long_ids: list[list[int]], short_ids: list[int], policy: str) -> dict:

@@ -17,10 +17,12 @@ import json
 import statistics
 import time
 
-from pagedkv.engine.request import Request
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens
+from pagedkv.config import EngineConfig
+from pagedkv.core.build import build_scheduler
+from pagedkv.core.request import Request
+from pagedkv.core.runner_io import ModelRunnerOutput, SampledTokens
+from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.scheduler import Scheduler
 from pagedkv.kv.manager import KVCacheManager
 
 
@@ -28,7 +30,7 @@ def setup(n: int, prompt: int, steps: int, block_size: int, prefix_caching: bool
     """A scheduler with ``n`` requests admitted and prefilled, room for ``steps`` more tokens each."""
     blocks = n * (-(-(prompt + steps + 2) // block_size) + 1)
     kv = KVCacheManager(blocks, block_size, enable_prefix_caching=prefix_caching)
-    sched = Scheduler(kv, max_num_seqs=n, max_num_batched_tokens=max(2048, n * prompt))
+    sched = build_scheduler(EngineConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, n * prompt)), kv)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0)
     for i in range(n):
         req = Request(f"r{i}", [(7 * i + t) % 30000 + 1 for t in range(prompt)], params)

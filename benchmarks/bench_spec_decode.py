@@ -2,7 +2,7 @@
 
 Two workloads, each under the model's chat template, greedy:
 
-- ``edit`` (input-grounded): the bundled sonnets (``pagedkv/bench/data/sonnet.txt``, public
+- ``edit`` (input-grounded): the bundled sonnets (``pagedkv/data/sonnet.txt``, public
   domain; Apache-2.0 as vLLM ships it), 14 lines per prompt, with an instruction to rewrite
   it in modern spelling, so much of the answer is in the prompt (the 135M model follows it
   loosely: it copies lines, changes some, and often falls into repeating itself, which
@@ -29,7 +29,8 @@ import statistics
 import time
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.bench.workloads import chat_ids, load_arena_hard, load_sonnet
+from pagedkv.bench.workloads import chat_ids
+from pagedkv.data import load_arena_hard, load_sonnet
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 EDIT = ("Here is a poem with old spelling. Rewrite it with modern spelling (you instead of thou/thee/thy). "

@@ -52,7 +52,8 @@ def start_batch(engine: LLMEngine, batch: int, prompt_cap: int, steps: int) -> N
     params = SamplingParams(max_tokens=2 * steps + 4, temperature=0.0, ignore_eos=True)
     for r in work:
         engine.add_request({"prompt_token_ids": list(r.prompt_token_ids)}, params)
-    while engine.scheduler.waiting or any(q.num_computed_tokens < q.num_prompt_tokens for q in engine.scheduler.running):
+    sched = engine.scheduler
+    while sched.waiting or any(q.num_computed_tokens < q.num_prompt_tokens for q in sched.running):
         engine.step()
 
 

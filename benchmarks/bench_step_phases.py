@@ -59,7 +59,8 @@ def main() -> int:
         eng.step()
     med = {k: statistics.median(v) * 1e3 for k, v in phases.items() if v}
     if a.json:
-        print(json.dumps({"batch": a.batch, "steps": a.steps, "per_op": a.per_op, "weight_dtype": a.weight_dtype, "activation_dtype": a.activation_dtype, "median_ms": med}))
+        print(json.dumps({"batch": a.batch, "steps": a.steps, "per_op": a.per_op, "weight_dtype": a.weight_dtype,
+                          "activation_dtype": a.activation_dtype, "median_ms": med}))
     else:
         for k, v in med.items():
             print(f"{k:10s} {v:8.3f} ms")

@@ -74,7 +74,7 @@ def run(name: str, args, reqs: list[BenchRequest] | None) -> tuple[dict, list, l
                        "median_predicted_recompute_s": _median([x.recompute_s for x in d]),
                        "flop_rate": engine.scheduler.preemption.flop_rate}
     tokens = [x.output_token_ids for x in sorted(r.records, key=lambda x: x.index)]
-    piece = engine.parts.spec.page_size_bytes // (engine.parts.spec.num_layers * 2)
+    piece = engine.parts.kv_spec.page_size_bytes // (engine.parts.kv_spec.num_layers * 2)
     out["page_piece_bytes"] = piece
     del engine
     gc.collect()

@@ -67,7 +67,8 @@ def evaluate(result: dict, device, eff: Efficiency) -> dict:
         errs = [abs(r["fitted_s"] / r["measured_s"] - 1) for r in rows]
         out[name] = {"steps": rows, "fitted_median_abs_rel_error": statistics.median(errs),
                      "fitted_max_abs_rel_error": max(errs),
-                     "roofline_over_measured_median": statistics.median(r["roofline_s"] / r["measured_s"] for r in rows)}
+                     "roofline_over_measured_median":
+                         statistics.median(r["roofline_s"] / r["measured_s"] for r in rows)}
     return out
 
 

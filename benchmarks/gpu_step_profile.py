@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from gpu_step_model import Decoder, load_shape
 
 DECODE = [(b, c) for b in (1, 4, 16, 64, 128, 256) for c in (128, 1024, 4096)] + [(1, 16384), (8, 16384), (1, 32768)]
@@ -87,11 +86,11 @@ def ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> dict:
     x = torch.randn(n, device=device, dtype=dtype)
     y = torch.empty_like(x)
     copy = min(run(lambda: y.copy_(x), 10))
-    del y
+    y = None  # freed
     cols = 8192
     w, v = x.view(n // cols, cols), torch.randn(cols, device=device, dtype=dtype)
     gemv = min(run(lambda: torch.mv(w, v), 10))
-    del x, w
+    x = w = None  # freed
     m = 1024 if quick else 8192
     a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
     run(lambda: a @ b, 3)

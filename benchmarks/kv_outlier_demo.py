@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from pagedkv.kv import quant
+from pagedkv.kv_cache import quant
 
 GRANS = ("per-token-head", "per-head", "per-tensor")
 
@@ -40,7 +40,7 @@ def synthetic(seed: int = 0) -> None:
 
 def real_model() -> None:
     from pagedkv import LLM
-    from pagedkv.engine.calibrate import calibration_ids, layer_kv
+    from pagedkv.worker.kv_scales import calibration_ids, layer_kv
 
     llm = LLM(kv_cache_memory="64MiB")
     kv = layer_kv(llm.engine.parts.model, calibration_ids(llm.get_tokenizer()))

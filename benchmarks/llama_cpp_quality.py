@@ -61,7 +61,8 @@ def main() -> int:
     from pagedkv.eval.ppl import perplexity, windows
     from pagedkv.model.loader import _packaged_gguf
 
-    ours = LLM(weight_dtype=a.weight_dtype, activation_dtype=a.activation_dtype, kv_cache_dtype="float32", max_model_len=a.window + a.max_tokens + 512)
+    ours = LLM(weight_dtype=a.weight_dtype, activation_dtype=a.activation_dtype, kv_cache_dtype="float32",
+               max_model_len=a.window + a.max_tokens + 512)
     tok = ours.get_tokenizer()
     with open(a.file, encoding="utf-8") as f:
         ids = tok(f.read()[: a.num_tokens * 12], add_special_tokens=False).input_ids
@@ -79,13 +80,15 @@ def main() -> int:
     for p in prompts:
         ref.reset()
         theirs.append([t for _, t in zip(range(a.max_tokens), ref.generate(p["prompt_token_ids"], temp=0.0, top_k=1))])
-    vs_llama, vs_fp32 = [_common_prefix(x, y) for x, y in zip(got, theirs)], [_common_prefix(x, y) for x, y in zip(got, fp32)]
+    vs_llama = [_common_prefix(x, y) for x, y in zip(got, theirs)]
+    vs_fp32 = [_common_prefix(x, y) for x, y in zip(got, fp32)]
     out = {"llama_cpp_ppl": math.exp(nll / n), "pagedkv_ppl": mine.ppl, "scored_tokens": n,
            "ppl_ratio": mine.ppl / math.exp(nll / n), "weight_dtype": a.weight_dtype,
            "activation_dtype": a.activation_dtype, "num_prompts": len(prompts),
            "max_tokens": a.max_tokens, "greedy_prefix_vs_llama_cpp": vs_llama,
            "identical_vs_llama_cpp": sum(x == a.max_tokens for x in vs_llama),
-           "greedy_prefix_vs_pagedkv_float32": vs_fp32, "identical_vs_pagedkv_float32": sum(x == a.max_tokens for x in vs_fp32),
+           "greedy_prefix_vs_pagedkv_float32": vs_fp32,
+           "identical_vs_pagedkv_float32": sum(x == a.max_tokens for x in vs_fp32),
            "llama_cpp_vs_pagedkv_float32": [_common_prefix(x, y) for x, y in zip(theirs, fp32)]}
     print(json.dumps(out))
     return 0

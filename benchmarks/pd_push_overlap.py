@@ -18,8 +18,9 @@ each the script records:
   first token a proxy's client would see, less HTTP.
 
 The decode engines' pages are touched once before anything is timed (a running instance's
-steady state), and one warm-up prompt per mode runs first. Each engine gets ``--threads`` torch threads (default 1: on a 2-core machine each engine has a
-core, as if on its own host; the push sender thread shares the prefill engine's).
+steady state), and one warm-up prompt per mode runs first. Each engine gets ``--threads``
+torch threads (default 1: on a 2-core machine each engine has a core, as if on its own host;
+the push sender thread shares the prefill engine's).
 
     python benchmarks/pd_push_overlap.py --json benchmarks/results/pd_push_overlap.json
 """

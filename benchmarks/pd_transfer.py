@@ -109,7 +109,8 @@ def pull_once(cons, conn, n: int, tag: str) -> tuple[int, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model of both engines (default: the default model)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="model of both engines (default: the default model)")
     p.add_argument("--lengths", default="256,1024,2048,4096", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=5, help="fresh prompts per length (default: 5)")
     p.add_argument("--loopback-mib", type=int, default=1024, help="MiB per loopback measurement (default: 1024)")
@@ -152,7 +153,7 @@ def main() -> None:
                      "pull_seconds_all": secs,
                      "gbps_median": statistics.median(gbps), "loopback_gbps_beside": beside,
                      "fraction_of_loopback_beside": statistics.median(gbps) / beside,
-                     "planner_bytes": cons.parts.spec.paged_bytes_for_tokens(n - 1)})
+                     "planner_bytes": cons.parts.kv_spec.paged_bytes_for_tokens(n - 1)})
     assert worker.num_failed_pulls == 0
     conn.send(None)
     child.join(60)

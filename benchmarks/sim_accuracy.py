@@ -39,7 +39,7 @@ import time
 
 from pagedkv.bench.driver import drive, warm_up
 from pagedkv.bench.workloads import build_workload, with_poisson_arrivals
-from pagedkv.config import DEFAULT_MODEL, EngineConfig
+from pagedkv.config.engine import DEFAULT_MODEL, EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.loader import load_tokenizer, resolve_model
 from pagedkv.sim.calibrate import cached, calibrate, reference_seconds
@@ -88,8 +88,9 @@ def scenario(tok, repeats, probe, ref0, name, dataset, n, cap, max_tokens, rate,
     reals, replays, probes, runs = [], [], [reference_seconds(probe)], []
     for _ in range(repeats):
         engine = LLMEngine(config)  # fresh: pages and prefix cache start empty
-        if setup.num_blocks != engine.kv.pool.num_blocks:
-            raise AssertionError(f"{name}: simulated pool {setup.num_blocks} != engine's {engine.kv.pool.num_blocks}")
+        if setup.num_blocks != engine.kv_manager.pool.num_blocks:
+            raise AssertionError(f"{name}: simulated pool {setup.num_blocks} != engine's "
+                                 f"{engine.kv_manager.pool.num_blocks}")
         warm_up(engine)
         run = drive(engine, reqs)
         del engine

@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 
 from pagedkv.bench.workloads import with_poisson_arrivals
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
 from pagedkv.sim.run import run_setup, sim_setup
 from pagedkv.sim.sweep import sweep
 from pagedkv.sim.workloads import synthetic_workload

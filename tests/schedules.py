@@ -41,7 +41,8 @@ def run_schedule(eng, schedule, check) -> tuple[dict, dict, set]:
     for op in schedule:
         if op[0] == "add":
             ids = schedule_prompt(op[1], op[2])
-            r = eng.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=op[3], temperature=0, ignore_eos=True))
+            r = eng.add_request({"prompt_token_ids": ids},
+                                SamplingParams(max_tokens=op[3], temperature=0, ignore_eos=True))
             added[r.request_id] = (ids, op[3])
         elif op[0] == "abort" and added:
             rid = sorted(added)[op[1] % len(added)]
@@ -58,7 +59,7 @@ def run_schedule(eng, schedule, check) -> tuple[dict, dict, set]:
 
 def check_with_connector(eng) -> None:
     """After every step: the KV manager's and the connector's invariants."""
-    eng.kv.check_invariants()
+    eng.kv_manager.check_invariants()
     eng.scheduler.connector.check_invariants()
 
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pagedkv.engine.stop_strings import PartialStopTracker, hold_back
-from pagedkv.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 def _brute_hold_back(text: str, stops: list[str]) -> str:
@@ -124,7 +124,7 @@ def test_bad_python_api_calls_are_short_value_errors(tiny_llm_factory, call):
     with pytest.raises(ValueError) as e:
         call(llm)
     assert len(str(e.value)) < 300
-    assert not llm.engine.requests and llm.engine.kv.pool.num_used == 0
+    assert not llm.engine.requests and llm.engine.kv_manager.pool.num_used == 0
 
 
 def test_a_lone_surrogate_cache_salt_is_refused_before_it_reaches_the_scheduler(tiny_llm_factory):
@@ -141,7 +141,7 @@ def test_the_kernel_build_folder_depends_on_where_the_sources_are(monkeypatch, t
     records absolute paths): each now has its own folder."""
     import shutil
 
-    from pagedkv.attention import kernel
+    from pagedkv.kernels.cpu import library as kernel
 
     here = kernel.source_fingerprint()
     copy = tmp_path / "csrc"

@@ -14,13 +14,13 @@ import warnings
 
 import pytest
 import torch
-
-from pagedkv.attention import dispatch, kernel
-from pagedkv.attention.dispatch import paged_attention
-from pagedkv.attention.kernel import KernelBuildError
-from pagedkv.attention.paged import paged_attention_reference
-
 from test_attention_kernel import make_batch
+
+from pagedkv.attention.dispatch import paged_attention
+from pagedkv.attention.reference import paged_attention_reference
+from pagedkv.kernels.cpu import library as kernel
+from pagedkv.kernels.cpu import ops as dispatch
+from pagedkv.kernels.cpu.library import KernelBuildError
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def test_stale_build_lock_is_removed(tmp_path):
 def test_loading_the_kernel_leaves_its_build_directory_where_it_is():
     """torch's cpp_extension.load appends to the flag lists it is given; the directory
     ``pagedkv info`` reports after a load must still be the one holding the library."""
-    from pagedkv.attention import kernel
+    from pagedkv.kernels.cpu import library as kernel
 
     try:
         kernel.load_kernel()
@@ -169,7 +169,7 @@ def test_a_load_without_the_environment_on_path_does_not_rebuild():
         pytest.skip(f"no kernel on this machine: {e}")
     library = kernel.build_directory() / "pagedkv_attention.so"
     before = library.stat().st_mtime_ns
-    script = "from pagedkv.attention import kernel; kernel.load_kernel()"
+    script = "from pagedkv.kernels.cpu import library; library.load_kernel()"
     env = dict(os.environ, PATH=os.pathsep.join(p for p in ("/usr/local/bin", "/usr/bin", "/bin") if os.path.isdir(p)))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -178,7 +178,7 @@ def test_a_load_without_the_environment_on_path_does_not_rebuild():
 
 def test_build_directory_names_the_source_version(tmp_path, monkeypatch):
     """Checkouts of different kernel sources must not share (and rebuild over) one library."""
-    from pagedkv.attention import kernel
+    from pagedkv.kernels.cpu import library as kernel
 
     src = tmp_path / "csrc"
     shutil.copytree(kernel.CSRC, src)

@@ -12,8 +12,9 @@ import shutil
 import pytest
 import torch
 
-from pagedkv.attention.kernel import KernelBuildError, load_kernel
-from pagedkv.attention.paged import AttentionMetadata, SeqAttention, paged_attention_reference
+from pagedkv.attention.metadata import AttentionMetadata, SeqAttention
+from pagedkv.attention.reference import paged_attention_reference
+from pagedkv.kernels.cpu.library import KernelBuildError, load_kernel
 
 BOUNDARY = [1, 15, 16, 17, 31, 32, 33, 64]
 
@@ -245,7 +246,7 @@ def test_sliding_window_row_alone_equals_row_in_batch(op):
     keys = torch.arange(500 - window, 500)
     kk = k[g.block_table[keys // 16], keys % 16]
     vv = v[g.block_table[keys // 16], keys % 16]
-    from pagedkv.attention.paged import attend
+    from pagedkv.attention.reference import attend
     torch.testing.assert_close(lone, attend(q[:1], kk, vv, q.shape[-1] ** -0.5), rtol=1e-5, atol=1e-5)
 
 

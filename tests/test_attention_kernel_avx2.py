@@ -1,4 +1,5 @@
-"""The kernels' AVX2 code paths (paged attention, int8, GGML-block and W8A8 linear, the one-call decoder layer), on a machine with AVX-512.
+"""The kernels' AVX2 code paths (paged attention, int8, GGML-block and W8A8 linear, the
+one-call decoder layer), on a machine with AVX-512.
 
 The kernel picks vector code by the ISA it is compiled for (a 16-float vector is one
 AVX-512 register or two AVX2 ones, and a few helpers have AVX2 versions), and CI may run on
@@ -36,15 +37,17 @@ def test_the_avx2_build_passes_the_kernel_tests():
     env = dict(os.environ, PAGEDKV_KERNEL_MARCH="x86-64-v3")
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
                         str(HERE / "test_attention_kernel.py"), str(HERE / "test_attention_kernel_quant.py"),
-                        str(HERE / "test_int8_weights.py"), str(HERE / "test_ggml_weights.py"), str(HERE / "test_layer_ops.py"), str(HERE / "test_w8a8.py"),
-                        str(HERE / "test_ggml_a8.py"), str(HERE / "test_decoder_layer.py"), "-k", "not cli and not planner and not hf"],
+                        str(HERE / "test_int8_weights.py"), str(HERE / "test_ggml_weights.py"),
+                        str(HERE / "test_layer_ops.py"), str(HERE / "test_w8a8.py"),
+                        str(HERE / "test_ggml_a8.py"), str(HERE / "test_decoder_layer.py"), "-k",
+                        "not cli and not planner and not hf"],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2], r.stdout[-500:]
 
 
 def test_a_bad_march_is_refused(monkeypatch):
-    from pagedkv.attention import kernel
+    from pagedkv.kernels.cpu import library as kernel
 
     monkeypatch.setenv("PAGEDKV_KERNEL_MARCH", "native -fplugin=evil")
     with pytest.raises(ValueError, match="PAGEDKV_KERNEL_MARCH"):

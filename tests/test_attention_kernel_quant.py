@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention_kernel import BOUNDARY, op  # noqa: F401  (the module-scoped kernel fixture)
 
 from pagedkv.attention.dispatch import paged_attention
-from pagedkv.attention.paged import AttentionMetadata, SeqAttention, paged_attention_reference
-from pagedkv.kv import quant
-from test_attention_kernel import BOUNDARY, op  # noqa: F401  (the module-scoped kernel fixture)
+from pagedkv.attention.metadata import AttentionMetadata, SeqAttention
+from pagedkv.attention.reference import paged_attention_reference
+from pagedkv.kv_cache import quant
 
 DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
 GRANULARITIES = ["per-token-head", "per-head", "per-tensor", "per-channel"]

@@ -14,8 +14,8 @@ from pagedkv.bench import report
 from pagedkv.bench.metrics import RequestRecord, WasteSamples, distribution, percentile, summarize_requests
 from pagedkv.bench.roofline import Machine
 from pagedkv.kv.groups import single_group
-from pagedkv.planner.roofline import ModelCost, StepWork, bound, causal_pairs, ideal_offline_steps, step_terms
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.planner.roofline import ModelCost, StepWork, bound, causal_pairs, ideal_offline_steps, step_terms
 
 
 # ---- percentiles -------------------------------------------------------------------

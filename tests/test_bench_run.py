@@ -35,7 +35,7 @@ def test_drive_ends_requests_at_output_len_and_frees_pages(tiny_engine):
     run = drive(engine, _reqs(4, 20, output_len=3, max_tokens=10))
     assert sorted(r.index for r in run.records) == [0, 1, 2, 3]
     assert all(r.num_output_tokens == 3 and r.finish_reason == "length" for r in run.records)
-    assert engine.kv.usage().used == 0 and not engine.has_unfinished_requests()
+    assert engine.kv_manager.usage().used == 0 and not engine.has_unfinished_requests()
     m = run.metrics()
     assert m["output_tokens"] == 12 and m["max_running"] == 4 and m["peak_kv_blocks"] >= 8
     assert m["prefill_tokens_computed"] == 80
@@ -49,7 +49,7 @@ def test_one_token_outputs_report_the_pages_their_prefill_held(tiny_engine):
     engine = tiny_engine()
     m = drive(engine, _reqs(2, 20, output_len=1, max_tokens=1)).metrics()
     assert m["output_tokens"] == 2 and m["peak_kv_blocks"] == 4  # two prompts of 20 tokens, 16-token blocks
-    assert engine.peak_blocks_used >= 4 and engine.kv.usage().used == 0
+    assert engine.peak_blocks_used >= 4 and engine.kv_manager.usage().used == 0
 
 
 def test_contiguous_wastes_more_and_runs_fewer_at_once(tiny_engine):

@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 
+from pagedkv import data
 from pagedkv.bench import workloads as w
 
 SHA256 = {
@@ -24,19 +25,19 @@ def tok(default_model_files):
 
 @pytest.mark.parametrize("name", sorted(SHA256))
 def test_bundled_files_are_the_documented_bytes(name):
-    path = w.data_path(name)
+    path = data.data_path(name)
     assert "shared" not in path.parts
     assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA256[name]
     assert name in (path.parent / "README.md").read_text()
 
 
 def test_raw_loaders():
-    assert len(w.load_arena_hard()) == 500
-    convs = w.load_hh_rlhf()
+    assert len(data.load_arena_hard()) == 500
+    convs = data.load_hh_rlhf()
     assert len(convs) == 2344                       # 2,354 rows less the 10 malformed ones
     for c in convs[:200]:
         assert [r for r, _ in c] == ["user", "assistant"] * (len(c) // 2)
-    assert w.load_sonnet().startswith("FROM fairest creatures")
+    assert data.load_sonnet().startswith("FROM fairest creatures")
 
 
 def test_arena_hard_prompts_are_capped_and_keep_the_template(tok):
@@ -49,7 +50,7 @@ def test_arena_hard_prompts_are_capped_and_keep_the_template(tok):
         assert list(r.prompt_token_ids[-3:]) == gen_prompt
         assert r.output_len == r.max_tokens == 16 and r.arrival_s == 0
     short = w.arena_hard_workload(tok, 1, 10_000, 16)[0]
-    assert list(short.prompt_token_ids) == w.chat_ids(tok, [{"role": "user", "content": w.load_arena_hard()[0]}])
+    assert list(short.prompt_token_ids) == w.chat_ids(tok, [{"role": "user", "content": data.load_arena_hard()[0]}])
 
 
 def test_hh_rlhf_lengths_come_from_replies(tok):

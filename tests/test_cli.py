@@ -171,7 +171,7 @@ def test_too_long_prompt_among_many_is_rejected_and_the_others_run(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_temperature_does_not_crash(tmp_path):
-    """BUG (fails until fixed in src/pagedkv/engine/sampler.py, sample_row): a temperature
+    """BUG (fails until fixed in src/pagedkv/worker/sampler.py, sample_row): a temperature
     SamplingParams accepts (finite, > 0) but so small that ``logits / temperature``
     overflows gives NaN probabilities; torch.multinomial raises and the CLI prints a
     traceback (exit 1)."""

@@ -9,7 +9,7 @@ import pytest
 
 from pagedkv.cli import build_parser
 from pagedkv.cli_common import FLAG_OPTIONS, attribute_docs, engine_fields, engine_kwargs, help_text
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
 
 ENGINE_COMMANDS = [["generate"], ["serve"]] + [["bench", c] for c in
                                                 ("throughput", "online", "latency", "prefix")]

@@ -10,14 +10,13 @@ import subprocess
 import sys
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schedules import OPS, assert_solo_outputs, check_with_connector, run_schedule, schedule_prompt, solo_tokens
 
 from pagedkv import SamplingParams
+from pagedkv.connectors.offload.tier_index import FreeSlots, TierIndex
 from pagedkv.kv.hashing import ROOT_HASH
-from pagedkv.kv.tier_index import FreeSlots, TierIndex
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
 FILLERS = [list(range(3000 + 100 * i, 3000 + 100 * i + 60)) for i in range(4)]  # evict the device cache
@@ -47,8 +46,8 @@ def test_a_prompt_reloaded_from_the_cpu_tier_gives_identical_output(tiny_llm_fac
         assert hit == 16 * ((n - 1) // 16), (n, hit)
     s = llm.engine.stats().kv_offload
     assert s["blocks_loaded"] > 0 and s["blocks_saved"] > 0 and s["bytes_read"] == s["blocks_loaded"] * (
-        llm.engine.parts.spec.page_size_bytes)
-    assert llm.engine.kv.usage().used == 0
+        llm.engine.parts.kv_spec.page_size_bytes)
+    assert llm.engine.kv_manager.usage().used == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -130,7 +129,8 @@ def test_the_flags_work_from_the_cli(tiny_model_dir):
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout.splitlines()[0])["token_ids"]) == 3
     bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(tiny_model_dir),
-                          "--preemption-mode", "swap", "--no-chat", "hello"], capture_output=True, text=True, timeout=300)
+                          "--preemption-mode", "swap", "--no-chat", "hello"], capture_output=True, text=True,
+                         timeout=300)
     assert bad.returncode != 0 and "--kv-offload-memory" in bad.stderr
 
 
@@ -149,7 +149,7 @@ def test_random_schedules_keep_device_and_tier_invariants(tiered, schedule):
     assert eng.scheduler.connector.index.capacity == 8
     added, done, aborted = run_schedule(eng, schedule, check_with_connector)
     index = eng.scheduler.connector.index
-    assert eng.kv.pool.num_used == 0 and index.num_pinned == 0
+    assert eng.kv_manager.pool.num_used == 0 and index.num_pinned == 0
     assert all(e.ready for e in index.entries.values())  # nothing in flight after the drain
     assert_solo_outputs(solo, added, done, aborted)
 
@@ -188,8 +188,8 @@ def test_tier_counters_reach_stats_and_prometheus(tiny_llm_factory):
 def test_copy_blocks_moves_whole_pages_byte_for_byte_and_nothing_else():
     import torch
 
-    from pagedkv.attention.kernel import load_kernel
-    from pagedkv.attention.dispatch import copy_pages
+    from pagedkv.kernels.cpu.library import load_kernel
+    from pagedkv.kernels.cpu.ops import copy_pages
 
     load_kernel()
     torch.manual_seed(0)
@@ -217,7 +217,8 @@ def test_the_planner_sizes_the_tiers_as_the_engine_does(tiny_llm_factory, tiny_m
     s = llm.engine.stats().kv_offload
     p = plan(model=str(tiny_model_dir / "config.json"), kv_cache_dtype="float32", kv_offload_memory="1MiB",
              kv_offload_disk_size="5MiB")
-    assert (p.offload_cpu_blocks, p.offload_disk_blocks) == (s["capacity_blocks"], s["disk_capacity_blocks"]) == (128, 320)
+    assert (p.offload_cpu_blocks, p.offload_disk_blocks) == (s["capacity_blocks"], s["disk_capacity_blocks"])
+    assert (p.offload_cpu_blocks, p.offload_disk_blocks) == (128, 320)
     assert p.offload_cpu_tokens == 128 * 16 and p.offload_cpu_block_load_seconds is None  # no device: sizes only
     gpu = plan(model=str(tiny_model_dir / "config.json"), gpu="h100-sxm", kv_cache_dtype="float32",
                kv_offload_memory="1MiB", kv_offload_disk_size="5MiB")

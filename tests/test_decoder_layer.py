@@ -1,15 +1,16 @@
 """The one-call decoder layer and the one-call stack of layers (``csrc/decoder_layer.cpp``,
-issue 17 item 4): on the default GGUF model (Q4_1/Q8_0 blocks with fp32 or int8 activations,
-or int8 weights; fp32, fp16 or bf16 pages, written by the layer's own C++ copy) they compute exactly what the per-op path does:
-the same tokens and bit-identical log-probs, through prefill chunks, decode batches and
-prefix hits; it steps aside where it does not apply (quantized pages, reference mode)."""
+issue 17 item 4): on the default GGUF model (Q4_1/Q8_0 blocks with fp32 or int8 activations, or
+int8 weights; fp32, fp16 or bf16 pages, written by the layer's own C++ copy) they compute
+exactly what the per-op path does: the same tokens and bit-identical log-probs, through prefill
+chunks, decode batches and prefix hits; it steps aside where it does not apply (quantized
+pages, reference mode)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedkv import SamplingParams
-from pagedkv.attention.kernel import load_kernel
+from pagedkv.kernels.cpu.library import load_kernel
 
 PROMPTS = ["Tell me about dragons.", "What is 2 + 2? Explain it in detail, step by step.",
            "Write a haiku about the sea." * 6]
@@ -45,7 +46,7 @@ def _run(llm, mode: str):
 def test_the_fused_layer_and_stack_are_bit_identical_to_the_per_op_path(engines, kv, monkeypatch):
     llm = engines[kv]
     model = llm.engine.model
-    assert model.fused_op(llm.engine.parts.storage) is not None  # it is the path taken
+    assert model.fused_op(llm.engine.parts.kv_cache) is not None  # it is the path taken
     calls = []
     stack = model._forward_stack
     monkeypatch.setattr(model, "_forward_stack", lambda *a: calls.append(1) or stack(*a))
@@ -59,7 +60,7 @@ def test_the_fused_layer_and_stack_are_bit_identical_to_the_per_op_path(engines,
 
 def test_the_stack_steps_aside_for_connectors_and_several_kv_groups(engines):
     model = engines["auto"].engine.model
-    fused = model.fused_op(engines["auto"].engine.parts.storage)
+    fused = model.fused_op(engines["auto"].engine.parts.kv_cache)
     a, b = object(), object()
     layers = len(model.layers)
     assert model.stack_op(fused, [a] * layers, None) is not None
@@ -70,10 +71,10 @@ def test_the_stack_steps_aside_for_connectors_and_several_kv_groups(engines):
 
 def test_it_steps_aside_for_quantized_pages_and_reference_mode(engines, monkeypatch):
     llm = engines["int8"]
-    assert llm.engine.model.fused_op(llm.engine.parts.storage) is None
+    assert llm.engine.model.fused_op(llm.engine.parts.kv_cache) is None
     auto = engines["auto"]
     monkeypatch.setenv("PAGEDKV_ATTENTION", "reference")
-    assert auto.engine.model.fused_op(auto.engine.parts.storage) is None
+    assert auto.engine.model.fused_op(auto.engine.parts.kv_cache) is None
 
 
 def test_the_stack_is_bit_identical_with_windows_and_sinks(default_model_files):
@@ -84,7 +85,7 @@ def test_the_stack_is_bit_identical_with_windows_and_sinks(default_model_files):
     llm = LLM(num_blocks=96, max_num_batched_tokens=24, kv_eviction="streaming", kv_window_tokens=32,
               num_sink_tokens=4)
     model = llm.engine.model
-    fused_op = model.fused_op(llm.engine.parts.storage)
+    fused_op = model.fused_op(llm.engine.parts.kv_cache)
     assert model.layers[0].window == 32 and model.stack_op(fused_op, [None] * len(model.layers), None) is not None
     fused = _run(llm, "stack")
     assert _run(llm, "per-op") == fused and _run(llm, "layer") == fused
@@ -117,6 +118,7 @@ def test_the_stack_checks_every_layer_and_that_every_row_has_a_sequence(default_
     validates block tables once a step, windows and sinks on every layer), and rows that no
     sequence covers are refused instead of reading a reused buffer's stale values."""
     import torch
+
     from pagedkv import LLM
 
     llm = LLM(num_blocks=64, kv_eviction="streaming", kv_window_tokens=32, num_sink_tokens=4)

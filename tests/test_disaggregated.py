@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pagedkv import SamplingParams
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 
 PORTS = itertools.count(14700)
@@ -74,7 +74,7 @@ def prompt_of(n: int, base: int = 1000) -> dict:
 
 
 def all_free(*engines) -> bool:
-    return all(e.kv.pool.num_used == 0 for e in engines)
+    return all(e.kv_manager.pool.num_used == 0 for e in engines)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_aborted_prefill_keeps_nothing(tiny_model_dir):
         p.add_request(prompt_of(200, base=9000), SamplingParams(
             max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t"}), "r")
         p.step()  # a first chunk of 64 tokens
-        assert p.kv.pool.num_used == 4
+        assert p.kv_manager.pool.num_used == 4
         p.abort_request("r")
         assert not p.has_unfinished_requests() and all_free(p)
     finally:
@@ -240,8 +240,8 @@ def test_a_kv_port_held_by_another_service_is_named_and_retried_slowly():
     import socket
     import threading
 
-    from pagedkv.distributed import kv_link
-    from pagedkv.distributed.kv_transfer_config import KVTransferConfig
+    from pagedkv.config.kv_transfer import KVTransferConfig
+    from pagedkv.connectors.pd import kv_link
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

@@ -74,8 +74,8 @@ def text_of(r: httpx.Response) -> str:
 
 def wait_free(engine, timeout: float) -> float:
     t0 = time.monotonic()
-    while engine.kv.pool.num_used:
-        assert time.monotonic() - t0 < timeout, f"{engine.kv.pool.num_used} pages still held"
+    while engine.kv_manager.pool.num_used:
+        assert time.monotonic() - t0 < timeout, f"{engine.kv_manager.pool.num_used} pages still held"
         time.sleep(0.05)
     return time.monotonic() - t0
 
@@ -129,7 +129,7 @@ def test_a_killed_decode_process_frees_the_producer_and_the_client_gets_an_error
             assert time.monotonic() < deadline
             time.sleep(0.1)
         leg = complete(p_srv.url, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "k"})
-        assert leg.status_code == 200 and prefill.kv.pool.num_used > 0  # leased for the decode instance
+        assert leg.status_code == 200 and prefill.kv_manager.pool.num_used > 0  # leased for the decode instance
         decode.send_signal(signal.SIGKILL)
         decode.wait(10)
         assert wait_free(prefill, 5) < 3  # the lost link ends every lease at once, not after kv_lease_s
@@ -156,7 +156,7 @@ def test_proxy_passes_a_refused_prefill_leg_back(tiny_model_dir):
         assert r.json()["error"]["param"] == "model"
         r = httpx.post(proxy.url + "/v1/completions", content=b"[1, 2]", timeout=30)
         assert r.status_code == 400
-        assert prefill.kv.pool.num_used == 0 and decode.kv.pool.num_used == 0
+        assert prefill.kv_manager.pool.num_used == 0 and decode.kv_manager.pool.num_used == 0
     finally:
         for s in (proxy, d_srv, p_srv):
             s.stop()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedkv import SamplingParams
-from pagedkv.kv.disk_tier import RecordError, decode, encode
+from pagedkv.connectors.offload.disk_records import RecordError, decode, encode
 from pagedkv.kv.hashing import ROOT_HASH
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -136,7 +136,7 @@ def test_one_engine_per_directory_and_unwritable_directories_fail_at_start(tiny_
 
 
 def test_a_full_disk_stops_disk_writes_not_the_engine(tiny_llm_factory, tmp_path, monkeypatch):
-    import pagedkv.kv.disk_tier as disk_tier
+    import pagedkv.connectors.offload.disk_records as disk_tier
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -170,7 +170,8 @@ def test_saving_a_block_never_evicts_the_parent_it_chains_from(tiny_llm_factory)
         llm = tiny_llm_factory(num_blocks=16, batch_invariant=True, kv_offload_memory=8192, kv_offload_policy=policy)
         ids = _prompt(20)
         params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=2)
-        got, want = llm.generate([{"prompt_token_ids": ids}], params)[0], ref.generate([{"prompt_token_ids": ids}], params)[0]
+        prompt = [{"prompt_token_ids": ids}]
+        got, want = llm.generate(prompt, params)[0], ref.generate(prompt, params)[0]
         assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
         llm.engine.scheduler.connector.check_invariants()
 
@@ -250,7 +251,7 @@ def test_records_are_owner_only_and_the_server_names_its_tiers(tiny_llm_factory,
 def test_no_step_waits_for_a_disk_write_and_close_finishes_them(tiny_llm_factory, tmp_path, monkeypatch):
     import threading
 
-    from pagedkv.kv.disk_tier import DiskDirectory
+    from pagedkv.connectors.offload.disk_records import DiskDirectory
 
     gate, write = threading.Event(), DiskDirectory.write
 
@@ -274,7 +275,7 @@ def test_no_step_waits_for_a_disk_write_and_close_finishes_them(tiny_llm_factory
 
 
 def test_a_damaged_records_descendants_are_removed_with_it(tiny_llm_factory, tmp_path):
-    from pagedkv.kv.disk_tier import read_header
+    from pagedkv.connectors.offload.disk_records import read_header
 
     want = _records_of_prompt_40(tiny_llm_factory, tmp_path)
     heads = {f: read_header(f.read_bytes())[0] for f in tmp_path.glob("*.kvb")}

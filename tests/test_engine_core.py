@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.config import EngineConfig
-from pagedkv.engine.core import EngineCore
-from pagedkv.engine.request import Request
-from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.setup import build_parts
-from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedkv.config.engine import EngineConfig
+from pagedkv.core.build import build_scheduler
+from pagedkv.core.engine_core import EngineCore
+from pagedkv.core.request import Request
+from pagedkv.core.runner_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedkv.engine.parts import build_parts
 from pagedkv.kv.groups import FullAttentionSpec, KVCacheGroup
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.storage import KVCacheStorage
+from pagedkv.kv_cache.storage import KVCacheStorage
+from pagedkv.worker.model_runner import ModelRunner
 
 
 class VirtualClock:
@@ -56,7 +56,7 @@ def test_cost_model_runner_drives_a_whole_workload_on_a_virtual_clock():
     clock = VirtualClock()
     kv = KVCacheManager(num_blocks=12, block_size=4)
     runner = CostModelRunner(clock)
-    core = EngineCore(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64),
+    core = EngineCore(build_scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=16), kv, max_model_len=64),
                       runner, clock, debug_invariants=True)
     for i in range(10):
         core.add_request(Request(f"r{i}", list(range(10 * i, 10 * i + 5 + i)), SamplingParams(max_tokens=6),
@@ -78,10 +78,11 @@ def test_cost_model_runner_drives_a_whole_workload_on_a_virtual_clock():
 def _two_group_core(tiny_model_dir) -> EngineCore:
     parts = build_parts(EngineConfig(model=str(tiny_model_dir), num_blocks=32, batch_invariant=True))
     groups = (KVCacheGroup(FullAttentionSpec(16), (0,)), KVCacheGroup(FullAttentionSpec(16), (1,)))
-    kv = KVCacheManager(32, 16, True, parts.kv.extra_keys, groups)
-    storage = KVCacheStorage(parts.spec, kv.pool.num_pages)
+    kv = KVCacheManager(32, 16, True, parts.kv_manager.extra_keys, groups)
+    storage = KVCacheStorage(parts.kv_spec, kv.pool.num_pages)
     runner = ModelRunner(parts.model, storage, groups, torch.Generator().manual_seed(0))
-    return EngineCore(Scheduler(kv, 8, 24, parts.max_model_len, parts.eos_token_ids), runner,
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=24)
+    return EngineCore(build_scheduler(config, kv, parts.max_model_len, parts.eos_token_ids), runner,
                       debug_invariants=True)
 
 
@@ -102,5 +103,5 @@ def test_a_second_kv_group_gives_the_same_tokens_and_logprobs(tiny_model_dir):
                 got[o.request_id][1].extend(o.new_logprobs)
         for i, w in enumerate(want):
             assert got[f"r{i}"] == (w.token_ids, w.logprobs), f"prompt {i}, round {rounds}"
-    kv = core.scheduler.kv
+    kv = core.scheduler.kv_manager
     assert kv.prefix_hits > 0 and kv.usage().used == 0

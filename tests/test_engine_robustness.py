@@ -23,7 +23,7 @@ def test_bad_sampling_params_fail_at_construction(kwargs, field):
 
 def test_engine_keeps_working_after_a_failed_sample(tiny_llm_factory, monkeypatch):
     llm = tiny_llm_factory(num_blocks=16)
-    from pagedkv.engine import sampler
+    from pagedkv.worker import sampler
 
     real = sampler.sample_row
     monkeypatch.setattr(sampler, "sample_row", lambda *a: (_ for _ in ()).throw(ValueError("boom")))
@@ -41,7 +41,7 @@ def test_forward_failure_frees_the_step_and_engine_recovers(tiny_llm_factory, mo
     eng.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY)
     with pytest.raises(RuntimeError, match="kernel died"):
         eng.step()
-    assert not eng.has_unfinished_requests() and eng.kv.pool.num_used == 0
+    assert not eng.has_unfinished_requests() and eng.kv_manager.pool.num_used == 0
     monkeypatch.undo()
     assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)[0].token_ids) == 3
 
@@ -51,7 +51,7 @@ def test_generate_rolls_back_on_any_bad_prompt(tiny_llm_factory):
     for bad in [{"prompt_token_ids": None}, {"prompt_token_ids": 5}, {"prompt_token_ids": ["a"]}, 42]:
         with pytest.raises(ValueError, match="prompt 1:"):
             llm.generate([{"prompt_token_ids": [1, 2]}, bad], GREEDY)
-        assert not llm.engine.requests and llm.engine.kv.pool.num_used == 0
+        assert not llm.engine.requests and llm.engine.kv_manager.pool.num_used == 0
     with pytest.raises(ValueError, match="prompt 0: sampling params"):
         llm.generate(["hi"], ["greedy"])
 

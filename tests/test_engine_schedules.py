@@ -10,6 +10,7 @@ from schedules import OPS, run_schedule, solo_tokens
 
 from pagedkv import SamplingParams
 
+
 @pytest.fixture(scope="module")
 def engines(tiny_llm_factory):
     # 6 blocks of 16 = 96 slots; max_model_len 64 keeps every request admissible alone.
@@ -21,8 +22,8 @@ def engines(tiny_llm_factory):
 @given(OPS)
 def test_random_schedules_keep_invariants(engines, schedule):
     eng, solo = engines["tight"], engines["solo"]
-    added, done, aborted = run_schedule(eng, schedule, lambda e: e.kv.check_invariants())
-    assert eng.kv.pool.num_used == 0 and not eng.kv.block_tables
+    added, done, aborted = run_schedule(eng, schedule, lambda e: e.kv_manager.check_invariants())
+    assert eng.kv_manager.pool.num_used == 0 and not eng.kv_manager.block_tables
     for rid, (ids, n) in added.items():
         if rid not in aborted:
             assert done[rid] == solo_tokens(solo, ids, n), f"{rid} differs from its solo run"
@@ -33,7 +34,9 @@ def test_rejects_what_can_never_fit_while_others_complete(tiny_llm_factory):
     eng = llm.engine
     assert eng.max_model_len == 64
     ok = eng.add_request({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=8, temperature=0))
-    with pytest.raises(ValueError, match=r"= 68 exceeds max_model_len \(64, the most one request can hold in the whole KV cache: 4 blocks of 16 tokens\)"):
+    with pytest.raises(ValueError,
+                       match=r"= 68 exceeds max_model_len \(64, the most one request can hold in the whole KV "
+                             r"cache: 4 blocks of 16 tokens\)"):
         eng.add_request({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match=r"prompt of 200 tokens leaves no room"):
         eng.add_request({"prompt_token_ids": list(range(200))}, SamplingParams(max_tokens=1))
@@ -47,7 +50,7 @@ def test_rejects_what_can_never_fit_while_others_complete(tiny_llm_factory):
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     assert [o.request_id for o in outs] == [ok.request_id] and len(outs[0].token_ids) >= 1
-    assert eng.stats().num_rejected == 5 and eng.kv.pool.num_used == 0
+    assert eng.stats().num_rejected == 5 and eng.kv_manager.pool.num_used == 0
 
 
 def test_explicit_max_model_len_over_the_cache_rejects_per_request(tiny_llm_factory):
@@ -59,35 +62,35 @@ def test_explicit_max_model_len_over_the_cache_rejects_per_request(tiny_llm_fact
     ok = eng.add_request({"prompt_token_ids": list(range(40))}, SamplingParams(max_tokens=20, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
-    assert len(ok.output_token_ids) == 20 and eng.kv.pool.num_used == 0
+    assert len(ok.output_token_ids) == 20 and eng.kv_manager.pool.num_used == 0
 
 
 def test_generate_rejects_bad_prompt_before_running_any(tiny_llm_factory):
     llm = tiny_llm_factory(num_blocks=4)
     with pytest.raises(ValueError, match="prompt 1:"):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": list(range(300))}])
-    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.pool.num_used == 0
 
 
 def test_abort_frees_blocks_and_reports_abort(tiny_llm_factory):
     eng = tiny_llm_factory(num_blocks=8).engine
     r = eng.add_request({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=50, ignore_eos=True))
     eng.step()
-    assert eng.kv.pool.num_used == 3
+    assert eng.kv_manager.pool.num_used == 3
     out = eng.abort_request(r.request_id)
     assert out.finish_reason == "abort" and out.finished
-    assert eng.kv.pool.num_used == 0 and not eng.has_unfinished_requests()
+    assert eng.kv_manager.pool.num_used == 0 and not eng.has_unfinished_requests()
 
 
 def test_contiguous_allocator_reserves_prompt_plus_max_tokens(tiny_llm_factory):
     eng = tiny_llm_factory(num_blocks=16, kv_allocator="contiguous").engine
     eng.add_request({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=50, ignore_eos=True))
     eng.step()
-    assert len(eng.kv.block_tables["req-0"]) == 5  # ceil((20 + 50) / 16) at admission
-    alloc, filled = eng.kv.slot_usage({"req-0": eng.requests["req-0"].num_computed_tokens})
+    assert len(eng.kv_manager.block_tables["req-0"]) == 5  # ceil((20 + 50) / 16) at admission
+    alloc, filled = eng.kv_manager.slot_usage({"req-0": eng.requests["req-0"].num_computed_tokens})
     assert (alloc, filled) == (80, 20)
     paged = tiny_llm_factory(num_blocks=16).engine
     paged.add_request({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=50, ignore_eos=True))
     paged.step()
-    assert len(paged.kv.block_tables["req-0"]) == 2
-    assert paged.kv.slot_usage({"req-0": 20}) == (32, 20)
+    assert len(paged.kv_manager.block_tables["req-0"]) == 2
+    assert paged.kv_manager.slot_usage({"req-0": 20}) == (32, 20)

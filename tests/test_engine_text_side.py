@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pagedkv import SamplingParams
-from pagedkv.engine.core_io import EngineCoreOutput
+from pagedkv.core.core_output import EngineCoreOutput
 from pagedkv.engine.outputs import TextRequest
-from pagedkv.engine.sampler import sample
+from pagedkv.worker.sampler import sample
 
 
 def _run(engine, prompt, params, rid=None) -> object:
@@ -24,7 +24,6 @@ def test_a_failed_step_is_reported_and_a_reused_seeded_id_starts_fresh(tiny_llm_
     engine = tiny_llm_factory().engine
     seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=123)
     ref = _run(engine, "Hello world", seeded, "A").token_ids
-    real = engine.runner.execute
     engine.runner.execute = lambda out: (_ for _ in ()).throw(RuntimeError("boom"))
     engine.add_request("other", SamplingParams(max_tokens=2), request_id="B")
     with pytest.raises(RuntimeError, match="boom"):
@@ -34,7 +33,7 @@ def test_a_failed_step_is_reported_and_a_reused_seeded_id_starts_fresh(tiny_llm_
     assert failed.finish_reason == "abort" and "RuntimeError: boom" in failed.error
     assert _run(engine, "Hello world", seeded, "A").token_ids == ref
     engine.step()  # an idle step still tells the runner which requests ended
-    assert engine.runner.generators == {} and engine.runner.requests == {} and engine.kv.usage().used == 0
+    assert engine.runner.generators == {} and engine.runner.requests == {} and engine.kv_manager.usage().used == 0
 
 
 @pytest.mark.parametrize("rid", [5, "", ("t",)])

@@ -22,7 +22,7 @@ def tok(default_model_files):
 
 @pytest.fixture(scope="module")
 def text_ids(tok):
-    from pagedkv.bench.workloads import data_path
+    from pagedkv.data import data_path
 
     return tok(data_path("monte_cristo_ch01-08.txt").read_text(encoding="utf-8")[:40000],
                add_special_tokens=False).input_ids

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_hf_folder
 
-from pagedkv.attention.paged import AttentionMetadata, SeqAttention
+from pagedkv.attention.metadata import AttentionMetadata, SeqAttention
 from pagedkv.kv.spec import KVCacheSpec
-from pagedkv.kv.storage import KVCacheStorage
+from pagedkv.kv_cache.storage import KVCacheStorage
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import load_model_config, load_state_dict
-
-from conftest import make_hf_folder
 
 BLOCK = 16
 TOL = 1e-4
@@ -71,9 +70,8 @@ def test_tiny_random_llama_matches_hf(tmp_path, overrides):
 
 
 def test_qwen2_style_attention_bias_matches_hf(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from conftest import TINY_CONFIG
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(5)
     model = Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG)).float()

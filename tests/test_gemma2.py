@@ -12,12 +12,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import TINY_CONFIG
+from test_forward_vs_hf import BLOCK, paged_logits
 
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import load_model_config, load_state_dict
-
-from conftest import TINY_CONFIG
-from test_forward_vs_hf import BLOCK, paged_logits
 
 WINDOW = 12
 TOL = 2e-4
@@ -114,14 +113,14 @@ def test_window_and_full_layers_get_two_groups_sharing_pages(gemma2_dir):
 
     llm = LLM(model=str(gemma2_dir), kv_cache_memory="1MiB", block_size=4)
     parts = llm.engine.parts
-    assert [g.layer_ids for g in llm.engine.kv.kv_groups] == [(0, 2), (1, 3)]
-    assert parts.storage.layer_slots == (0, 0, 1, 1) and parts.spec.page_layers == 2
-    assert parts.storage.k[0] is parts.storage.k[1] and parts.storage.k[0] is not parts.storage.k[2]
-    assert llm.engine.stats().kv_bytes_per_token == parts.spec.bytes_per_token  # every layer's, as plan/info say
+    assert [g.layer_ids for g in llm.engine.kv_manager.kv_groups] == [(0, 2), (1, 3)]
+    assert parts.kv_cache.layer_slots == (0, 0, 1, 1) and parts.kv_spec.page_layers == 2
+    assert parts.kv_cache.k[0] is parts.kv_cache.k[1] and parts.kv_cache.k[0] is not parts.kv_cache.k[2]
+    assert llm.engine.stats().kv_bytes_per_token == parts.kv_spec.bytes_per_token  # every layer's, as plan/info say
     single = LLM(model=str(gemma2_dir), kv_cache_memory="1MiB", block_size=4, kv_offload_memory="1MiB")
-    assert len(single.engine.kv.kv_groups) == 1  # a tier copies whole tables: one group, every page
-    assert parts.storage.nbytes <= 2**20 and single.engine.parts.storage.nbytes <= 2**20
-    assert llm.engine.kv.pool.num_blocks >= 2 * single.engine.kv.pool.num_blocks - 1
+    assert len(single.engine.kv_manager.kv_groups) == 1  # a tier copies whole tables: one group, every page
+    assert parts.kv_cache.nbytes <= 2**20 and single.engine.parts.kv_cache.nbytes <= 2**20
+    assert llm.engine.kv_manager.pool.num_blocks >= 2 * single.engine.kv_manager.pool.num_blocks - 1
 
 
 def test_hybrid_pages_hold_the_planners_bytes_and_give_tokens_like_hf(gemma2_dir):
@@ -136,9 +135,9 @@ def test_hybrid_pages_hold_the_planners_bytes_and_give_tokens_like_hf(gemma2_dir
               enable_prefix_caching=False)
     eng, held = llm.engine, []
     step = eng.step
-    eng.step = lambda: (held.append(eng.kv.usage().used), step())[1]
+    eng.step = lambda: (held.append(eng.kv_manager.usage().used), step())[1]
     got = llm.generate([{"prompt_token_ids": ids}], params)[0].token_ids
-    spec = eng.parts.spec
+    spec = eng.parts.kv_spec
     total = len(ids) + 20 - 1  # the last sampled token is never written
     assert max(held) * spec.page_size_bytes == spec.paged_bytes_for_tokens(total)
     assert eng.stats().blocks_freed_by_window > 0
@@ -207,7 +206,7 @@ def test_max_model_len_is_what_both_groups_hold_at_once(gemma2_dir):
     from pagedkv import LLM, SamplingParams
 
     llm = LLM(model=str(gemma2_dir), block_size=4, num_blocks=40)
-    kv = llm.engine.kv
+    kv = llm.engine.kv_manager
     assert llm.engine.max_model_len == 80  # 20 full-group + 20 window-group pages of 4 tokens
     assert kv.peak_blocks(80, 2048) <= 40 < kv.peak_blocks(81, 2048)
     out = llm.generate([{"prompt_token_ids": list(range(500, 531))}],
@@ -223,8 +222,9 @@ def test_a_gemma2_draft_keeps_whole_layer_pages_within_the_budget(gemma2_dir):
     llm = LLM(model=str(gemma2_dir), kv_cache_memory="1MiB", block_size=4,
               speculative_config={"model": str(gemma2_dir), "num_speculative_tokens": 2})
     parts = llm.engine.parts
-    assert len(llm.engine.kv.kv_groups) == 1 and parts.spec.page_layers == 0 and parts.draft.spec.page_layers == 0
-    assert parts.storage.nbytes <= 2**20
+    assert len(llm.engine.kv_manager.kv_groups) == 1
+    assert parts.kv_spec.page_layers == 0 and parts.draft.kv_spec.page_layers == 0
+    assert parts.kv_cache.nbytes <= 2**20
 
 
 def test_streaming_leaves_the_models_own_windows_alone(gemma2_dir):

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pagedkv.model.llama import LlamaModel
-from pagedkv.model.loader import load_model_config, load_state_dict
-
 from conftest import TINY_CONFIG
 from test_forward_vs_hf import BLOCK, paged_logits
 from test_gemma2 import hf_greedy, hf_model
 from test_sliding_window import save_random
+
+from pagedkv.model.llama import LlamaModel
+from pagedkv.model.loader import load_model_config, load_state_dict
 
 WINDOW = 12
 TOL = 2e-4
@@ -51,8 +50,8 @@ def test_the_config_reads_gemma3s_extras(gemma3_dir):
     cfg = load_model_config(gemma3_dir)
     assert cfg.layer_windows == (WINDOW,) * 5 + (None,) + (WINDOW,) * 2
     assert cfg.qk_norm and cfg.sandwich_norms and cfg.hidden_act == "gelu_pytorch_tanh"
-    assert (cfg.rope_theta, cfg.rope_scaling["factor"], cfg.local_rope_theta, cfg.local_rope_scaling) == (1e6, 4.0, 10.0,
-                                                                                                          None)
+    ropes = (cfg.rope_theta, cfg.rope_scaling["factor"], cfg.local_rope_theta, cfg.local_rope_scaling)
+    assert ropes == (1e6, 4.0, 10.0, None)
     assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
     assert cfg.attention_scale == 24 ** -0.5 and cfg.embedding_multiplier == 64 ** 0.5
 
@@ -117,8 +116,13 @@ def test_qwen3_matches_hf(tmp_path, default_model_files):
 
 def test_gemma3_1b_layers_cut_into_equal_groups():
     """22 window and 4 full layers: groups of gcd(22, 4) = 2 layers, in model order."""
-    from pagedkv.kv.groups import FullAttentionSpec, SlidingWindowSpec, group_layers, hybrid_page_layers, \
-        shared_page_slots
+    from pagedkv.kv.groups import (
+        FullAttentionSpec,
+        SlidingWindowSpec,
+        group_layers,
+        hybrid_page_layers,
+        shared_page_slots,
+    )
     from pagedkv.planner.models import load_model
 
     windows = load_model("gemma-3-1b").layer_windows
@@ -146,12 +150,12 @@ def test_five_to_one_pages_hold_the_planners_bytes_and_give_hfs_tokens(gemma3_di
     llm = LLM(model=str(gemma3_dir), num_blocks=90, block_size=4, max_num_batched_tokens=8,
               enable_prefix_caching=False)
     eng, held = llm.engine, []
-    assert [g.layer_ids for g in eng.kv.kv_groups] == [(i,) for i in range(8)]
-    assert eng.parts.storage.layer_slots == (0,) * 8 and eng.parts.spec.page_layers == 1
+    assert [g.layer_ids for g in eng.kv_manager.kv_groups] == [(i,) for i in range(8)]
+    assert eng.parts.kv_cache.layer_slots == (0,) * 8 and eng.parts.kv_spec.page_layers == 1
     step = eng.step
-    eng.step = lambda: (held.append(eng.kv.usage().used), step())[1]
+    eng.step = lambda: (held.append(eng.kv_manager.usage().used), step())[1]
     got = llm.generate([{"prompt_token_ids": ids}], params)[0].token_ids
-    spec = eng.parts.spec
+    spec = eng.parts.kv_spec
     decoding = held[-(20 - 2):]  # (60 prompt tokens in 8-token chunks, then 20 decode steps)
     assert max(decoding) * spec.page_size_bytes == spec.paged_bytes_for_tokens(len(ids) + 20 - 1)
     assert max(decoding) < spec.blocks_for_tokens(len(ids) + 20) * 8 / 3  # vs every layer holding every token
@@ -183,7 +187,7 @@ def test_many_groups_under_prefix_hits_and_preemption_match_a_roomy_engine(gemma
 
     def step_and_check_slot_usage():  # the fast slot_usage against its per-slot definition, on real tables
         out = step()
-        kv, written = eng.kv, {r.request_id: r.num_computed_tokens for r in eng.scheduler.running}
+        kv, written = eng.kv_manager, {r.request_id: r.num_computed_tokens for r in eng.scheduler.running}
         want = _slot_usage_by_slot([g.block_tables for g in kv.groups], written, 4, kv.pool.null_block)
         assert kv.slot_usage(written) == want
         checked.append(want[0] > 0)
@@ -215,10 +219,10 @@ def test_the_planner_counts_every_page_where_the_engine_keeps_one_group(gemma3_d
     llm = LLM(model=str(gemma3_dir), block_size=4, num_blocks=64, kv_offload_memory="1MiB")
     eng, held = llm.engine, []
     step = eng.step
-    eng.step = lambda: (held.append(eng.kv.usage().used), step())[1]
+    eng.step = lambda: (held.append(eng.kv_manager.usage().used), step())[1]
     llm.generate([{"prompt_token_ids": list(range(2000, 2060))}],
                  SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    assert max(held) * eng.parts.spec.page_size_bytes == tier.paged_bytes_per_request_per_device
+    assert max(held) * eng.parts.kv_spec.page_size_bytes == tier.paged_bytes_per_request_per_device
 
 
 def test_hybrid_limits_name_the_cache(gemma3_dir):

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import assert_engine_batch_invariant, assert_rows_invariant
 
 from pagedkv import EngineConfig, SamplingParams

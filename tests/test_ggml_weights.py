@@ -12,15 +12,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import assert_rows_invariant
+from test_forward_vs_hf import BLOCK, paged_logits
 
 from pagedkv import SamplingParams
 from pagedkv.model.ggml_weights import FORMATS, Q4_1, Q8_0, GGMLWeight
-from pagedkv.model.llama import LlamaModel
+from pagedkv.model.llama import LlamaModel, ModelSettings
 from pagedkv.model.loader import load_model_config, load_state_dict
-
-from conftest import assert_rows_invariant
-from test_forward_vs_hf import BLOCK, paged_logits
 
 FMTS = pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 
@@ -114,7 +112,7 @@ def test_int4_model_matches_hf_on_the_same_dequantized_weights(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     cfg = load_model_config(tiny_model_dir)
-    model = LlamaModel(cfg, load_state_dict(tiny_model_dir), weight_dtype="int4")
+    model = LlamaModel(cfg, load_state_dict(tiny_model_dir), ModelSettings(weight_dtype="int4"))
     assert model.layers[0].gate_up.format == "Q4_1" and model.lm_head.format == "Q8_0"
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -194,7 +192,8 @@ def test_the_blocks_are_cached_beside_the_conversion_and_a_bad_cache_is_reparsed
         assert cached[name].qtype == parsed[name].qtype and torch.equal(cached[name].packed, parsed[name].packed)
     (tmp_path / BLOCKS_FILE).write_bytes(b"\x00garbage")
     again = read_blocks(default_model_files.gguf_path, tmp_path)
-    assert torch.equal(again["model.layers.0.mlp.up_proj.weight"].packed, parsed["model.layers.0.mlp.up_proj.weight"].packed)
+    assert torch.equal(again["model.layers.0.mlp.up_proj.weight"].packed,
+                       parsed["model.layers.0.mlp.up_proj.weight"].packed)
 
 
 def test_the_fp32_copies_of_kept_blocks_are_never_loaded(default_model_files):
@@ -223,4 +222,4 @@ def test_int4_on_widths_that_are_not_multiples_of_32_names_the_layer(tmp_path, d
     folder = make_hf_folder(tmp_path / "w48", tokenizer_from=default_model_files.folder, hidden_size=48,
                             num_attention_heads=3, num_key_value_heads=1)
     with pytest.raises(ValueError, match=r"int4: model\.layers\.0\.self_attn\.q_proj\.weight: .*multiple of 32"):
-        LlamaModel(load_model_config(folder), load_state_dict(folder), weight_dtype="int4")
+        LlamaModel(load_model_config(folder), load_state_dict(folder), ModelSettings(weight_dtype="int4"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine.eviction_scores import select_tokens
+from pagedkv.worker.eviction_scores import select_tokens
 
 H2O = dict(kv_eviction="h2o", kv_budget_tokens=24, num_sink_tokens=2, kv_window_tokens=8, block_size=4,
            num_blocks=96, max_num_batched_tokens=16)
@@ -69,7 +69,7 @@ def test_h2o_matches_the_recipe_on_hf(tiny_model_dir, prompt_len):
     applied = [(last, k) for last, k in kept if last < prompt_len + 28]
     sizes = [(prompt_len if i == 0 and prompt_len > 24 else 28) - 24 for i in range(len(applied))]
     assert llm.engine.stats().tokens_evicted == sum(sizes)
-    assert llm.engine.kv.usage().used == 0
+    assert llm.engine.kv_manager.usage().used == 0
 
 
 def test_h2o_holds_a_bounded_number_of_pages_while_decoding(tiny_model_dir):
@@ -80,7 +80,7 @@ def test_h2o_holds_a_bounded_number_of_pages_while_decoding(tiny_model_dir):
     held = []
     while eng.has_unfinished_requests():
         eng.step()
-        held.append(len(eng.kv.get_block_ids("r")[0]))
+        held.append(len(eng.kv_manager.get_block_ids("r")[0]))
     assert max(held) <= (24 + 4) // 4 + 1  # the budget, a block of growth, one being written
     # 139 tokens cached in all: a choice each time the cache reaches 28 (after 28, 32, ...
     # tokens), each compacted down to 24 when the request runs again (not after its last step)
@@ -93,7 +93,7 @@ def test_h2o_outputs_do_not_depend_on_batching_or_preemption(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), debug_invariants=True, **(H2O | {"num_blocks": 24}))
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == alone
-    assert llm.engine.stats().num_preemptions > 0 and llm.engine.kv.usage().used == 0
+    assert llm.engine.stats().num_preemptions > 0 and llm.engine.kv_manager.usage().used == 0
 
 
 def test_h2o_generates_past_the_whole_cache_in_its_bounded_pages(tiny_model_dir):

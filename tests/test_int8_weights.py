@@ -11,15 +11,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_rows_invariant
+from test_forward_vs_hf import BLOCK, paged_logits
 
 from pagedkv import SamplingParams
 from pagedkv.model.int8_weights import Int8Weight
-from pagedkv.model.llama import LlamaModel
+from pagedkv.model.llama import LlamaModel, ModelSettings
 from pagedkv.model.loader import load_model_config, load_state_dict
-
-from test_forward_vs_hf import BLOCK, paged_logits
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 40), (5, 48), (130, 64)],
@@ -67,7 +65,7 @@ def test_int8_model_matches_hf_on_the_same_dequantized_weights(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     cfg = load_model_config(tiny_model_dir)
-    model = LlamaModel(cfg, load_state_dict(tiny_model_dir), weight_dtype="int8")
+    model = LlamaModel(cfg, load_state_dict(tiny_model_dir), ModelSettings(weight_dtype="int8"))
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, mod in hf.named_modules():
@@ -108,7 +106,8 @@ def test_engine_and_planner_agree_on_int8_weight_bytes(default_model_files):
     and norms (0.7% here) and leaves out the fp32 embedding table it only looks rows up in."""
     from pagedkv.planner.plan import plan
 
-    model = LlamaModel(default_model_files.config, load_state_dict(default_model_files.folder), weight_dtype="int8")
+    model = LlamaModel(default_model_files.config, load_state_dict(default_model_files.folder),
+                       ModelSettings(weight_dtype="int8"))
     planned = plan(weight_dtype="int8").weight_bytes
     assert abs(model.weight_bytes / planned - 1) < 0.01
     assert abs(plan(weight_dtype="float32").weight_bytes / (4 * planned) - 1) < 1e-9

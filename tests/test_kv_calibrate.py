@@ -16,12 +16,12 @@ PROMPTS = [{"prompt_token_ids": list(range(200 + 37 * i, 230 + 41 * i))} for i i
 @pytest.mark.parametrize("gran", ["per-head", "per-tensor", "per-channel"])
 def test_scales_are_set_at_start_and_do_not_follow_requests(tiny_llm_factory, gran):
     llm = tiny_llm_factory(num_blocks=32, kv_cache_dtype="int8", kv_cache_scale=gran)
-    storage = llm.engine.parts.storage
+    storage = llm.engine.parts.kv_cache
     before = [s.clone() for s in storage.k_scale]
     assert all((s > 0).all() and not torch.equal(s, torch.ones_like(s)) for s in before)  # calibrated
     llm.generate([{"prompt_token_ids": [5]}], GREEDY)                   # a 1-token first request
     assert all(torch.equal(a, b) for a, b in zip(before, storage.k_scale))
-    again = tiny_llm_factory(num_blocks=6, kv_cache_dtype="int8", kv_cache_scale=gran).engine.parts.storage
+    again = tiny_llm_factory(num_blocks=6, kv_cache_dtype="int8", kv_cache_scale=gran).engine.parts.kv_cache
     assert all(torch.equal(a, b) for a, b in zip(before, again.k_scale))  # every run, every cache size
 
 
@@ -37,26 +37,26 @@ def test_static_scale_outputs_do_not_depend_on_the_first_request_or_batch(tiny_l
 
 
 def test_set_static_scales_refuses_token_scales(tiny_llm_factory):
-    storage = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8").engine.parts.storage
+    storage = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8").engine.parts.kv_cache
     with pytest.raises(ValueError, match="no static scales"):
         storage.set_static_scales(0, torch.ones(2, 2, 16), torch.ones(2, 2, 16))
 
 
 def test_eval_uses_the_engines_calibration(tiny_llm_factory):
     """attn-error computes static scales from the same text as the engine, whatever its window."""
-    from pagedkv.engine.calibrate import layer_kv
-    from pagedkv.kv import quant
-    from pagedkv.engine.setup import engine_calibration_ids
+    from pagedkv.kv_cache import quant
+    from pagedkv.model.load import engine_calibration_ids
+    from pagedkv.worker.kv_scales import layer_kv
 
     llm = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8", kv_cache_scale="per-channel", max_model_len=64)
     parts = llm.engine.parts
     cal = layer_kv(parts.model, engine_calibration_ids(llm.get_tokenizer(), parts.files.config))
     for i, (k, _) in enumerate(cal):
-        assert torch.equal(quant.compute_scales(k, "int8", "per-channel"), parts.storage.k_scale[i])
+        assert torch.equal(quant.compute_scales(k, "int8", "per-channel"), parts.kv_cache.k_scale[i])
 
 
 def test_reference_refuses_misshapen_scales():
-    from pagedkv.attention.paged import gather_pages
+    from pagedkv.attention.reference import gather_pages
 
     cache = torch.zeros(4, 16, 2, 8, dtype=torch.int8)
     table = torch.tensor([1, 0])

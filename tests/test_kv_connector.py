@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from pagedkv import SamplingParams
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
+from pagedkv.connectors.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
 from pagedkv.kv.hashing import encode_extra_keys, hash_blocks
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -34,7 +34,7 @@ class DictScheduler(KVConnectorScheduler):
         self.engine: LLMEngine | None = None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
-        bs, hashes = self.engine.kv.block_size, self.engine.kv.block_hashes(request)
+        bs, hashes = self.engine.kv_manager.block_size, self.engine.kv_manager.block_hashes(request)
         k = num_computed_tokens // bs
         while k < len(hashes) and hashes[k] in self.stored:
             k += 1
@@ -42,7 +42,7 @@ class DictScheduler(KVConnectorScheduler):
         return k * bs - num_computed_tokens
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
-        bs, hashes = self.engine.kv.block_size, self.engine.kv.block_hashes(request)
+        bs, hashes = self.engine.kv_manager.block_size, self.engine.kv_manager.block_hashes(request)
         first = self._local.pop(request.request_id, 0) // bs  # not asked: a prompt-logprobs request
         for k in range(first, first + num_external_tokens // bs):
             self._loads.append((block_ids[0][k], hashes[k]))
@@ -52,7 +52,6 @@ class DictScheduler(KVConnectorScheduler):
 
     def build_connector_meta(self, out) -> Meta:
         meta, self._loads = Meta(self._loads), []
-        kv, bs = self.engine.kv, self.engine.kv.block_size
         for new in out.scheduled_new_reqs:
             self._plan_saves(meta, new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
         c = out.scheduled_cached_reqs
@@ -61,7 +60,7 @@ class DictScheduler(KVConnectorScheduler):
         return meta
 
     def _plan_saves(self, meta: Meta, rid: str, start: int, n: int) -> None:
-        kv, req = self.engine.kv, self.engine.requests[rid]
+        kv, req = self.engine.kv_manager, self.engine.requests[rid]
         hashes, table = kv.block_hashes(req), kv.get_block_ids(rid)[0]
         for k in range(start // kv.block_size, (start + n) // kv.block_size):
             if hashes[k] not in self.stored:
@@ -133,14 +132,14 @@ def test_pages_loaded_by_the_connector_give_identical_outputs(tiny_model_dir, co
     again = run(engine)
     assert worker.events == ["load"] * 2 and again.num_cached_tokens == 32
     assert (again.token_ids, again.logprobs) == (cold.token_ids, cold.logprobs)
-    assert engine.kv.usage().used == 0
+    assert engine.kv_manager.usage().used == 0
 
 
 def test_a_failed_load_is_recomputed(tiny_model_dir, cold):
     engine, sched, worker = make(tiny_model_dir)
     run(engine)
     engine.reset_prefix_cache()
-    worker.corrupt = {hash_blocks(PROMPT, 16, encode_extra_keys(engine.kv.extra_keys))[1]}  # the 2nd page
+    worker.corrupt = {hash_blocks(PROMPT, 16, encode_extra_keys(engine.kv_manager.extra_keys))[1]}  # the 2nd page
     out = run(engine)
     assert engine.scheduler.num_kv_load_failures == 1
     assert (out.token_ids, out.logprobs) == (cold.token_ids, cold.logprobs)
@@ -149,12 +148,12 @@ def test_a_failed_load_is_recomputed(tiny_model_dir, cold):
 def test_delayed_free_holds_pages_until_the_worker_reports(tiny_model_dir, cold):
     engine, sched, worker = make(tiny_model_dir, delay_free=True)
     held = []
-    out = run(engine, on_step=lambda e: held.append((e.scheduler.num_delayed_free, e.kv.usage().used)))
+    out = run(engine, on_step=lambda e: held.append((e.scheduler.num_delayed_free, e.kv_manager.usage().used)))
     assert out.finish_reason == "length" and (out.token_ids, out.logprobs) == (cold.token_ids, cold.logprobs)
     i = next(i for i, (delayed, _) in enumerate(held) if delayed)
     assert held[i][1] > 0                 # finished, pages still held for the connector
     assert held[-1] == (0, 0)             # reported done on the next step, then freed
-    engine.kv.check_invariants()
+    engine.kv_manager.check_invariants()
 
 
 
@@ -200,5 +199,5 @@ def test_a_failed_load_does_not_shift_a_seeded_request(tiny_model_dir):
         return out.token_ids
 
     cold = go()
-    worker.corrupt = {hash_blocks(PROMPT, 16, encode_extra_keys(engine.kv.extra_keys))[1]}
+    worker.corrupt = {hash_blocks(PROMPT, 16, encode_extra_keys(engine.kv_manager.extra_keys))[1]}
     assert go() == cold and engine.scheduler.num_kv_load_failures == 1

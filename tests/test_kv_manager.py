@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedkv.kv.hashing import encode_extra_keys, hash_block, hash_blocks, ROOT_HASH
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.groups import FullAttentionSpec, KVCacheGroup
+from pagedkv.kv.hashing import ROOT_HASH, encode_extra_keys, hash_block, hash_blocks
 from pagedkv.kv.manager import NO_HIT, ComputedBlocks, KVCacheManager
 
 

@@ -6,13 +6,14 @@ and a key channel outlier costs per-channel scales less than per-token-head ones
 from __future__ import annotations
 
 import torch
+from test_attention_kernel import op  # noqa: F401  (the module-scoped kernel fixture)
 
 from pagedkv import SamplingParams
-from pagedkv.attention.paged import AttentionMetadata, SeqAttention, paged_attention_reference
-from pagedkv.kv import quant
+from pagedkv.attention.metadata import AttentionMetadata, SeqAttention
+from pagedkv.attention.reference import paged_attention_reference
 from pagedkv.kv.spec import KVCacheSpec
-from pagedkv.kv.storage import KVCacheStorage
-from test_attention_kernel import op  # noqa: F401  (the module-scoped kernel fixture)
+from pagedkv.kv_cache import quant
+from pagedkv.kv_cache.storage import KVCacheStorage
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -62,7 +63,7 @@ def test_engine_per_channel_is_calibrated_and_batch_invariant(tiny_llm_factory):
     make = lambda **kw: tiny_llm_factory(kv_cache_dtype="int8", kv_cache_scale="per-channel", **kw)  # noqa: E731
     solo = [make(num_blocks=32).generate([p], GREEDY)[0].token_ids for p in prompts]
     llm = make(num_blocks=6, max_num_batched_tokens=16)             # tight: preemption and chunking
-    st = llm.engine.parts.storage
+    st = llm.engine.parts.kv_cache
     assert not torch.equal(st.k_scale[0], torch.ones_like(st.k_scale[0]))  # calibrated at start
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == solo
     assert llm.stats().blocks_used == 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.kv import quant
-from pagedkv.kv.quant import MIN_SCALE, QMAX, compute_scales, dequantize, quantize, scale_view
+from pagedkv.kv_cache import quant
+from pagedkv.kv_cache.quant import MIN_SCALE, QMAX, compute_scales, dequantize, quantize, scale_view
 
 DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
 GRANS = ["per-token-head", "per-head", "per-tensor", "per-channel"]

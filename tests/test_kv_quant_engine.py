@@ -8,7 +8,7 @@ import torch
 
 from pagedkv import SamplingParams
 from pagedkv.kv.spec import KVCacheSpec
-from pagedkv.kv.storage import KVCacheStorage
+from pagedkv.kv_cache.storage import KVCacheStorage
 
 QUANT = ["int8", "fp8_e4m3", "fp8_e5m2"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -29,7 +29,7 @@ def test_written_pages_dequantize_close_to_input(dtype):
     k, v = torch.randn(6, 2, 16), torch.randn(6, 2, 16)
     slots = torch.tensor([13, 2, 7, 0, 9, 4])
     st.write(0, slots, k, v)
-    from pagedkv.attention.paged import gather_pages
+    from pagedkv.attention.reference import gather_pages
 
     layer = st.layer(0)
     table = torch.arange(4)
@@ -51,9 +51,9 @@ def test_quantized_engine_batch_and_preemption_match_solo(tiny_llm_factory, dtyp
 
 
 def test_prefix_key_separates_dtype_and_scale(tiny_llm_factory):
-    a = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8").engine.kv.extra_keys
-    b = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8", kv_cache_scale="per-head").engine.kv.extra_keys
-    c = tiny_llm_factory(num_blocks=8, kv_cache_dtype="fp8_e4m3").engine.kv.extra_keys
+    a = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8").engine.kv_manager.extra_keys
+    b = tiny_llm_factory(num_blocks=8, kv_cache_dtype="int8", kv_cache_scale="per-head").engine.kv_manager.extra_keys
+    c = tiny_llm_factory(num_blocks=8, kv_cache_dtype="fp8_e4m3").engine.kv_manager.extra_keys
     assert len({a, b, c}) == 3
     assert dict(a)["kv_dtype"] == "int8" and dict(b)["kv_scale"] == "per-head"
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedkv.attention.kernel import load_kernel
-from pagedkv.model.llama import rms_norm, silu_and_mul
+from pagedkv.kernels.cpu.library import load_kernel
+from pagedkv.model.layer_ops import rms_norm, silu_and_mul
 from pagedkv.model.rope import RotaryEmbedding
 
 
@@ -46,10 +46,12 @@ def test_silu_and_mul_at_the_edges_and_in_a_ragged_tail():
     silu(g) times a large up is still a normal number), zeros and infinities: fp64's values, or the same
     infinities and NaNs as torch's float32 silu; a row alone equals the row in the batch."""
     g = torch.tensor([[-100.0, -88.0, -20.0, -1.0, -0.0, 0.0, 1e-8, 0.5, 20.0, 88.0, 100.0, 3.0, -3.0],
-                      [float("inf"), float("-inf"), float("nan"), 1.0, -1.0, 2.0, -2.0, 4.0, -4.0, 8.0, -8.0, 9.0, -9.0],
+                      [float("inf"), float("-inf"), float("nan"), 1.0, -1.0, 2.0, -2.0, 4.0, -4.0, 8.0, -8.0, 9.0,
+                       -9.0],
                       [-87.4, -88.0, -88.0, -87.0, -88.5, -88.7, -86.0, -1.0, 1.0, -50.0, 50.0, -88.0, 0.0]])
     up = torch.cat([torch.linspace(-2, 2, 26).reshape(2, 13),  # then: silu(g) of ~1e-36 times a large up
-                    torch.tensor([[1e30, 1e38, float("inf"), 1e36, -1e38, 1e38, 1e35, 1.0, 1.0, 1e20, 1.0, -3e38, 1.0]])])
+                    torch.tensor([[1e30, 1e38, float("inf"), 1e36, -1e38, 1e38, 1e35, 1.0, 1.0, 1e20, 1.0, -3e38,
+                                   1.0]])])
     got = torch.ops.pagedkv.silu_and_mul(torch.cat([g, up], -1))
     ref = F.silu(g.double()) * up.double()
     finite = torch.isfinite(ref)
@@ -65,7 +67,7 @@ def test_rope_in_place_equals_the_composite_bit_for_bit(t):
     """On q/k heads viewed inside a fused qkv row (the model's layout: heads contiguous, rows strided)."""
     torch.manual_seed(t)
     rope = RotaryEmbedding(64, 4096, 10000.0, None)
-    cos, sin = rope.tables(torch.randint(0, 4096, (t,)))
+    cos, sin = rope.cos_sin(torch.randint(0, 4096, (t,)))
     qkv = torch.randn(t, 960)
     ref = RotaryEmbedding.rotate(qkv[:, :768].view(t, 12, 64), cos, sin)
     view = qkv[:, :768].view(t, 12, 64)
@@ -116,7 +118,7 @@ def test_greedy_argmax_is_torch_argmax(rows, vocab):
     """The one-pass greedy pick equals torch.argmax (first maximum on ties, first NaN, +inf,
     all -inf rows, tails past the last 128-float chunk) and flags non-finite picks; the
     sampler's helper gives the same on the kernel and in torch."""
-    from pagedkv.engine.sampler import greedy_picks
+    from pagedkv.worker.sampler import greedy_picks
 
     for x in _argmax_cases(rows, vocab):
         best, finite = torch.ops.pagedkv.greedy_argmax(x)

@@ -19,7 +19,7 @@ def test_an_exception_in_on_output_aborts_the_calls_other_requests(tiny_llm_fact
 
     with pytest.raises(KeyError):
         llm.generate(["short", "a much longer prompt here"], [SHORT, LONG], on_output=boom)
-    assert not llm.engine.requests and llm.engine.kv.usage().used == 0
+    assert not llm.engine.requests and llm.engine.kv_manager.usage().used == 0
     seen, steps = [], llm.engine.core.num_steps
     outs = llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                         on_output=seen.append)
@@ -48,7 +48,7 @@ def test_own_results_survive_more_than_a_thousand_other_endings(tiny_llm_factory
     outs = llm.run(ids, on_output=abort_the_rest)
     assert all(o is not None for o in outs) and len(outs) == 1100
     assert sum(o.finish_reason == "abort" for o in outs) >= 1090
-    assert llm.engine.kv.usage().used == 0
+    assert llm.engine.kv_manager.usage().used == 0
 
 
 def test_priority_policy_orders_admission(tiny_llm_factory):
@@ -103,7 +103,7 @@ def test_n_samples_per_prompt_are_n_seeded_requests_in_outputs(tiny_llm_factory)
     alone = [llm.generate(["hello there"], SamplingParams(max_tokens=5, temperature=1.0, seed=7 + j))[0]
              for j in range(3)]
     assert [c.token_ids for c in outs[0].outputs] == [a.token_ids for a in alone]
-    assert outs[0].token_ids == outs[0].outputs[0].token_ids and llm.engine.kv.usage().used == 0
+    assert outs[0].token_ids == outs[0].outputs[0].token_ids and llm.engine.kv_manager.usage().used == 0
     chats = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(n=2, max_tokens=3, temperature=0.0))
     assert len(chats) == 1 and [c.token_ids for c in chats[0].outputs][0] == chats[0].outputs[1].token_ids
     with pytest.raises(ValueError, match="n=2: LLMEngine.add_request runs one sample"):
@@ -120,4 +120,4 @@ def test_none_params_in_a_list_are_defaults_and_on_output_sees_each_choice_index
     seen = []
     llm.generate(["hello"], SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=3),
                  on_output=lambda o: seen.append(o.index))
-    assert sorted(seen) == [0, 1, 2] and llm.engine.kv.usage().used == 0
+    assert sorted(seen) == [0, 1, 2] and llm.engine.kv_manager.usage().used == 0

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from pagedkv.engine.setup import resolve_max_model_len
+from pagedkv.core.limits import resolve_max_model_len
 from pagedkv.model.config import for_engine
 from pagedkv.model.hf_config import parse
 from pagedkv.model.loader import load_model_config

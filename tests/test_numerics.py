@@ -77,7 +77,7 @@ def test_env_var_turns_it_on_for_every_engine(tiny_llm_factory, monkeypatch):
 
 def test_cli_flag_reaches_the_engine_config():
     from pagedkv.cli import build_parser, engine_kwargs
-    from pagedkv.config import EngineConfig
+    from pagedkv.config.engine import EngineConfig
 
     a = build_parser().parse_args(["generate", "--batch-invariant", "hi"])
     assert EngineConfig(**engine_kwargs(a)).batch_invariant is True

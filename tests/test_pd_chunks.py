@@ -1,4 +1,4 @@
-"""How a KV pull's pages travel (issue 16, `distributed/pd_chunks.py`): the chunk plan, and
+"""How a KV pull's pages travel (issue 16, `connectors/pd/chunks.py`): the chunk plan, and
 the three ways pages go (straight from cache to cache, gathered on the producer into a run
 received straight into the consumer's cache, staged at both ends), each token-identical to
 colocated decoding, with checksums that catch corruption on every path and a producer that
@@ -9,13 +9,11 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from pagedkv import SamplingParams
-from pagedkv.distributed import pd_chunks
-from pagedkv.distributed.pages import PageLayout
-from pagedkv.distributed.pd_chunks import plan_chunks, valid_plan
-
 from test_disaggregated import all_free, close, colocated, decode, drain, make_pair, prefill, prompt_of, reference  # noqa: F401
+
+from pagedkv.connectors.pd import chunks as pd_chunks
+from pagedkv.connectors.pd.chunks import plan_chunks, valid_plan
+from pagedkv.connectors.pd.pages import PageLayout
 
 
 class _Layout:  # what plan_chunks reads of a PageLayout
@@ -176,7 +174,7 @@ def test_refused_pulls_leave_nothing_posted_and_keep_the_link(tiny_model_dir, re
 
 
 def test_a_slow_producer_holds_the_decode_step_at_most_kv_timeout(tiny_model_dir, reference, monkeypatch):
-    from pagedkv.distributed.kv_link import KVLink
+    from pagedkv.connectors.pd.kv_link import KVLink
 
     monkeypatch.setattr(pd_chunks, "MIN_PIECE_BYTES", 1)  # many messages per pull
     send = KVLink.isend_raw

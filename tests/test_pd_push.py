@@ -11,10 +11,22 @@ from __future__ import annotations
 import time
 
 import pytest
+from test_disaggregated import (  # noqa: F401
+    _cfg,
+    all_free,
+    check_lengths,
+    close,
+    colocated,
+    decode,
+    drain,
+    make_pair,
+    prefill,
+    prompt_of,
+    reference,
+)
 
 from pagedkv import SamplingParams
-from pagedkv.config import EngineConfig
-from test_disaggregated import _cfg, all_free, check_lengths, close, colocated, decode, drain, make_pair, prefill, prompt_of, reference  # noqa: F401
+from pagedkv.config.engine import EngineConfig
 
 PUSH = {"kv_send_type": "PUT_ASYNC"}
 
@@ -48,16 +60,19 @@ def test_pushed_pages_give_the_colocated_output(tiny_model_dir, reference, prefi
         check_lengths(p, d, reference, (2, 15, 16, 17, 33, 200), f"push-{prefix_caching}", arrived)
         s = stats(d)
         assert s["pulls_ok"] == 0 and s["pulls_failed"] == 0  # every prompt came from the pushes
-        assert s["push_hits"] == (5 if prefix_caching else 6)  # (with prefix caching the 16-token prompt is a local hit)
+        # (with prefix caching the 16-token prompt is a local hit)
+        assert s["push_hits"] == (5 if prefix_caching else 6)
         assert s["bytes"] > 0
         from pagedkv.server.metrics import ServerMetrics
         hits = s["push_hits"]
-        assert f'pagedkv_kv_transfer_pushes_total{{outcome="hit",role="consumer"}} {hits}.0' in ServerMetrics(d.stats).render().decode()
-        assert 'pagedkv_kv_transfer_pushes_total{outcome="sent",role="producer"}' in ServerMetrics(p.stats).render().decode()
+        consumer, producer = ServerMetrics(d.stats).render().decode(), ServerMetrics(p.stats).render().decode()
+        assert f'pagedkv_kv_transfer_pushes_total{{outcome="hit",role="consumer"}} {hits}.0' in consumer
+        assert 'pagedkv_kv_transfer_pushes_total{outcome="sent",role="producer"}' in producer
         assert s["push_buffer_bytes"] == 0 and not d.runner.connector.pushed.entries
         sp = stats(p)
         assert sp["pushes"] > 0 and sp["pulls_ok"] == 0 and sp["bytes"] == sp["push_bytes"] > 0
-        if not prefix_caching:  # every page the consumer loaded was pushed (part-filled ones again with their next chunk)
+        # every page the consumer loaded was pushed (part-filled ones again with their next chunk)
+        if not prefix_caching:
             assert sp["push_blocks"] > s["blocks"]
     finally:
         close(p, d)
@@ -137,7 +152,7 @@ def _decoded_pages(d, prompt, tid) -> list:
     d.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, kv_transfer_params={
         "do_remote_prefill": True, "transfer_id": tid}), f"r-{tid}")
     d.step()
-    pages = d.kv.get_block_ids(f"r-{tid}")[0][:5]
+    pages = d.kv_manager.get_block_ids(f"r-{tid}")[0][:5]
     out = [t[pages].clone() for layer in range(d.runner.storage.num_layers)
            for t in d.runner.storage.page_tensors(layer)]
     drain(d)
@@ -217,9 +232,10 @@ def test_proxy_over_a_pushing_prefill_server(tiny_model_dir):
     """``pagedkv serve --kv-transfer-config '{..., "kv_send_type": "PUT_ASYNC"}'`` in a process
     of its own, behind ``pagedkv proxy``: the answer (one choice and two) is a colocated
     server's, and the decode instance took the prompts from the pushes, not by pulling."""
+    from test_disaggregated_serve import complete, free_port, serve_here, serve_process, text_of, wait_free
+
     from pagedkv.server.live import LiveServer
     from pagedkv.server.proxy import build_proxy
-    from test_disaggregated_serve import complete, free_port, serve_here, serve_process, text_of, wait_free
 
     engine, srv = serve_here(tiny_model_dir)
     try:
@@ -318,7 +334,7 @@ def test_pushes_no_decode_leg_took_are_forgotten_while_idle(tiny_model_dir):
 def test_layer_pushes_after_their_transfer_ended_are_counted_late():
     """Pushes arriving for a transfer already released (or taken) are thrown away and
     counted as pushes_late, so sent = received + late on a link that lost nothing."""
-    from pagedkv.distributed.pd_push_buffer import PushBuffer
+    from pagedkv.connectors.pd.push_buffer import PushBuffer
 
     buf = PushBuffer(1 << 20, lease_s=5.0)
     buf.release("t")  # e.g. a max_tokens 0 request whose decode leg never takes its pushes

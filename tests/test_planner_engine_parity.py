@@ -15,12 +15,13 @@ from pagedkv import LLM, plan
 @pytest.mark.parametrize("budget,block_size,dtype", [("256MiB", 16, "auto"), ("100MB", 32, "float16")])
 def test_plan_num_blocks_equals_engine_pool(budget, block_size, dtype):
     llm = LLM(kv_cache_memory=budget, block_size=block_size, kv_cache_dtype=dtype)
-    engine_blocks = llm.engine.kv.pool.num_blocks
-    assert llm.engine.parts.storage.nbytes == (engine_blocks + 1) * llm.engine.parts.spec.page_size_bytes  # + null page
+    engine_blocks = llm.engine.kv_manager.pool.num_blocks
+    # + null page
+    assert llm.engine.parts.kv_cache.nbytes == (engine_blocks + 1) * llm.engine.parts.kv_spec.page_size_bytes
     result = plan(model="smollm2-135m-instruct", kv_cache_memory=budget, block_size=block_size,
                   kv_cache_dtype=dtype)
     assert result.num_blocks == engine_blocks
-    assert result.bytes_per_token == llm.engine.parts.spec.bytes_per_token
+    assert result.bytes_per_token == llm.engine.parts.kv_spec.bytes_per_token
 
 
 def test_plan_cli_json_num_blocks_256mib():

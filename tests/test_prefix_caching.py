@@ -79,8 +79,8 @@ def test_tiny_pool_evicts_and_hits_only_valid_blocks(tiny_llm_factory, llm):
     again = run(small, [a])[0]
     assert again.token_ids == first.token_ids == cold_a
     assert again.num_cached_tokens < 48   # evicted blocks are not hits
-    assert small.engine.kv.pool.num_evictions > 0
-    small.engine.kv.check_invariants()
+    assert small.engine.kv_manager.pool.num_evictions > 0
+    small.engine.kv_manager.check_invariants()
 
 
 def test_preempted_request_reuses_its_own_blocks(tiny_llm_factory):
@@ -90,7 +90,7 @@ def test_preempted_request_reuses_its_own_blocks(tiny_llm_factory):
     outs = run(small, prompts, params)
     eng = small.engine
     assert eng.scheduler.num_preemptions > 0
-    assert eng.kv.prefix_hits > 0  # recompute found the victims' own published blocks
+    assert eng.kv_manager.prefix_hits > 0  # recompute found the victims' own published blocks
     solo = tiny_llm_factory(num_blocks=64, enable_prefix_caching=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in run(solo, prompts, params)]
 

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.engine.stop_strings import find_stop, hold_back
-from pagedkv.engine.sampler import _filter_top_k_top_p, first_argmax, sample, sample_row
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.worker.sampler import _filter_top_k_top_p, first_argmax, sample, sample_row
 
 
 def gen(seed: int) -> torch.Generator:
@@ -244,7 +244,7 @@ def test_logprobs_greedy_top1_is_sampled():
 
 # BUG (fails until fixed in src): see the docstring.
 def test_tiny_positive_temperature_behaves_like_greedy():
-    """BUG (src/pagedkv/engine/sampler.py, sample_row): a valid temperature so small that
+    """BUG (src/pagedkv/worker/sampler.py, sample_row): a valid temperature so small that
     ``logits / temperature`` overflows to +-inf gives NaN probabilities and
     ``torch.multinomial`` raises. SamplingParams accepts it (any finite value >= 0)."""
     row = torch.tensor([1.0, 3.0, 2.0, -1.0])

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pickle
 
-from pagedkv.engine.request import Request
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedkv.config import EngineConfig
+from pagedkv.core.build import build_scheduler
+from pagedkv.core.request import Request
+from pagedkv.core.runner_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.core.scheduler import Scheduler
 from pagedkv.kv.groups import FullAttentionSpec, KVCacheGroup
 from pagedkv.kv.manager import KVCacheManager
 
@@ -42,7 +44,7 @@ class FakeRunner:
         for rid, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             assert self.tokens[rid] == req.all_token_ids  # the deltas rebuilt the request exactly
-            assert self.blocks[rid] == self.scheduler.kv.get_block_ids(rid)
+            assert self.blocks[rid] == self.scheduler.kv_manager.get_block_ids(rid)
             start = _start(out, rid)
             if start + n == len(self.tokens[rid]):
                 sampled[rid] = SampledTokens([1000 + start + n])
@@ -59,7 +61,8 @@ def _start(out: SchedulerOutput, rid: str) -> int:
 
 def make(num_blocks=8, budget=16, max_seqs=4, prefix=True, groups=None) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, BS, prefix, kv_groups=groups)
-    s = Scheduler(kv, max_seqs, budget, max_model_len=64, eos_token_ids=frozenset({2}))
+    s = build_scheduler(EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, max_model_len=64,
+                        eos_token_ids=frozenset({2}))
     return s, FakeRunner(s)
 
 
@@ -92,7 +95,7 @@ def test_chunked_prefill_then_decode_exact_outputs():
     out, outs = step(s, runner)
     assert out.scheduled_cached_reqs.new_block_ids == [([4],)]
     assert outs[0].finish_reason == "length" and outs[0].new_token_ids == [1013]
-    assert s.requests == {} and s.kv.usage().used == 0
+    assert s.requests == {} and s.kv_manager.usage().used == 0
     assert s.schedule().finished_req_ids == ["a"]  # the runner is told once, next step
 
 
@@ -141,7 +144,7 @@ def test_prefix_hit_sets_the_chunk_start_and_pins_shared_pages():
     out, _ = step(s, runner)
     new = out.scheduled_new_reqs[0]
     assert (new.block_ids[0][:2], new.num_computed_tokens, out.num_scheduled_tokens) == ([1, 2], 8, {"b": 2})
-    assert s.kv.pool.ref_cnt[1] == 1 and s.requests["b"].num_cached_tokens == 8
+    assert s.kv_manager.pool.ref_cnt[1] == 1 and s.requests["b"].num_cached_tokens == 8
 
 
 def test_stop_rules_by_id_in_update():
@@ -198,7 +201,8 @@ def _prio(rid: str, n: int, priority: int, arrival: float, first: int = 100) -> 
 
 def test_priority_policy_admits_lower_values_first_and_preempts_the_highest():
     kv = KVCacheManager(3, BS, False)
-    s = Scheduler(kv, 4, 4, max_model_len=64, policy="priority")
+    s = build_scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=4, scheduling_policy="priority"), kv,
+                        max_model_len=64)
     runner = FakeRunner(s)
     s.add(_prio("late-low", 4, 5, 0.0))
     s.add(_prio("urgent", 2, -1, 1.0, first=200))

@@ -655,9 +655,12 @@ def test_errors_quote_huge_numbers_briefly(server):
 
 
 @pytest.mark.parametrize("repeated", [b"Host: localhost\r\nHost: evil.example\r\n",
-                                      b"Host: localhost\r\nOrigin: http://localhost\r\nOrigin: http://evil.example\r\n",
-                                      b"Host: localhost\r\nContent-Type: application/json\r\nContent-Type: text/plain\r\n",
-                                      b"Host: localhost\r\nContent-Encoding: identity\r\nContent-Encoding: gzip\r\n"],
+                                      b"Host: localhost\r\nOrigin: http://localhost\r\n"
+                                      b"Origin: http://evil.example\r\n",
+                                      b"Host: localhost\r\nContent-Type: application/json\r\n"
+                                      b"Content-Type: text/plain\r\n",
+                                      b"Host: localhost\r\nContent-Encoding: identity\r\n"
+                                      b"Content-Encoding: gzip\r\n"],
                          ids=["host", "origin", "content-type", "content-encoding"])
 def test_repeated_security_headers_are_refused(server, repeated):
     """Which of two Host (or Origin, Content-Type, Content-Encoding) headers counts is a
@@ -957,8 +960,8 @@ def test_top_p_below_fp32_resolution_is_greedy_not_an_abort(server):
 
 def _fail_sampling_when_top_k_is(marker: int, monkeypatch) -> None:
     """Rows with ``top_k == marker`` fail to sample, as non-finite logits do."""
-    from pagedkv.engine import runner
-    from pagedkv.engine.sampler import SampledToken, sample
+    from pagedkv.worker import model_runner as runner
+    from pagedkv.worker.sampler import SampledToken, sample
 
     def failing(logits, params, generators):
         out = sample(logits, params, generators)

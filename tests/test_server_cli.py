@@ -139,7 +139,8 @@ def test_sigterm_exits_within_the_shutdown_timeout_with_a_client_stuck_mid_uploa
     """A client that stalls mid-body must not hold the exit past --shutdown-timeout, and
     the exit logs no traceback (uvicorn used to cancel the handler after a margin)."""
     srv = ServeProcess("--model", str(tiny_model_dir), "--num-blocks", "16", "--shutdown-timeout", "1",
-                       "--log-level", "warning", "--served-model-name", "tiny", "tiny-2", "--served-model-name", "t3", "tiny")
+                       "--log-level", "warning", "--served-model-name", "tiny", "tiny-2", "--served-model-name", "t3",
+                       "tiny")
     port = int(srv.url.rsplit(":", 1)[1])
     try:
         stuck = _connect_when_listening(port)

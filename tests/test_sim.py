@@ -66,7 +66,8 @@ def test_efficiency_factors_and_overheads():
     assert phased_few.seconds(one, 1) == pytest.approx(2 * (max(w, mm) / 0.5 + attn / 0.1) + 3 * kv / 0.25)
     # a lone prefill takes prefill[M] (straight in log M between anchors, the end's past them),
     # a decode step few_row[M], a step mixing prefill and decodes neither
-    pre = StepCost(cost, dev, "bfloat16", Efficiency(few_row_factors=(2.0,) * 64, prefill_factors=((16, 0.5), (64, 0.9))))
+    pre = StepCost(cost, dev, "bfloat16",
+                   Efficiency(few_row_factors=(2.0,) * 64, prefill_factors=((16, 0.5), (64, 0.9))))
     lone = {m: StepWork(m, 1, m, m * (m + 1) // 2) for m in (8, 16, 32, 64, 500)}
     got = {m: pre.seconds(w, 1) / plain.seconds(w, 1) for m, w in lone.items()}
     assert got == pytest.approx({8: 0.5, 16: 0.5, 32: 0.7, 64: 0.9, 500: 0.9})
@@ -398,7 +399,8 @@ RANDOM = ["--workload", "random"]
     ([*RANDOM, "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
     ([*RANDOM, "--plot", "kv"], "name an image file"), ([*RANDOM, "--output", ""], "not a file name"),
     ([*RANDOM, "--output", "/proc/nope.json"], "cannot be written"),
-    (["--model", "smollm2-135m-instruct", "--gpu", "h200", *RANDOM, "--disagg", "64P64D"], "blocks simulated in memory"),
+    (["--model", "smollm2-135m-instruct", "--gpu", "h200", *RANDOM, "--disagg", "64P64D"],
+     "blocks simulated in memory"),
     ([*RANDOM, "--output", "/"], "not a file name"),
     ([*RANDOM, "--request-rate", "1e-15"], "raise the request rate"),
     ([*RANDOM, "--disagg", "999P1D"], "at most 256 instances"),
@@ -448,7 +450,7 @@ def test_calibration_warnings_name_a_suspect_fit():
 
 # ---- calibration on this CPU ----------------------------------------------------------
 def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeypatch):
-    from pagedkv.config import EngineConfig
+    from pagedkv.config.engine import EngineConfig
     from pagedkv.sim import calibrate as cal
 
     monkeypatch.setattr(cal, "cache_path", lambda: tmp_path / "sim_calibration.json")
@@ -464,7 +466,8 @@ def test_calibration_is_fitted_cached_and_used(tiny_model_dir, tmp_path, monkeyp
     eff, cost = c.efficiency, c.cost
     assert (c.bandwidth, c.fp32_flops) == (r["ceilings"]["bandwidth"], r["ceilings"]["fp32_flops"])
     assert c.reference_s == r["reference_s"]
-    assert eff.source.startswith("calibrated on this CPU") and cost.kv_bytes_per_token == r["cost"]["kv_bytes_per_token"]
+    assert eff.source.startswith("calibrated on this CPU")
+    assert cost.kv_bytes_per_token == r["cost"]["kv_bytes_per_token"]
     assert cal.cached(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="int8"), str(tiny_model_dir)) is None
     s = simulate(str(tiny_model_dir), "cpu", workload="random", num_prompts=4, input_len=32, output_len=4,
                  num_blocks=64, max_model_len=256)
@@ -482,7 +485,7 @@ def test_a_damaged_calibration_entry_is_ignored(tmp_path, monkeypatch, damage):
     """A cache that is JSON but not a calibration's shape (or has impossible ceilings) is
     treated as no calibration, not a traceback or a silently zero-time simulation; fields
     a later version adds to the efficiency are ignored."""
-    from pagedkv.config import EngineConfig
+    from pagedkv.config.engine import EngineConfig
     from pagedkv.sim import calibrate as cal
 
     path = tmp_path / "sim_calibration.json"
@@ -501,7 +504,7 @@ def test_a_damaged_calibration_entry_is_ignored(tmp_path, monkeypatch, damage):
 
 
 def test_calibrating_without_saving_writes_no_cache(tiny_model_dir, tmp_path, monkeypatch):
-    from pagedkv.config import EngineConfig
+    from pagedkv.config.engine import EngineConfig
     from pagedkv.planner import cpu
     from pagedkv.sim import calibrate as cal
 
@@ -546,7 +549,8 @@ def test_speculation_accepts_drafts_at_the_rate_given_and_shortens_tpot():
     # its TPOT alone (they reach only the prompts' prefills)
     def alone(efficiency):  # requests far apart: every step holds one request
         return simulate("llama-3-70b", "a100-80gb-sxm4", tp=4, workload="random", num_prompts=6, request_rate=0.01,
-                        input_len=256, output_len=32, speculative_config={"num_speculative_tokens": 4, "method": "ngram"},
+                        input_len=256, output_len=32,
+                        speculative_config={"num_speculative_tokens": 4, "method": "ngram"},
                         spec_acceptance_rate=0.6, efficiency=efficiency).metrics
     base, slow = alone(Efficiency()), alone(Efficiency(prefill_factors=((1, 50.0),)))
     assert slow["tpot_s"]["p50"] == pytest.approx(base["tpot_s"]["p50"], rel=1e-9)
@@ -607,7 +611,7 @@ def test_the_disk_tier_catches_what_the_cpu_tier_evicts(tmp_path):
 def test_simulated_disk_writes_queue_on_one_writer():
     """Writes start after the step's copies before the forward, one after another at the
     write rate, and each is reported done at the first step end after it finishes."""
-    from pagedkv.kv.cpu_offload_worker import OffloadMeta
+    from pagedkv.connectors.offload.cpu_tier_worker import OffloadMeta
     from pagedkv.sim.tier import SimTierWorker, TierCosts
 
     w = SimTierWorker(TierCosts(page_bytes=100, link=1000.0, disk_load_s=0.5, disk_write_s=1.0), disk=True)
@@ -628,7 +632,8 @@ def test_the_cost_model_line_names_the_measured_corrections():
     from pagedkv.sim.report import _corrections
 
     eff = Efficiency(few_row_factors=(1.3, 0.9), prefill_factors=((16, 0.8), (2048, 1.1)), idle_wake_s=0.003).to_dict()
-    assert _corrections(eff) == ", decodes of 1-2 requests x0.90-1.30, lone prefills x0.80-1.10 (2 lengths), +3.00 ms after idle"
+    assert _corrections(eff) == (", decodes of 1-2 requests x0.90-1.30, lone prefills x0.80-1.10 (2 lengths), "
+                                 "+3.00 ms after idle")
     assert _corrections(Efficiency().to_dict()) == ""
 
 

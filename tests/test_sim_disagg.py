@@ -35,7 +35,7 @@ def test_every_request_finishes_and_every_page_comes_back(monkeypatch):
     setup, reqs, page, bs = setup_and_requests()
     r = run_disagg(setup, reqs, 2, 1, 50e9, page, bs, 1.0, 0.05)
     assert all(len(rec.token_times) == q.max_tokens for rec, q in zip(r.records, reqs))
-    assert all(e.kv.pool.num_used == 0 for e in r.prefill_engines + r.decode_engines)
+    assert all(e.kv_manager.pool.num_used == 0 for e in r.prefill_engines + r.decode_engines)
     (dec,) = r.decode_engines  # each prompt's last token, then the outputs but the last: no prompt computed
     assert computed[id(dec.runner)] == sum(1 + q.max_tokens - 1 for q in reqs)
     assert sum(computed[id(e.runner)] for e in r.prefill_engines) == sum(len(q.prompt_token_ids) for q in reqs)

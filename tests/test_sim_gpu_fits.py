@@ -115,7 +115,8 @@ def test_measured_factors_slow_the_simulated_run_and_are_reported(capsys):
 def test_gpu_profile_script_runs_off_a_gpu(tmp_path):
     """The script the fits come from (run on a GPU machine, where a failure costs device
     time) on a tiny decoder on this CPU: every shape timed, tp shards sized."""
-    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2,
               "intermediate_size": 128, "vocab_size": 256}
     (tmp_path / "tiny.json").write_text(json.dumps({"config": config}))
     out = tmp_path / "steps.json"

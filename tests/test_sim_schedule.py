@@ -4,23 +4,23 @@ same schedule as the real engine, step for step (admissions, chunks, preemptions
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 
 from pagedkv.bench.driver import drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
+from pagedkv.connectors.offload import disk_tier as disk_offload
+from pagedkv.core.kv_eviction import eviction_policy
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.engine.kv_eviction import eviction_policy
-from pagedkv.kv import disk_offload
 from pagedkv.model.config import for_engine
 from pagedkv.model.hf_config import load_config
 from pagedkv.planner.roofline import config_cost
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.engine import SimEngine
 from pagedkv.sim.runner import RecordedTimes, SimRunner, fixed_times
-from pagedkv.sim.tier import TierCosts
+from pagedkv.sim.tier import TierCosts, sim_tier_worker
 
 STEP_S = 0.01
 
@@ -71,10 +71,15 @@ class FixedTimeRunner:
 
 def sim_engine(model_dir, config: EngineConfig, runner: SimRunner, clock: VirtualClock) -> SimEngine:
     m = for_engine(load_config(model_dir / "config.json"))
-    spec = m.kv_spec("float32", config.block_size)
-    cost = config_cost(m, spec, "float32")
-    tier = TierCosts(spec.page_size_bytes, float("inf"))  # copies take no time, as FixedTimeRunner's real ones
-    return SimEngine(config, m, config.num_blocks, cost, runner, clock, tier)
+    cost = config_cost(m, m.kv_spec("float32", config.block_size), "float32")
+    return SimEngine(config, m, config.num_blocks, cost, runner, clock)
+
+
+def tier_worker(model_dir, config: EngineConfig):
+    """The simulated tiers' worker (None without a tier): copies take no time, as
+    FixedTimeRunner's real ones."""
+    page = for_engine(load_config(model_dir / "config.json")).kv_spec("float32", config.block_size).page_size_bytes
+    return sim_tier_worker(config, TierCosts(page, float("inf")))
 
 
 def run_real(model_dir, work, virtual: bool, **kw):
@@ -93,8 +98,9 @@ def run_real(model_dir, work, virtual: bool, **kw):
 def run_sim(model_dir, work, replay=None, **kw):
     clock = VirtualClock()
     config = EngineConfig(model="unused", **flags(**kw))
-    runner = (SimRunner(clock, fixed_times(STEP_S), eviction=eviction_policy(config)) if replay is None
-              else SimRunner(clock, replay=RecordedTimes.of(replay)))
+    tier = tier_worker(model_dir, config)
+    runner = (SimRunner(clock, fixed_times(STEP_S), eviction=eviction_policy(config), tier=tier) if replay is None
+              else SimRunner(clock, replay=RecordedTimes.of(replay), tier=tier))
     engine = sim_engine(model_dir, config, runner, clock)
     log = schedule_log(engine)
     return drive(engine, work, clock=clock, sleep=runner.sleep), log, engine
@@ -203,7 +209,7 @@ def test_same_schedule_with_the_disk_tier(tiny_model_dir, tmp_path, monkeypatch)
     real, real_log, real_engine = run_real(tiny_model_dir, work, virtual=True, **kw)
     sim, sim_log, sim_engine_ = run_sim(tiny_model_dir, work, **kw)
     real_stats = real_engine.stats().kv_offload
-    sim_stats = asdict(sim_engine_.connector.scheduler.stats)
+    sim_stats = sim_engine_.connector.scheduler.get_stats()
     assert real.preemptions > 0 and real_stats["disk_blocks_loaded"] > 0 and real_stats["disk_blocks_written"] > 0
     assert any(tmp_path.iterdir())  # the real engine's records; the simulator's directory holds none of its own
     assert sim_log == real_log

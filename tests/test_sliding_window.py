@@ -9,12 +9,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import TINY_CONFIG
+from test_forward_vs_hf import BLOCK, TOL, hf_logits, paged_logits
 
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import load_model_config, load_state_dict
-
-from conftest import TINY_CONFIG
-from test_forward_vs_hf import BLOCK, TOL, hf_logits, paged_logits
 
 WINDOW = 12
 
@@ -138,7 +137,7 @@ def test_pages_before_the_window_go_back_and_output_is_unchanged(mistral_dir):
     llm = LLM(model=str(mistral_dir), num_blocks=64, block_size=4, debug_invariants=True,
               enable_prefix_caching=False)
     eng = llm.engine
-    mgr = eng.kv.groups[0]
+    mgr = eng.kv_manager.groups[0]
     assert isinstance(mgr, SlidingWindowManager) and mgr.window == WINDOW
     prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
@@ -149,11 +148,11 @@ def test_pages_before_the_window_go_back_and_output_is_unchanged(mistral_dir):
             tokens = out.token_ids
         table = mgr.block_tables.get("r")
         if table:
-            held.append(sum(b != eng.kv.pool.null_block for b in table))
+            held.append(sum(b != eng.kv_manager.pool.null_block for b in table))
     assert tokens == hf_greedy(mistral_dir, prompt, 30)
     assert max(held[1:]) <= -(-(WINDOW - 1) // 4) + 2 and mgr.blocks_given_back >= 7
     assert eng.stats().blocks_freed_by_window == mgr.blocks_given_back
-    assert eng.kv.usage().used == 0  # everything back after the request
+    assert eng.kv_manager.usage().used == 0  # everything back after the request
 
 
 def test_windows_keep_many_long_requests_in_a_small_pool(mistral_dir, monkeypatch):
@@ -161,7 +160,7 @@ def test_windows_keep_many_long_requests_in_a_small_pool(mistral_dir, monkeypatc
     in 48 pages; with the window they run in 48 pages, chunked, without preemption, each
     equal to its run alone."""
     from pagedkv import LLM, SamplingParams
-    from pagedkv.engine import setup
+    from pagedkv.engine import parts as setup
     from pagedkv.kv.groups import single_group
 
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -202,7 +201,7 @@ def test_features_that_read_whole_tables_keep_full_attention_groups(mistral_dir,
           "contiguous": dict(kv_allocator="contiguous"),
           "draft": dict(speculative_config={"model": str(mistral_dir), "num_speculative_tokens": 2})}[extra]
     llm = LLM(model=str(mistral_dir), num_blocks=64, **kw)
-    assert not isinstance(llm.engine.kv.groups[0], SlidingWindowManager)
+    assert not isinstance(llm.engine.kv_manager.groups[0], SlidingWindowManager)
 
 
 def test_mixed_window_and_full_layers_keep_one_full_group(qwen2_dir):
@@ -210,7 +209,7 @@ def test_mixed_window_and_full_layers_keep_one_full_group(qwen2_dir):
     from pagedkv.kv.single_type import SlidingWindowManager
 
     llm = LLM(model=str(qwen2_dir), num_blocks=64)
-    assert not isinstance(llm.engine.kv.groups[0], SlidingWindowManager)
+    assert not isinstance(llm.engine.kv_manager.groups[0], SlidingWindowManager)
 
 
 def test_planner_and_engine_agree_on_the_pages_a_window_request_holds(mistral_dir):
@@ -222,7 +221,7 @@ def test_planner_and_engine_agree_on_the_pages_a_window_request_holds(mistral_di
     result = plan(model=str(mistral_dir), block_size=bs, seq_len=seq_len, kv_cache_dtype="float32")
     llm = LLM(model=str(mistral_dir), num_blocks=64, block_size=bs, enable_prefix_caching=False)
     eng = llm.engine
-    page_bytes = eng.parts.spec.page_size_bytes
+    page_bytes = eng.parts.kv_spec.page_size_bytes
     assert result.paged_bytes_per_request == (-(-WINDOW // bs) + 1) * page_bytes
     prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(8)).tolist()
     eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=seq_len - 20, temperature=0.0,
@@ -231,8 +230,8 @@ def test_planner_and_engine_agree_on_the_pages_a_window_request_holds(mistral_di
     eng.step()  # the prefill holds the whole prompt while it computes it
     while eng.has_unfinished_requests():
         eng.step()
-        table = eng.kv.groups[0].block_tables.get("r", [])
-        held.append(sum(b != eng.kv.pool.null_block for b in table))
+        table = eng.kv_manager.groups[0].block_tables.get("r", [])
+        held.append(sum(b != eng.kv_manager.pool.null_block for b in table))
     assert max(held) * page_bytes == result.paged_bytes_per_request
 
 
@@ -250,9 +249,9 @@ def test_a_hit_survives_the_eviction_of_a_long_prompts_early_pages(mistral_dir):
     first = llm.generate([a], params)[0]
     for seed, n in ((0, 56), (1, 56), (2, 20)):  # 16 + 16 + 7 pages: the last few must evict
         llm.generate([ids(seed, n)], params)
-    mgr = llm.engine.kv.groups[0]
-    hashes = llm.engine.kv.block_hashes(type("R", (), {"request_id": "probe", "all_token_ids": a["prompt_token_ids"],
-                                                        "cache_salt": None})())
+    mgr = llm.engine.kv_manager.groups[0]
+    probe = type("R", (), {"request_id": "probe", "all_token_ids": a["prompt_token_ids"], "cache_salt": None})()
+    hashes = llm.engine.kv_manager.block_hashes(probe)
     assert mgr.pool.lookup((0, hashes[0]), tuple(a["prompt_token_ids"][:4])) is None  # page 0 was evicted
     again = llm.generate([a], params)[0]
     assert again.num_cached_tokens >= 4 * 4 and again.token_ids == first.token_ids

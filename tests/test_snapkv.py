@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import LLM, EngineConfig, SamplingParams
-from pagedkv.engine.eviction_scores import POOL_KERNEL, select_tokens
+from pagedkv.worker.eviction_scores import POOL_KERNEL, select_tokens
 
 SNAP = dict(kv_eviction="snapkv", kv_budget_tokens=24, num_sink_tokens=2, kv_window_tokens=8, block_size=4,
             num_blocks=96, max_num_batched_tokens=16)
@@ -66,7 +66,7 @@ def test_kept_tokens_and_generation_match_hf_on_the_pruned_cache(tiny_model_dir)
     assert out.token_ids == hf_generate_pruned(hf, cache, PROMPT, keep, 12)
     stats = llm.engine.stats()
     assert stats.tokens_evicted == 70 - 24 and stats.blocks_freed_by_eviction == 18 - 6
-    assert llm.engine.kv.usage().used == 0
+    assert llm.engine.kv_manager.usage().used == 0
 
 
 def test_eviction_changes_the_output_and_frees_pages_while_it_runs(tiny_model_dir):
@@ -77,7 +77,7 @@ def test_eviction_changes_the_output_and_frees_pages_while_it_runs(tiny_model_di
     held = []
     while eng.has_unfinished_requests():
         eng.step()
-        held.append(len(eng.kv.get_block_ids("r")[0]))
+        held.append(len(eng.kv_manager.get_block_ids("r")[0]))
     assert max(held) == 18 and held[-2] <= 6 + 3  # the prompt's pages, then the budget's and the outputs'
     _, snap, _ = run(tiny_model_dir, **SNAP)
     assert snap.token_ids != full.token_ids
@@ -98,7 +98,7 @@ def test_per_request_budgets_and_batching_give_the_same_tokens(tiny_model_dir):
     others = [{"prompt_token_ids": PROMPT[i:] + PROMPT[:i]} for i in (5, 17)]
     batch = llm.generate([{"prompt_token_ids": PROMPT}] + others,
                          [SamplingParams(**(vars(GREEDY) | {"kv_budget_tokens": 24}))] + [GREEDY] * 2)
-    assert batch[0].token_ids == ref.token_ids and llm.engine.kv.usage().used == 0
+    assert batch[0].token_ids == ref.token_ids and llm.engine.kv_manager.usage().used == 0
 
 
 def test_prefix_hits_leave_the_window_to_compute_and_repeat_the_output(tiny_model_dir):
@@ -120,7 +120,7 @@ def test_preemption_recomputes_scores_and_compacts_again(tiny_model_dir):
                                                                           "enable_prefix_caching": False}))
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == alone
-    assert llm.engine.stats().num_preemptions > 0 and llm.engine.kv.usage().used == 0
+    assert llm.engine.stats().num_preemptions > 0 and llm.engine.kv_manager.usage().used == 0
 
 
 def test_a_resumed_request_with_outputs_is_scored_again_after_a_prefix_hit(tiny_model_dir):
@@ -136,7 +136,7 @@ def test_a_resumed_request_with_outputs_is_scored_again_after_a_prefix_hit(tiny_
                   **(SNAP | {"num_blocks": 33, "enable_prefix_caching": caching}))
         outs = llm.generate([{"prompt_token_ids": longer}, {"prompt_token_ids": PROMPT}], [other, mine])
         assert outs[1].token_ids == alone.token_ids and llm.engine.stats().num_preemptions > 0
-        assert llm.engine.kv.usage().used == 0
+        assert llm.engine.kv_manager.usage().used == 0
 
 
 @pytest.mark.parametrize("num_blocks", [22, 26, 29, 33])
@@ -148,7 +148,7 @@ def test_duplicates_sharing_prompt_pages_compact_or_wait_never_decode_uncompacte
     llm = LLM(model=str(tiny_model_dir), debug_invariants=True, **(SNAP | {"num_blocks": num_blocks}))
     llm.generate([{"prompt_token_ids": PROMPT}], GREEDY)  # publishes the prompt's pages
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * 4, GREEDY)
-    assert [o.token_ids for o in outs] == [alone.token_ids] * 4 and llm.engine.kv.usage().used == 0
+    assert [o.token_ids for o in outs] == [alone.token_ids] * 4 and llm.engine.kv_manager.usage().used == 0
 
 
 def test_snapkv_settings_are_checked(tiny_model_dir, tmp_path):

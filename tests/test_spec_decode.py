@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from pagedkv import SamplingParams
-from pagedkv.engine.sampling_params import SamplingParams as SP
-from pagedkv.spec_decode.config import SpeculativeConfig
-from pagedkv.spec_decode.ngram import AdaptiveGate, ngram_propose
-from pagedkv.spec_decode.verify import verify
+from pagedkv.config.speculative import SpeculativeConfig
+from pagedkv.core.sampling_params import SamplingParams as SP
+from pagedkv.worker.spec_decode.ngram import AdaptiveGate, ngram_propose
+from pagedkv.worker.spec_decode.verify import verify
 
 LENGTHS = (15, 16, 17, 31, 32, 33)
 
@@ -41,12 +41,12 @@ def _generate(llm, prompts, max_tokens=24, **kw):
 def _check_pages(eng, k: int) -> None:
     """After every step: pool invariants; a running request holds no more pages than its
     committed tokens plus one step of drafts need; every published page holds committed tokens."""
-    eng.kv.check_invariants()
-    bs = eng.kv.block_size
+    eng.kv_manager.check_invariants()
+    bs = eng.kv_manager.block_size
     for req in eng.scheduler.running:
-        table = eng.kv.get_block_ids(req.request_id)[0]
+        table = eng.kv_manager.get_block_ids(req.request_id)[0]
         assert len(table) <= -(-(req.num_computed_tokens + 1 + k) // bs), (len(table), req.num_computed_tokens)
-        group = eng.kv.groups[0]
+        group = eng.kv_manager.groups[0]
         published = group.num_published.get(req.request_id, 0)
         assert published * bs <= min(req.num_computed_tokens, req.num_tokens)
 
@@ -80,7 +80,7 @@ def test_greedy_speculative_output_is_identical_in_a_mixed_batch(tiny_llm_factor
     assert _run_checked(llm, prompts, k) == want
     s = llm.engine.stats().spec_decode
     assert s["num_draft_tokens"] > 0 and 0 < s["num_accepted_tokens"], s
-    assert llm.engine.kv.pool.num_used == 0
+    assert llm.engine.kv_manager.pool.num_used == 0
 
 
 def test_speculation_under_preemption_on_a_tiny_pool_stays_identical(tiny_llm_factory, reference):

@@ -17,10 +17,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import make_hf_folder
-from pagedkv.kv.spec import pool_cache_bytes, pool_num_blocks
 from test_spec_decode import LENGTHS, _generate, _prompt, _run_checked
+
+from pagedkv.kv.spec import pool_cache_bytes, pool_num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_the_target_as_its_own_draft_is_always_accepted_and_output_is_identical(
     assert _run_checked(llm, prompts, k) == want
     s = llm.engine.stats().spec_decode
     assert s["num_draft_tokens"] > 0 and s["acceptance_rate"] == 1.0, s
-    assert llm.engine.kv.pool.num_available == llm.engine.kv.pool.num_blocks  # every page back
+    assert llm.engine.kv_manager.pool.num_available == llm.engine.kv_manager.pool.num_blocks  # every page back
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -91,10 +91,11 @@ def test_the_cpu_tier_and_swaps_carry_the_drafts_layers(tiny_llm_factory, tiny_m
                            kv_offload_memory="4MiB", preemption_mode=mode, speculative_config=_draft(tiny_model_dir, 4))
     assert _run_checked(llm, prompts, 4) == want
     assert llm.engine.stats().preemptions_by_mode[mode] > 0
-    llm.engine.kv.reset_prefix_cache()  # the device forgets: the prompts' blocks come from the tier
+    llm.engine.kv_manager.reset_prefix_cache()  # the device forgets: the prompts' blocks come from the tier
     assert _run_checked(llm, prompts[4:], 4) == want[4:]
     st = llm.engine.stats()
-    assert st.kv_offload["blocks_loaded"] > 0 and st.spec_decode["acceptance_rate"] == 1.0, (st.kv_offload, st.spec_decode)
+    assert st.kv_offload["blocks_loaded"] > 0, st.kv_offload
+    assert st.spec_decode["acceptance_rate"] == 1.0, st.spec_decode
 
 
 def test_int8_pages_hold_both_models_kv(tiny_llm_factory, tiny_model_dir, random_draft_dir, reference):
@@ -123,12 +124,13 @@ def test_one_pool_holds_both_models_pages(tiny_llm_factory, random_draft_dir):
     plain = tiny_llm_factory(num_blocks=None, kv_cache_memory=1 << 20)
     llm = tiny_llm_factory(num_blocks=None, kv_cache_memory=1 << 20, speculative_config=_draft(random_draft_dir, 2))
     parts = llm.engine.parts
-    specs = (parts.spec, parts.draft.spec)
-    assert parts.draft.spec.num_layers == 1 and parts.draft.spec.num_kv_heads == 1
-    assert llm.engine.kv.pool.num_blocks == pool_num_blocks(specs, 1 << 20) < plain.engine.kv.pool.num_blocks
-    assert parts.storage.nbytes == pool_cache_bytes(specs, llm.engine.kv.pool.num_blocks)
-    assert parts.storage.num_layers == parts.spec.num_layers + 1
-    assert llm.engine.stats().kv_bytes_per_token == parts.spec.bytes_per_token + parts.draft.spec.bytes_per_token
+    specs = (parts.kv_spec, parts.draft.kv_spec)
+    assert parts.draft.kv_spec.num_layers == 1 and parts.draft.kv_spec.num_kv_heads == 1
+    num_blocks = llm.engine.kv_manager.pool.num_blocks
+    assert num_blocks == pool_num_blocks(specs, 1 << 20) < plain.engine.kv_manager.pool.num_blocks
+    assert parts.kv_cache.nbytes == pool_cache_bytes(specs, llm.engine.kv_manager.pool.num_blocks)
+    assert parts.kv_cache.num_layers == parts.kv_spec.num_layers + 1
+    assert llm.engine.stats().kv_bytes_per_token == parts.kv_spec.bytes_per_token + parts.draft.kv_spec.bytes_per_token
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llm_factory, tmp_path, default_model_files):
@@ -167,8 +169,8 @@ def test_verification_keeps_the_targets_distribution_for_equal_and_disjoint_draf
     - disjoint (q's support outside p's): every draft is rejected, the residual is p;
     - overlapping (q skewed toward one token): the general case.
     """
-    from pagedkv.engine.sampling_params import SamplingParams as SP
-    from pagedkv.spec_decode.verify import verify
+    from pagedkv.core.sampling_params import SamplingParams as SP
+    from pagedkv.worker.spec_decode.verify import verify
 
     logits = torch.tensor([[2.0, 1.0, 0.5, -9e9, -9e9, -9e9], [0.0] * 6])
     params = SP(temperature=1.0, max_tokens=4)
@@ -238,8 +240,8 @@ def test_a_draft_with_a_shorter_position_limit_caps_the_length_and_calibrates_wi
 def test_greedy_verification_reads_no_row_past_the_first_rejection():
     """Rows after a rejected draft were computed from a token that is thrown away: a
     non-finite value there must not fail the request."""
-    from pagedkv.engine.sampling_params import SamplingParams as SP
-    from pagedkv.spec_decode.verify import verify
+    from pagedkv.core.sampling_params import SamplingParams as SP
+    from pagedkv.worker.spec_decode.verify import verify
 
     logits = torch.tensor([[0.0, 5.0, 1.0], [float("nan")] * 3, [float("inf")] * 3])
     run = verify(logits, [2, 0], SP(temperature=0.0, max_tokens=4), None)
@@ -276,6 +278,6 @@ def test_the_planner_counts_the_draft_as_the_engine_allocates_it(tiny_llm_factor
     llm = tiny_llm_factory(num_blocks=None, kv_cache_memory=1 << 20, speculative_config=spec)
     r = plan(model=str(tiny_model_dir), kv_cache_dtype="float32", kv_cache_memory=1 << 20, speculative_config=spec)
     alone = plan(model=str(tiny_model_dir), kv_cache_dtype="float32", kv_cache_memory=1 << 20)
-    assert r.num_blocks == llm.engine.kv.pool.num_blocks < alone.num_blocks
+    assert r.num_blocks == llm.engine.kv_manager.pool.num_blocks < alone.num_blocks
     assert r.bytes_per_token + r.draft_bytes_per_token == llm.engine.stats().kv_bytes_per_token
     assert r.draft_weight_bytes > 0 and alone.draft_model is None

@@ -45,7 +45,7 @@ def test_pages_between_sinks_and_window_go_back_the_sinks_stay(tiny_llm_factory)
 
     llm = tiny_llm_factory(num_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=16, **STREAM)
     eng = llm.engine
-    mgr = eng.kv.groups[0]
+    mgr = eng.kv_manager.groups[0]
     assert isinstance(mgr, SlidingWindowManager) and mgr.sink_blocks == 1
     assert eng.max_model_len == 512  # the model positions by default (16-token chunks bound the pages)
     eng.add_request(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), request_id="r")
@@ -56,10 +56,10 @@ def test_pages_between_sinks_and_window_go_back_the_sinks_stay(tiny_llm_factory)
         eng.step()
         table = mgr.block_tables.get("r", [])
         if table:
-            assert table[0] != eng.kv.pool.null_block  # the sink page
-            held.append(sum(b != eng.kv.pool.null_block for b in table))
+            assert table[0] != eng.kv_manager.pool.null_block  # the sink page
+            held.append(sum(b != eng.kv_manager.pool.null_block for b in table))
     assert max(held) == 1 + -(-10 // 4) + 1 and mgr.blocks_given_back > 10
-    assert eng.kv.usage().used == 0
+    assert eng.kv_manager.usage().used == 0
 
 
 def test_a_repeated_prompt_hits_with_its_sink_pages(tiny_llm_factory):

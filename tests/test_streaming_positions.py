@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import make_hf_folder
+
 from pagedkv import SamplingParams
 
 SINKS, WINDOW, POSITIONS = 4, 20, 64
@@ -86,7 +86,7 @@ def test_deeper_model_kernel_matches_the_pageless_reference(two_layers):
     logp = torch.log_softmax(model.logits(model.dense_forward(PROMPT)).double(), -1)
     ref = logp[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])].tolist()
     assert max(abs(a - b) for a, b in zip(ours.prompt_logprobs[1:], ref)) < 2e-4
-    assert llm.engine.kv.usage().used == 0 and llm.engine.stats().blocks_freed_by_window > 0
+    assert llm.engine.kv_manager.usage().used == 0 and llm.engine.stats().blocks_freed_by_window > 0
 
 
 def test_decode_runs_past_the_models_positions_in_bounded_pages(two_layers, monkeypatch):
@@ -96,7 +96,7 @@ def test_decode_runs_past_the_models_positions_in_bounded_pages(two_layers, monk
     llm = LLM(model=str(two_layers), debug_invariants=True, **STREAM)
     out = llm.generate([{"prompt_token_ids": PROMPT[:30]}], params)[0]
     assert len(out.token_ids) == 300  # to position 329 of a model with 64
-    assert llm.engine.kv.usage().used == 0
+    assert llm.engine.kv_manager.usage().used == 0
     monkeypatch.setenv("PAGEDKV_ATTENTION", "reference")
     ref = LLM(model=str(two_layers), **STREAM).generate([{"prompt_token_ids": PROMPT[:30]}], params)[0]
     assert ref.token_ids == out.token_ids
@@ -107,7 +107,7 @@ def test_the_fused_layer_rotates_the_sink_queries_too(two_layers):
     from pagedkv import LLM
 
     llm = LLM(model=str(two_layers), weight_dtype="int8", **STREAM)
-    assert llm.engine.model.fused_op(llm.engine.parts.storage) is not None
+    assert llm.engine.model.fused_op(llm.engine.parts.kv_cache) is not None
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True, logprobs=2)
     fused = llm.generate([{"prompt_token_ids": PROMPT[:60]}], params)[0]
     llm.engine.model.fused_layers = False

@@ -7,16 +7,15 @@ is dropped; aborting a swapped request gives its slots back; ``auto`` prices bot
 from __future__ import annotations
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from schedules import OPS, assert_solo_outputs, check_with_connector, run_schedule
 
 from pagedkv import SamplingParams
-from pagedkv.config import EngineConfig
-from pagedkv.engine.preemption import PreemptionCost
-from pagedkv.kv.connector import SwapPlan
+from pagedkv.config.engine import EngineConfig
+from pagedkv.connectors.base import SwapPlan
+from pagedkv.connectors.offload.tier_index import TierIndex
+from pagedkv.core.preemption import PreemptionCost
 from pagedkv.kv.hashing import ROOT_HASH
-from pagedkv.kv.tier_index import TierIndex
 
 MAX_TOKENS = 20
 
@@ -60,7 +59,7 @@ def test_swapped_requests_give_the_tokens_of_a_run_never_preempted(tiny_llm_fact
 
 def _assert_drained(eng):
     c = eng.scheduler.connector
-    assert eng.kv.pool.num_used == 0
+    assert eng.kv_manager.pool.num_used == 0
     assert c.index.num_held == 0 and c.index.num_pinned == 0 and not c.swap.records
     c.check_invariants()
 
@@ -134,8 +133,8 @@ def test_a_swap_whose_step_failed_is_dropped_and_the_request_recomputes(tiny_llm
 # ---- random schedules: swap on a tiny cache and a tiny tier --------------------------------
 @pytest.fixture(scope="module")
 def swapping(tiny_llm_factory):
-    return {"eng": tiny_llm_factory(num_blocks=6, max_model_len=64, max_num_batched_tokens=20, kv_offload_memory=6 * 8192,
-                                    preemption_mode="swap", batch_invariant=True).engine,
+    return {"eng": tiny_llm_factory(num_blocks=6, max_model_len=64, max_num_batched_tokens=20,
+                                    kv_offload_memory=6 * 8192, preemption_mode="swap", batch_invariant=True).engine,
             "solo": tiny_llm_factory(num_blocks=64, enable_prefix_caching=False, batch_invariant=True).engine}
 
 

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-
 from conftest import make_hf_folder
+
 from pagedkv import LLM, SamplingParams
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
 from pagedkv.distributed.executor import TPGroupError
-from pagedkv.engine.setup import build_parts
+from pagedkv.engine.parts import build_parts
 from pagedkv.model.config import head_spans
 from pagedkv.model.ggml_weights import Q4_1, GGMLWeight
 from pagedkv.model.partition import Partition, shard_state
@@ -94,8 +94,8 @@ def test_each_rank_allocates_the_planners_per_device_bytes(uneven_dir):
     per_token = []
     for rank in range(2):
         parts = build_parts(config, SimpleNamespace(rank=rank, world=2, all_reduce=lambda t: None))
-        per_token.append(parts.storage.nbytes // (parts.kv.pool.num_pages * 16))
-        assert parts.kv.pool.num_blocks == 8  # same page ids on every rank
+        per_token.append(parts.kv_cache.nbytes // (parts.kv_manager.pool.num_pages * 16))
+        assert parts.kv_manager.pool.num_blocks == 8  # same page ids on every rank
     p = plan(str(uneven_dir), tp=2, kv_cache_dtype="float32")
     assert per_token[0] == p.bytes_per_token_per_device == 2 * 2 * 2 * 16 * 4  # layers, K+V, heads, dim, fp32
     assert per_token[1] == per_token[0] // 2

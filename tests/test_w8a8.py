@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_engine_batch_invariant
 
 from pagedkv import EngineConfig, SamplingParams

@@ -17,8 +17,8 @@ preemption; see :mod:`pagedkv.numerics`.
 from importlib import import_module
 
 #: public name -> module that defines it
-_LAZY = {"LLM": "pagedkv.engine.llm", "SamplingParams": "pagedkv.engine.sampling_params",
-         "RequestOutput": "pagedkv.engine.outputs", "EngineConfig": "pagedkv.config",
+_LAZY = {"LLM": "pagedkv.engine.llm", "SamplingParams": "pagedkv.core.sampling_params",
+         "RequestOutput": "pagedkv.engine.outputs", "EngineConfig": "pagedkv.config.engine",
          "plan": "pagedkv.planner", "simulate": "pagedkv.sim.run"}
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "plan", "simulate"]

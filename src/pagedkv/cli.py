@@ -28,7 +28,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (default: 1.0, off)")
+                   help="nucleus sampling: keep the smallest set of tokens whose probability reaches P "
+                        "(default: 1.0, off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default: 0, off)")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -38,7 +39,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(a: argparse.Namespace):
-    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.core.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                           seed=a.sampling_seed, stop=a.stop, stop_token_ids=a.stop_token_ids,
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for prompts", epilog=GENERATE_EXAMPLES,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("prompts", nargs="*", help="prompt strings")
-    gen.add_argument("--prompts-file", type=Path, help="prompts to run after any given as arguments: plain text, one a line; or, "
+    gen.add_argument("--prompts-file", type=Path,
+                     help="prompts to run after any given as arguments: plain text, one a line; or, "
                      "for .jsonl/.json names, one JSON string or {\"prompt\": ...} object a line (.json: or one "
                      "array of them)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

@@ -1,7 +1,7 @@
 """What ``pagedkv`` and its subcommand modules (bench, eval, serve) share: the argparse
 parser that reports a mistake in one line, and the engine flags.
 
-The engine flags are generated from :class:`~pagedkv.config.EngineConfig`: one flag per
+The engine flags are generated from :class:`~pagedkv.config.engine.EngineConfig`: one flag per
 field (``block_size`` -> ``--block-size``, vLLM's names), its default the field's default
 and its help the field's entry in the class docstring (``Attributes:``), with
 ``field_name`` references written as ``--field-name`` and ``(default: ...)`` added
@@ -20,9 +20,19 @@ import inspect
 import re
 import typing
 
-from pagedkv.config import (ACTIVATION_DTYPES, KV_ALLOCATORS, KV_CACHE_DTYPES, KV_CACHE_SCALES, KV_EVICTIONS,
-                            KV_OFFLOAD_POLICIES, PREEMPTION_MODES, SCHEDULING_POLICIES, STREAMING_POSITIONS, WEIGHT_DTYPES,
-                            EngineConfig)
+from pagedkv.config.engine import (
+    ACTIVATION_DTYPES,
+    KV_ALLOCATORS,
+    KV_CACHE_DTYPES,
+    KV_CACHE_SCALES,
+    KV_EVICTIONS,
+    KV_OFFLOAD_POLICIES,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    STREAMING_POSITIONS,
+    WEIGHT_DTYPES,
+    EngineConfig,
+)
 
 #: argparse options per field beyond type, default and help; fields absent here are
 #: plain typed flags. ``None`` marks a field that is not a flag.

@@ -68,7 +68,7 @@ def _parse_line(line: str, n: int) -> str:
 def _prompt(obj, where: str) -> str:
     from dataclasses import fields
 
-    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.core.sampling_params import SamplingParams
 
     if isinstance(obj, str):
         return obj

@@ -56,7 +56,7 @@ def model_info(name: str, check_kernel: bool = False) -> dict:
 def kernel_status(check: bool) -> dict:
     """The fused CPU attention kernel: its build folder for this CPU/torch/source, whether
     the library is there, and (``check``) whether it builds and loads."""
-    from pagedkv.attention import kernel
+    from pagedkv.kernels.cpu import library as kernel
 
     directory = kernel.build_directory()
     status = {"build_directory": str(directory), "built": (directory / "pagedkv_attention.so").exists(),

@@ -2,6 +2,7 @@
 C++ sources in ``csrc/``) and the dispatcher between them (``dispatch``)."""
 
 from pagedkv.attention.dispatch import paged_attention
-from pagedkv.attention.paged import AttentionMetadata, SeqAttention, paged_attention_reference
+from pagedkv.attention.metadata import AttentionMetadata, SeqAttention
+from pagedkv.attention.reference import paged_attention_reference
 
 __all__ = ["paged_attention", "paged_attention_reference", "AttentionMetadata", "SeqAttention"]

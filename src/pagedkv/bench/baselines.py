@@ -25,8 +25,8 @@ import time
 import torch
 
 from pagedkv.bench.metrics import RequestRecord
-from pagedkv.planner.roofline import StepWork, causal_pairs
 from pagedkv.bench.workloads import BenchRequest
+from pagedkv.planner.roofline import StepWork, causal_pairs
 
 
 class BaselineUnavailable(RuntimeError):
@@ -69,7 +69,8 @@ def run_hf_static(model, workload: list[BenchRequest], batch_size: int, pad_toke
         stamps: list[float] = []
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=pad_token_id, stopping_criteria=StoppingCriteriaList([_timestamp_criteria(stamps)]))
+                           pad_token_id=pad_token_id,
+                           stopping_criteria=StoppingCriteriaList([_timestamp_criteria(stamps)]))
         for r in batch:
             records.append(RequestRecord(t0, r.num_prompt_tokens, stamps[:r.output_len]))
         steps += _static_steps(batch, new)

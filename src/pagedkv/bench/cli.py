@@ -32,12 +32,13 @@ systems: pagedkv, contiguous (same engine, --kv-allocator contiguous), hf (trans
 generate, static padded batches), hf-cb (transformers continuous batching), llama-cpp
 (llama.cpp on the GGUF, batched as llama-batched-bench does, when llama-cpp-python is
 installed: pip install ../shared/wheels/llama_cpp_python-*.whl). Datasets (bundled, see
-pagedkv/bench/data/README.md): arena-hard, hh-rlhf, shared-prefix.
+pagedkv/data/README.md): arena-hard, hh-rlhf, shared-prefix.
 """
 
 DESCRIPTION = ("Benchmark pagedkv on bundled real workloads against its baselines (contiguous allocator, "
                "HF transformers, llama.cpp) and this machine's roofline, measured in the same run. "
-               "Prints medians over --repeats, ratios and the goals (see BENCHMARKS.md); --output writes JSON, --plot a PNG.")
+               "Prints medians over --repeats, ratios and the goals (see BENCHMARKS.md); --output writes JSON, "
+               "--plot a PNG.")
 
 DEFAULTS = {  # per command: dataset, prompts, prompt cap, max tokens, systems
     "throughput": ("arena-hard", 64, 512, 128, "pagedkv,contiguous,hf"),
@@ -71,8 +72,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_common(c: argparse.ArgumentParser, name: str) -> None:
-    from pagedkv.cli_common import add_engine_args
     from pagedkv.bench.workloads import DATASETS
+    from pagedkv.cli_common import add_engine_args
 
     dataset, prompts, cap, max_tokens, systems = DEFAULTS[name]
     g = c.add_argument_group("workload")
@@ -99,7 +100,8 @@ def _add_common(c: argparse.ArgumentParser, name: str) -> None:
     r.add_argument("--quick-measure", action="store_true",
                    help="measure bandwidth and matmul rate on small buffers (seconds faster, less exact)")
     if name == "prefix":
-        g.add_argument("--prefix-tokens", type=int, default=1024, help="shared system prompt tokens (default: %(default)s)")
+        g.add_argument("--prefix-tokens", type=int, default=1024,
+                       help="shared system prompt tokens (default: %(default)s)")
         g.add_argument("--question-tokens", type=int, default=64, help="tokens of each question (default: %(default)s)")
         r.add_argument("--replay-conversations", type=int, default=16, help="hh-rlhf conversations to replay; 0 = skip")
         r.add_argument("--replay-turns", type=int, default=4, help="most turns per conversation")
@@ -111,9 +113,9 @@ def _add_common(c: argparse.ArgumentParser, name: str) -> None:
 
 def settings_from_args(a: argparse.Namespace):
     """Validated :class:`Settings`. Raises ValueError on a bad value (before any loading)."""
-    from pagedkv.cli_common import engine_kwargs
     from pagedkv.bench.suite import SYSTEMS, Settings
-    from pagedkv.config import EngineConfig
+    from pagedkv.cli_common import engine_kwargs
+    from pagedkv.config.engine import EngineConfig
 
     systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
     bad = [s for s in systems if s not in SYSTEMS]

@@ -2,10 +2,10 @@
 
 Composed around the engine, not inside it: arrivals are injected by time between steps
 (``add_request``, then the request's ``arrival_time`` is set to its scheduled arrival so
-TTFT counts the wait for the step in flight); ``Scheduler.schedule`` is wrapped on the
-instance to see each step's ``SchedulerOutput`` (tokens, contexts: the roofline work);
-after every step the driver samples ``kv.slot_usage`` (KV waste), blocks in use and the
-number of running requests. A request whose ``output_len`` is below its ``max_tokens``
+TTFT counts the wait for the step in flight); each step's ``SchedulerOutput`` (tokens,
+contexts: the roofline work) is read from ``EngineCore.last_scheduled``; after every step
+the driver samples ``kv_manager.slot_usage`` (KV waste), blocks in use and the number of
+running requests. A request whose ``output_len`` is below its ``max_tokens``
 is ended by the driver when it reaches ``output_len`` (an EOS at the data's reply length);
 its pages are freed at once, as a stop would, and its finish reason is ``length``.
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedkv.bench.metrics import RequestRecord, WasteSamples, summarize_requests
-from pagedkv.planner.roofline import StepWork, chunk_work
 from pagedkv.bench.workloads import BenchRequest
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.core.sampling_params import SamplingParams
+from pagedkv.planner.roofline import StepWork, chunk_work
 
 
 @dataclass
@@ -85,27 +85,13 @@ def drive(engine, workload: list[BenchRequest], ignore_eos: bool = True, sample_
     Raises:
         ValueError: if the engine rejects a request (too long for it).
     """
-    sched, seen, peak = engine.scheduler, [], [0]
-    schedule, pool = sched.schedule, engine.kv.pool
-
-    def recording_schedule():
-        seen.append(schedule())
-        peak[0] = max(peak[0], pool.num_used)  # a request ending in this step frees its pages after it
-        return seen[-1]
-
-    sched.schedule = recording_schedule   # an instance attribute, removed below
-    try:
-        order = sorted(enumerate(workload), key=lambda x: x[1].arrival_s)
-        run = _loop(engine, order, ignore_eos, sample_waste, on_step, seen, clock, sleep)
-        run.scheduled_blocks_peak = peak[0]
-        return run
-    finally:
-        del sched.schedule
+    order = sorted(enumerate(workload), key=lambda x: x[1].arrival_s)
+    return _loop(engine, order, ignore_eos, sample_waste, on_step, clock, sleep)
 
 
-def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_waste, on_step, seen, clock,
+def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_waste, on_step, clock,
           sleep) -> EngineRun:
-    kv, sched = engine.kv, engine.scheduler
+    kv, sched, core = engine.kv_manager, engine.scheduler, engine.core
     preempt0, hits0 = sched.num_preemptions, kv.prefix_hits
     run = EngineRun([], [], [], [], [], WasteSamples(), 0.0, 0.0, 0, kv.pool.num_blocks, 0)
     targets: dict[str, tuple[int, object, int]] = {}
@@ -124,14 +110,14 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
                 run.idle_after[-1] = True
             sleep(max(0.0, pending[i][1].arrival_s - (clock() - t0)))
             continue
-        seen.clear()
         run.step_starts.append(now)
         ts = clock()
         outs = engine.step()
         run.step_seconds.append(clock() - ts)
         run.idle_after.append(False)
         tb = clock()
-        _record_step(run, seen, kv, sched, sample_waste, sum(1 for o in outs if o.token_ids))
+        run.scheduled_blocks_peak = max(run.scheduled_blocks_peak, core.last_scheduled_blocks)
+        _record_step(run, core.last_scheduled, kv, sched, sample_waste, sum(1 for o in outs if o.token_ids))
         for out in outs:
             target, req, index = targets[out.request_id]
             if not out.finished and len(out.token_ids) >= target:
@@ -148,8 +134,7 @@ def _loop(engine, pending: list[tuple[int, BenchRequest]], ignore_eos, sample_wa
     return run
 
 
-def _record_step(run: EngineRun, seen: list, kv, sched, sample_waste: bool, num_sampled: int) -> None:
-    out = seen[-1] if seen else None
+def _record_step(run: EngineRun, out, kv, sched, sample_waste: bool, num_sampled: int) -> None:
     if out is not None and out.num_scheduled_tokens:
         chunks = out.chunks()
         run.steps.append(chunk_work([(start, n) for _, start, n in chunks], num_sampled))

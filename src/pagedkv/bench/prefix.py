@@ -49,7 +49,7 @@ def replay(ctx: Context, num_conversations: int, max_turns: int, max_tokens: int
     history = [[] for _ in convs]
     previous: list[list[int] | None] = [None] * len(convs)
     turns = []
-    bs = engine.kv.block_size
+    bs = engine.kv_manager.block_size
     for k in range(max_turns):
         live = [i for i, c in enumerate(convs) if len(c) > k]
         if not live:

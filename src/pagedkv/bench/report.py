@@ -98,7 +98,8 @@ def summarize(result: dict, best_key: str = "metrics.output_tokens_per_s", highe
     shared machine only ever slows a run down, so the best run is the least disturbed)."""
     by_system: dict[str, list[dict]] = {}
     for run in result["runs"]:
-        by_system.setdefault(run["system"], []).append(flatten({k: run[k] for k in run if k not in ("system", "repeat")}))
+        flat = flatten({k: run[k] for k in run if k not in ("system", "repeat")})
+        by_system.setdefault(run["system"], []).append(flat)
     result["best"] = {}
     for system, runs in by_system.items():
         keys = sorted({k for r in runs for k in r})

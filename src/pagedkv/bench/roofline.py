@@ -44,7 +44,8 @@ class Machine:
         read, n, repeats = sizes[size]
         m = measure(read, n, repeats)
         n = n or 1024
-        return cls(m["read_bandwidth_bytes_per_s"], m["fp32_flops"], m["method"] + f"; {n}^3 int8, the faster of torch._int_mm and FBGEMM",
+        return cls(m["read_bandwidth_bytes_per_s"], m["fp32_flops"],
+                   m["method"] + f"; {n}^3 int8, the faster of torch._int_mm and FBGEMM",
                    int8_rate(n, repeats or 5))
 
     def best(self, other: "Machine") -> "Machine":
@@ -152,5 +153,5 @@ def model_cost(engine) -> ModelCost:
     mm = sum(t.numel() for layer in m.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
     head = m.lm_head.numel()
     return ModelCost(m.weight_bytes, weight_bytes(m.lm_head), mm, head,
-                     engine.parts.spec.bytes_per_token,
+                     engine.kv_spec.bytes_per_token,
                      2 * cfg.num_hidden_layers * cfg.num_attention_heads * 2 * cfg.head_dim)

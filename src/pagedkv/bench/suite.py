@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedkv.bench import baselines, report
-from pagedkv.config import EngineConfig
 from pagedkv.bench.driver import drive, warm_up
 from pagedkv.bench.load import LoadMeter
 from pagedkv.bench.roofline import Machine, as_float32, model_cost
 from pagedkv.bench.workloads import BenchRequest, build_workload, with_poisson_arrivals, workload_summary
+from pagedkv.config.engine import EngineConfig
 from pagedkv.planner.roofline import ModelCost, bound, ideal_offline_steps
 
 ENGINE_SYSTEMS = {"pagedkv": "paged", "contiguous": "contiguous"}
@@ -122,8 +122,8 @@ def _progress(bar):
 
 
 def make_engine(ctx: Context, **overrides):
+    from pagedkv.config.engine import EngineConfig
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.config import EngineConfig
 
     engine = LLMEngine(EngineConfig(**(ctx.settings.engine | overrides)))
     if ctx.cost is None:
@@ -284,7 +284,8 @@ def workload_for(ctx: Context) -> list[BenchRequest]:
 
 
 def throughput(settings: Settings) -> dict:
-    """Offline (all at once) unless a request rate is set; with the throughput goals for the engine vs HF (BENCHMARKS.md)."""
+    """Offline (all at once) unless a request rate is set; with the throughput goals for the
+    engine vs HF (BENCHMARKS.md)."""
     ctx = make_context(settings)
     result = run_systems(ctx, "throughput", workload_for(ctx), ideal=settings.request_rate == float("inf"))
     key = "metrics.output_tokens_per_s"

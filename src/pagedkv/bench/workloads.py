@@ -1,4 +1,4 @@
-"""Benchmark workloads from the bundled real data (see ``bench/data/README.md``).
+"""Benchmark workloads from the bundled real data (:mod:`pagedkv.data`).
 
 A workload is a list of :class:`BenchRequest`: prompt token ids (chat-templated and
 capped), how many tokens the request produces (``output_len``), the most it may produce
@@ -15,16 +15,12 @@ the run starts; 0 = offline, all at once).
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
-import re
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
+
+from pagedkv.data import load_arena_hard, load_hh_rlhf, load_sonnet
 
 DATASETS = ("arena-hard", "hh-rlhf", "shared-prefix")
-_TURN = re.compile(r"\n\n(Human|Assistant): ")
 
 
 @dataclass(frozen=True)
@@ -39,37 +35,6 @@ class BenchRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-
-def data_path(name: str) -> Path:
-    """Path of a bundled data file (``arena-hard-v0.1_question.jsonl``, ...)."""
-    return Path(str(resources.files("pagedkv.bench") / "data" / name))
-
-
-# ---- raw loaders --------------------------------------------------------------------
-def load_arena_hard(path: Path | None = None) -> list[str]:
-    """The 500 arena-hard v0.1 prompts, in file order."""
-    with open(path or data_path("arena-hard-v0.1_question.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
-def load_hh_rlhf(path: Path | None = None) -> list[list[tuple[str, str]]]:
-    """HH-RLHF helpful-base test conversations as ``[(role, text), ...]`` with roles
-    ``user``/``assistant``, from each row's ``chosen`` transcript. Rows whose roles do not
-    alternate from ``user`` or that hold an empty turn are dropped (10 of 2,354)."""
-    convs = []
-    with gzip.open(path or data_path("hh-rlhf_helpful-base_test.jsonl.gz"), "rt", encoding="utf-8") as f:
-        for line in f:
-            parts = _TURN.split(json.loads(line)["chosen"])[1:]   # [role, text, role, text, ...]
-            turns = [("user" if r == "Human" else "assistant", t) for r, t in zip(parts[::2], parts[1::2])]
-            roles_ok = all(r == ("user", "assistant")[i % 2] for i, (r, _) in enumerate(turns))
-            if turns and roles_ok and turns[-1][0] == "assistant" and all(t.strip() for _, t in turns):
-                convs.append(turns)
-    return convs
-
-
-def load_sonnet(path: Path | None = None) -> str:
-    return Path(path or data_path("sonnet.txt")).read_text(encoding="utf-8")
 
 
 # ---- tokenization helpers -----------------------------------------------------------

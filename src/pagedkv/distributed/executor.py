@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
+from pagedkv.core.runner_io import ModelRunnerOutput, SchedulerOutput
 from pagedkv.distributed.group import TPGroup, tp_env_rank
-from pagedkv.distributed.worker import load_timeout, share_threads, torchrun_worker, worker_main
-from pagedkv.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedkv.distributed.worker import BuildRunner, load_timeout, share_threads, torchrun_worker, worker_main
 from pagedkv.model.loader import resolve_model
 from pagedkv.model.partition import partition
 
@@ -49,7 +49,7 @@ class TPGroupError(RuntimeError):
 
 class TPExecutor:
     """Rank 0 of a tensor-parallel group; a runner (``execute``) once :meth:`attach` gives
-    it rank 0's :class:`~pagedkv.engine.runner.ModelRunner`. Make it with :meth:`start`."""
+    it rank 0's :class:`~pagedkv.worker.model_runner.ModelRunner`. Make it with :meth:`start`."""
 
     connector = None  # no KV connector under tensor parallelism (yet)
 
@@ -62,9 +62,10 @@ class TPExecutor:
         atexit.register(self.close)  # a process that ends without closing the engine still stops its workers
 
     @classmethod
-    def start(cls, config: EngineConfig) -> "TPExecutor":
-        """Start (or, under torchrun, join) the group; rank 0 returns. A torchrun rank >= 1
-        serves steps here and then exits the process.
+    def start(cls, config: EngineConfig, build_runner: BuildRunner) -> "TPExecutor":
+        """Start (or, under torchrun, join) the group; rank 0 returns. Every other rank runs
+        ``build_runner(config, group)`` (:mod:`pagedkv.distributed.worker`), then serves
+        steps; a torchrun rank >= 1 does so here and then exits the process.
 
         Raises:
             ValueError: the model cannot be split over ``tensor_parallel_size`` ranks.
@@ -72,7 +73,8 @@ class TPExecutor:
             TPGroupError: the ranks did not meet within ``distributed_timeout``.
         """
         world = config.tensor_parallel_size
-        partition(resolve_model(config.model).config, 0, world)  # a split that cannot work fails here, no process started
+        # a split that cannot work fails here, no process started
+        partition(resolve_model(config.model).config, 0, world)
         if dist.is_initialized():
             raise ValueError("this process already holds a tensor-parallel engine (or another torch.distributed "
                              "group): close() it first; one tensor-parallel engine per process")
@@ -82,7 +84,7 @@ class TPExecutor:
                 raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but tensor_parallel_size is "
                                  f"{world}: they must be equal")
             if env_rank != 0:
-                torchrun_worker(config)  # never returns
+                torchrun_worker(config, build_runner)  # never returns
             threads = share_threads(world)
             return cls(config, TPGroup.from_env(config.distributed_timeout), [], [], None, threads)
         ctx = mp.get_context("spawn")
@@ -91,7 +93,7 @@ class TPExecutor:
         procs, pipes = [], []
         for rank in range(1, world):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=worker_main, args=(config, rank, world, init, send), daemon=True,
+            p = ctx.Process(target=worker_main, args=(config, rank, world, init, send, build_runner), daemon=True,
                             name=f"pagedkv-tp-rank{rank}")
             p.start()
             procs.append(p)

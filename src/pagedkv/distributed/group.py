@@ -5,7 +5,7 @@ Two process groups over the same ranks:
 - the *compute* group carries the all-reduces inside the forward, with the engine's
   ``distributed_timeout``: a rank that dies closes its sockets and its peers' collective
   fails at once; a rank that hangs makes them fail when the timeout ends;
-- the *control* group carries each step's :class:`~pagedkv.engine.step_io.SchedulerOutput`
+- the *control* group carries each step's :class:`~pagedkv.core.runner_io.SchedulerOutput`
   (pickled) from rank 0 (the scheduler's process) to the workers, who wait there between
   steps for as long as the engine is idle (its timeout is a day; a rank-0 exit still ends the
   wait at once). Rank 0's sends wait at most the compute timeout: gloo sends only when the

@@ -1,6 +1,10 @@
 """A tensor-parallel worker: ranks 1..N-1 build their share of the model and pages, then
 run each step rank 0 sends (no sampling: rank 0 alone turns the hidden states into tokens).
 
+What a rank builds is the engine's business: it hands :meth:`TPExecutor.start
+<pagedkv.distributed.executor.TPExecutor.start>` a ``build_runner(config, group)`` (a
+module-level function, so a spawned process can import it) that returns the rank's runner.
+
 A worker that fails reports one line to the engine (when the engine started it) and exits,
 which closes its sockets, so rank 0's next collective fails at once instead of waiting.
 """
@@ -10,13 +14,16 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import Callable
 
 import torch
 
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
 from pagedkv.distributed.group import TPGroup
-from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.setup import build_parts
+
+#: ``build_runner(config, group) -> runner``: a rank's share of the model and pages, ready to
+#: ``execute`` the plain-data steps rank 0 sends
+BuildRunner = Callable[[EngineConfig, TPGroup], object]
 
 
 def share_threads(world: int) -> int:
@@ -33,23 +40,23 @@ def load_timeout(config: EngineConfig) -> float:
     return 10 * config.distributed_timeout
 
 
-def serve_steps(config: EngineConfig, group: TPGroup) -> None:
-    """Build this rank's parts, say ready, then run steps until rank 0 sends None."""
-    parts = build_parts(config, group)
-    runner = ModelRunner(parts.model, parts.storage, parts.kv.kv_groups, torch.Generator(), driver=False)
+def serve_steps(config: EngineConfig, group: TPGroup, build_runner: BuildRunner) -> None:
+    """Build this rank's runner, say ready, then run steps until rank 0 sends None."""
+    runner = build_runner(config, group)
     group.ready(load_timeout(config))
     while (step := group.recv_step()) is not None:
         runner.execute(step)
     group.close()
 
 
-def worker_main(config: EngineConfig, rank: int, world: int, init_method: str, errors) -> None:
+def worker_main(config: EngineConfig, rank: int, world: int, init_method: str, errors,
+                build_runner: BuildRunner) -> None:
     """Entry of a worker process the engine spawned; ``errors`` (a pipe's sending end) gets
     one line if it fails. Never returns normally: exits 0 when told to stop, else 1."""
     share_threads(world)
     try:
         errors.send("joining")
-        serve_steps(config, TPGroup(rank, world, init_method, config.distributed_timeout))
+        serve_steps(config, TPGroup(rank, world, init_method, config.distributed_timeout), build_runner)
     except BaseException as e:  # noqa: BLE001 - reported, then this rank leaves
         traceback.print_exc(file=sys.stderr)
         try:
@@ -60,12 +67,12 @@ def worker_main(config: EngineConfig, rank: int, world: int, init_method: str, e
     os._exit(0)
 
 
-def torchrun_worker(config: EngineConfig) -> None:
+def torchrun_worker(config: EngineConfig, build_runner: BuildRunner) -> None:
     """Rank >= 1 under torchrun: serve rank 0's steps, then exit the process (0, or 1 with
     the error printed)."""
     share_threads(config.tensor_parallel_size)
     try:
-        serve_steps(config, TPGroup.from_env(config.distributed_timeout))
+        serve_steps(config, TPGroup.from_env(config.distributed_timeout), build_runner)
     except BaseException:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         os._exit(1)

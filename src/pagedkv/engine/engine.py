@@ -13,31 +13,21 @@ import itertools
 import operator
 import warnings
 
-import torch
-
-from pagedkv.config import SCORED_EVICTIONS, EngineConfig
-from pagedkv.engine.admission import resolve_max_tokens
-from pagedkv.engine.core import EngineCore
-from pagedkv.engine.core_io import EngineCoreOutput
-from pagedkv.engine.kv_eviction import eviction_policy
-from pagedkv.engine.outputs import RequestOutput, TextRequest
-from pagedkv.engine.preemption import model_preemption_cost
-from pagedkv.engine.request import Request
-from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.setup import EngineParts, build_parts, check_fits_in_ram, step_tokens
-from pagedkv.engine.stats import EngineStats, collect_stats
-from pagedkv.attention.dispatch import copy_pages
+from pagedkv.config.engine import SCORED_EVICTIONS, EngineConfig
+from pagedkv.connectors.base import KVConnector
+from pagedkv.connectors.offload.disk_records import check_directory_free
+from pagedkv.core.admission import resolve_max_tokens
+from pagedkv.core.core_output import EngineCoreOutput
+from pagedkv.core.limits import step_tokens
+from pagedkv.core.request import Request
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.distributed.executor import TPExecutor
 from pagedkv.distributed.group import tp_env_rank
-from pagedkv.distributed.pd_connectors import transfer_connector
-from pagedkv.kv.connector import KVConnector
-from pagedkv.kv.cpu_offload import cpu_offload_connector
-from pagedkv.kv.disk_tier import check_directory_free
+from pagedkv.engine.build import build_connector, build_engine_core, start_tensor_parallel
+from pagedkv.engine.outputs import RequestOutput, TextRequest
+from pagedkv.engine.parts import EngineParts, build_parts
+from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.reprs import brief
-from pagedkv.spec_decode.draft_model import DraftModelProposer
-from pagedkv.spec_decode.ngram import NgramProposer
 
 ENDED_KEPT = 1024  # recently ended requests whose final output ``final_output`` can still give
 
@@ -47,7 +37,7 @@ class LLMEngine:
 
     Args:
         config: the engine settings (or pass its fields as keywords).
-        kv_connector: a KV connector (:mod:`pagedkv.kv.connector`) to load and save pages
+        kv_connector: a KV connector (:mod:`pagedkv.connectors.base`) to load and save pages
             elsewhere, or None.
 
     Raises (constructor):
@@ -65,13 +55,17 @@ class LLMEngine:
                           stacklevel=2)
         if self.config.kv_offload_dir and self.config.kv_offload_memory:
             check_directory_free(self.config.kv_offload_dir)  # before minutes of loading, not after
-        tp = TPExecutor.start(self.config) if self.config.tensor_parallel_size > 1 else None
+        tp = start_tensor_parallel(self.config)
         try:
-            self._build(kv_connector, tp)
+            self.parts: EngineParts = build_parts(self.config, tp.group if tp else None)
+            self.connector = build_connector(self.config, self.parts, kv_connector)  # both sides, or None
+            self.core = build_engine_core(self.config, self.parts, self.connector, tp)
         except BaseException:
             if tp is not None:  # the workers wait for rank 0: stop them
                 tp.close()
             raise
+        self.model, self.tokenizer, self.kv_manager = self.parts.model, self.parts.tokenizer, self.parts.kv_manager
+        self.max_model_len, self.eos_token_ids = self.parts.max_model_len, self.parts.eos_token_ids
         self._texts: dict[str, TextRequest] = {}
         self._ended: dict[str, TextRequest] = {}   # recently ended, for final_output
         self._kept: dict[str, TextRequest | None] = {}  # ended records kept past the cap, by id
@@ -79,45 +73,24 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_rejected = 0
 
-    def _build(self, kv_connector: KVConnector | None, tp: TPExecutor | None) -> None:
-        """The parts, scheduler, runner and core (with ``tp``: rank 0's share, the other
-        ranks building theirs alongside)."""
-        parts: EngineParts = build_parts(self.config, tp.group if tp else None)
-        self.parts = parts
-        self.model, self.tokenizer, self.kv = parts.model, parts.tokenizer, parts.kv
-        self.max_model_len, self.eos_token_ids = parts.max_model_len, parts.eos_token_ids
-        if self.config.kv_transfer_config is not None:
-            kv_connector = transfer_connector(self.config.kv_transfer_config, parts, kv_connector)
-        if self.config.kv_offload_memory:
-            if kv_connector is not None:
-                raise ValueError("kv_offload_memory and a kv_connector cannot be combined (one connector per engine)")
-            c = self.config
-            check_fits_in_ram(parts.storage.nbytes + c.kv_offload_memory)  # cache + tier
-            kv_connector = cpu_offload_connector(self.kv, parts.storage, c.kv_offload_memory, c.kv_offload_policy,
-                                                 c.kv_offload_dir, c.kv_offload_disk_size, copy_pages)
-        spec, eviction = self.config.speculative_config, eviction_policy(self.config)
-        scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                              self.max_model_len, self.eos_token_ids,
-                              kv_connector.scheduler if kv_connector else None,
-                              self.config.scheduling_policy,
-                              model_preemption_cost(self.config.preemption_mode, self.model),
-                              spec.num_speculative_tokens if spec else 0,
-                              spec.num_lookahead_tokens if spec else 0, eviction)
-        runner = ModelRunner(self.model, parts.storage, self.kv.kv_groups,
-                             torch.Generator().manual_seed(self.config.seed),
-                             kv_connector.worker if kv_connector else None,
-                             make_proposer(spec, parts), eviction)
-        if tp is not None:  # the other ranks run the same step; rank 0 samples
-            runner = tp.attach(runner)
-        self.core = EngineCore(scheduler, runner, debug_invariants=self.config.debug_invariants)
-        if kv_connector is not None and hasattr(kv_connector.scheduler, "requests"):
-            kv_connector.scheduler.requests = scheduler.requests  # the live requests, read-only
-
     # the parts, by their usual names
     scheduler = property(lambda self: self.core.scheduler)
     runner = property(lambda self: self.core.runner)
     requests = property(lambda self: self.core.scheduler.requests, doc="live requests by id")
     peak_blocks_used = property(lambda self: self.core.peak_blocks_used)
+    kv_cache = property(lambda self: self.parts.kv_cache, doc="the page tensors (KVCacheStorage)")
+    model_files = property(lambda self: self.parts.files, doc="the model's files (folder, config, GGUF)")
+    kv_spec = property(lambda self: self.parts.kv_spec, doc="the target model's KV spec (bytes per token, page)")
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model takes: ``[0, vocab_size)``."""
+        return self.model.embed.shape[0]
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole KV pool holds (blocks x block size; a window group's pages count once)."""
+        return self.kv_manager.pool.num_blocks * self.kv_manager.block_size
 
     # ---- requests -------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
@@ -146,7 +119,8 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, a duplicate id, a
-                ``cache_salt`` that is not a non-empty string, or a request that can never fit (the message names the numbers).
+                ``cache_salt`` that is not a non-empty string, or a request that can never fit
+                (the message names the numbers).
         """
         rid = request_id if request_id is not None else self._new_id()
         try:
@@ -180,12 +154,15 @@ class LLMEngine:
 
     def release_transfer(self, params) -> None:
         """A decode leg that will not run (refused, or not added with its batch): the producer
-        frees its lease now (a step that computes nothing carries the release). No-op
-        without a consumer connector or transfer."""
-        reject = getattr(self.scheduler.connector, "reject", None)
-        if reject is not None:
-            if isinstance(params, SamplingParams):
-                reject(params.kv_transfer_params)
+        frees its lease now (a step that computes nothing carries the release, and those of
+        requests aborted before it). ``params``: the leg's SamplingParams, or None to send only
+        what is pending. No-op without a connector or anything to release."""
+        connector = self.scheduler.connector
+        if connector is None:
+            return
+        if isinstance(params, SamplingParams) and params.kv_transfer_params:
+            connector.reject(params.kv_transfer_params)
+        if connector.has_pending_releases():
             self.core.connector_step()
 
     def _new_id(self) -> str:
@@ -199,7 +176,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
-        vocab = self.model.embed.shape[0]
+        vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
@@ -215,7 +192,7 @@ class LLMEngine:
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         """Output tokens this request may make; rejects what could never fit."""
-        return resolve_max_tokens(self.kv, self.max_model_len, step_tokens(self.config), num_prompt, params,
+        return resolve_max_tokens(self.kv_manager, self.max_model_len, step_tokens(self.config), num_prompt, params,
                                   self.config.kv_eviction == "streaming", self.scheduler.eviction)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -285,7 +262,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block (in-use blocks stay, unpublished). Returns the count."""
-        return self.kv.reset_prefix_cache()
+        return self.kv_manager.reset_prefix_cache()
 
     def check_health(self) -> None:
         """Raise if the engine cannot step again (a tensor-parallel rank was lost:
@@ -300,9 +277,9 @@ class LLMEngine:
         workers stop here, and such an engine cannot step after."""
         if isinstance(self.runner, TPExecutor):
             self.runner.close()
-        if self.runner.connector is not None:
+        if self.connector is not None:
             self.core.connector_step()  # plan and start the disk writes still owed
-            self.runner.connector.close()  # wait for them; release the directory
+            self.connector.worker.close()  # wait for them; release the directory
             self.core.connector_step()  # report them: counters, pins
 
 
@@ -329,12 +306,3 @@ def _int_list(ids) -> list[int]:
         return [operator.index(t) for t in ids]
     except TypeError:
         raise ValueError("prompt_token_ids must be a list of integers") from None
-
-
-def make_proposer(spec, parts: EngineParts):
-    """The runner's speculative proposer for ``spec`` (None: speculation off)."""
-    if spec is None:
-        return None
-    if spec.method == "draft_model":
-        return DraftModelProposer(spec, parts.draft.model, parts.storage.draft_view(), parts.spec.block_size)
-    return NgramProposer(spec)

@@ -11,10 +11,10 @@ import itertools
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
 
 Prompt = str | dict
 
@@ -189,7 +189,8 @@ class LLM:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ValueError('messages must be a non-empty list of {"role": str, "content": str}')
-        messages = [{**m, "role": _valid_text(m["role"], "role"), "content": _content_text(m["content"] if "content" in m else ...)}
+        messages = [{**m, "role": _valid_text(m["role"], "role"),
+                     "content": _content_text(m["content"] if "content" in m else ...)}
                     for m in messages]
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.engine.core_io import EngineCoreOutput
+from pagedkv.core.core_output import EngineCoreOutput
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.stop_strings import PartialStopTracker, find_stop
 
 

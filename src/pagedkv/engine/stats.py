@@ -25,7 +25,7 @@ class EngineStats:
     num_generated_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    kv_offload: dict | None = None  # the CPU tier's counters (kv.cpu_offload.OffloadStats), if on
+    kv_offload: dict | None = None  # the CPU tier's counters (connectors.offload.cpu_tier.OffloadStats), if on
     preemptions_by_mode: dict | None = None  # {"recompute": n, "swap": m}
     spec_decode: dict | None = None  # speculative decoding counters (spec_decode.stats), if on
     blocks_freed_by_window: int = 0  # pages a sliding window gave back before their request ended
@@ -43,27 +43,21 @@ class EngineStats:
 
 
 def collect_stats(engine) -> EngineStats:
-    usage, kv, sched = engine.kv.usage(), engine.kv, engine.scheduler
+    """The stats of an :class:`~pagedkv.engine.engine.LLMEngine`: its KV manager's usage, the
+    scheduler's counters (:class:`~pagedkv.core.scheduler_stats.SchedulerStats`), the
+    connector's on both sides."""
+    kv_manager = engine.kv_manager
+    usage, sched = kv_manager.usage(), engine.scheduler.stats()
+    connector = engine.connector
     return EngineStats(
-        block_size=kv.block_size, num_blocks=usage.total, blocks_used=usage.used,
+        block_size=kv_manager.block_size, num_blocks=usage.total, blocks_used=usage.used,
         blocks_cached=usage.cached, blocks_free=usage.free, peak_blocks_used=engine.peak_blocks_used,
-        kv_bytes_per_token=sum(s.bytes_per_token for s in engine.parts.storage.specs),  # every layer, a draft's too
-        kv_cache_bytes=engine.parts.storage.nbytes,
-        num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
+        kv_bytes_per_token=sum(s.bytes_per_token for s in engine.kv_cache.specs),  # every layer, a draft's too
+        kv_cache_bytes=engine.kv_cache.nbytes,
+        num_running=sched.num_running, num_waiting=sched.num_waiting, num_preemptions=sched.num_preemptions,
         num_rejected=engine.num_rejected, num_generated_tokens=engine.num_generated_tokens,
-        prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-        kv_offload=_offload_stats(sched.connector), preemptions_by_mode=dict(sched.preemptions_by_mode),
-        spec_decode=sched.spec_stats.to_dict() if sched.spec_stats is not None else None,
-        blocks_freed_by_window=sum(getattr(g, "blocks_given_back", 0) for g in kv.groups),
-        tokens_evicted=sched.num_tokens_evicted, blocks_freed_by_eviction=sched.blocks_freed_by_eviction,
-        kv_transfer=_transfer_stats(getattr(engine.runner, "connector", None)))
-
-
-def _transfer_stats(worker) -> dict | None:
-    get = getattr(worker, "transfer_stats", None)
-    return get() if get is not None else None
-
-
-def _offload_stats(connector) -> dict | None:
-    stats = getattr(connector, "stats", None)
-    return asdict(stats) if stats is not None else None
+        prefix_cache_queries=kv_manager.prefix_queries, prefix_cache_hits=kv_manager.prefix_hits,
+        kv_offload=sched.connector, preemptions_by_mode=sched.preemptions_by_mode,
+        spec_decode=sched.spec_decode, blocks_freed_by_window=kv_manager.blocks_given_back,
+        tokens_evicted=sched.tokens_evicted, blocks_freed_by_eviction=sched.blocks_freed_by_eviction,
+        kv_transfer=connector.worker.transfer_stats() if connector is not None else None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.eval.settings import KVSetting
 
 

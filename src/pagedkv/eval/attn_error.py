@@ -3,9 +3,9 @@
 For each layer, with the float32 model's own activations (teacher-forced, so errors do not
 compound from layer to layer): q, k, v of a window are computed once; the float32 output is
 causal attention over k, v as they are; a setting's output is the same attention over k, v
-stored and read back in that format (quantized with :mod:`pagedkv.kv.quant` exactly as the
+stored and read back in that format (quantized with :mod:`pagedkv.kv_cache.quant` exactly as the
 cache writes them: per-token-head scales per token, per-head / per-tensor scales from the
-engine's calibration text, :mod:`pagedkv.engine.calibrate`). The error of layer l is
+engine's calibration text, :mod:`pagedkv.worker.kv_scales`). The error of layer l is
 
     ||O_setting - O_float32||_F / ||O_float32||_F    over all windows' rows and heads,
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.attention.paged import attend
+from pagedkv.attention.reference import attend
 from pagedkv.eval.settings import KVSetting
-from pagedkv.engine.calibrate import layer_kv
-from pagedkv.kv import quant
-from pagedkv.kv.storage import TORCH_DTYPES
+from pagedkv.kv_cache import quant
+from pagedkv.kv_cache.storage import TORCH_DTYPES
+from pagedkv.worker.kv_scales import layer_kv
 
 
 def stored(x: torch.Tensor, setting: KVSetting, calibration: torch.Tensor | None = None,
@@ -44,7 +44,7 @@ def attention_errors(model, windows: list[list[int]], settings: list[KVSetting],
 
     ``model`` is a :class:`pagedkv.model.llama.LlamaModel`; ``windows`` token-id lists, each
     scored from position 0; ``calibration_ids`` the text static scales are calibrated on (the
-    engine's, :func:`pagedkv.engine.setup.engine_calibration_ids`; ``None`` = each window).
+    engine's, :func:`pagedkv.engine.build.engine_calibration_ids`; ``None`` = each window).
     Raises ValueError for no window.
     """
     if not windows:

@@ -21,7 +21,7 @@ EXAMPLES = """examples:
   pagedkv eval needle --lengths 2048,4096 --kv-eviction streaming --kv-window-tokens 1020
 """
 DEFAULT_SETTINGS = "float32,float16,int8,int8:per-head,int8:per-tensor,fp8_e4m3,fp8_e5m2"
-LONG_TEXT = "monte_cristo_ch01-08.txt"  # bundled (bench/data/README.md), the default --file
+
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -96,7 +96,7 @@ def _text_ids(a, tokenizer) -> list[int]:
 def _read_ids(file: Path | None, tokenizer, max_chars: int) -> list[int]:
     """Token ids of the first ``max_chars`` characters of ``file`` (default: the bundled text)."""
     if file is None:
-        from pagedkv.bench.workloads import data_path
+        from pagedkv.data import LONG_TEXT, data_path
 
         file = data_path(LONG_TEXT)
     if not file.exists():
@@ -178,9 +178,9 @@ def _attention(a) -> str:
 
 def run_attn_error(a) -> int:
     from pagedkv.eval.attn_error import attention_errors
-    from pagedkv.engine.setup import engine_calibration_ids
     from pagedkv.eval.ppl import windows
     from pagedkv.eval.settings import KVSetting, parse_settings
+    from pagedkv.model.load import engine_calibration_ids
 
     if getattr(a, "tensor_parallel_size", 1) > 1:
         raise ValueError("eval attn-error runs the model's layers itself, in this process: it does not take "
@@ -188,8 +188,8 @@ def run_attn_error(a) -> int:
     settings = parse_settings(a.kv_cache_dtype, a.kv_cache_scale)
     llm = _llm(a, KVSetting("float32"), max_model_len=a.window + 1)
     wins = windows(_text_ids(a, llm.get_tokenizer()), a.num_tokens, a.window)
-    cal = engine_calibration_ids(llm.get_tokenizer(), llm.engine.parts.files.config)  # as the engine's
-    errors = attention_errors(llm.engine.parts.model, wins, settings, cal)
+    cal = engine_calibration_ids(llm.get_tokenizer(), llm.engine.model_files.config)  # as the engine's
+    errors = attention_errors(llm.engine.model, wins, settings, cal)
     for label, per_layer in errors.items():
         mean, worst = sum(per_layer) / len(per_layer), max(per_layer)
         if a.json:

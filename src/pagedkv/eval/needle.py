@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.core.sampling_params import SamplingParams
 
 INTRO = ("There is a passkey hidden in the long passage below. Find it and remember it: you will be asked "
          "for it at the end.\n\n")

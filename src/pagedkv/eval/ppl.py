@@ -9,13 +9,13 @@ evaluation (e.g. HF's "Perplexity of fixed-length models" guide) with stride = w
 
 ``rolling=True`` scores every token instead, with lm-evaluation-harness's
 ``loglikelihood_rolling`` windows (``lm_eval.utils.get_rolling_token_windows`` with
-``context_len=1`` and ``max_seq_len = window - 1``, made disjoint), so its perplexity can
-be compared number for number with an lm-eval run against ``pagedkv serve`` at
-``max_length = window + 1`` (lm-eval's API models keep one token of ``max_length`` for
-generation: ``TemplateAPI`` sets ``self.max_length = max_length - 1``): the text is prefixed with ``prefix_token_id`` (lm-eval takes the
-tokenizer's BOS, else EOS); window ``j`` is ``s[j(W-1) : j(W-1) + W]`` of that sequence
-``s``, scoring all but its first token; the last, short one is extended back to ``W``
-tokens and scores only the tokens not yet scored.
+``context_len=1`` and ``max_seq_len = window - 1``, made disjoint), so its perplexity can be
+compared number for number with an lm-eval run against ``pagedkv serve`` at ``max_length =
+window + 1`` (lm-eval's API models keep one token of ``max_length`` for generation:
+``TemplateAPI`` sets ``self.max_length = max_length - 1``): the text is prefixed with
+``prefix_token_id`` (lm-eval takes the tokenizer's BOS, else EOS); window ``j`` is ``s[j(W-1) :
+j(W-1) + W]`` of that sequence ``s``, scoring all but its first token; the last, short one is
+extended back to ``W`` tokens and scores only the tokens not yet scored.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,6 @@ def perplexity(llm, token_ids: list[int], num_tokens: int, window: int, rolling:
     per_window = window_logprobs(llm, wins)
     logps = [lp for lps in per_window for lp in lps]
     nll = -sum(logps) / len(logps)
-    dtype = llm.engine.parts.spec.dtype
+    dtype = llm.engine.kv_spec.dtype
     buckets = position_buckets(wins, per_window, bucket) if bucket > 0 else ()
     return PerplexityResult(dtype, math.exp(nll), nll, len(logps), len(wins), window, buckets)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pagedkv.config import KV_CACHE_DTYPES, KV_CACHE_SCALES, KV_DTYPE_ALIASES
-from pagedkv.kv import quant
+from pagedkv.config.engine import KV_CACHE_DTYPES, KV_CACHE_SCALES, KV_DTYPE_ALIASES
+from pagedkv.kv_cache import quant
 
 
 class KVSetting(NamedTuple):

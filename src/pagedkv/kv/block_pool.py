@@ -17,7 +17,6 @@ this module never imports torch.
 from __future__ import annotations
 
 from collections import OrderedDict
-
 from typing import Hashable
 
 BlockKey = Hashable  # a prefix-cache key: a block hash, or (group_id, block hash)

@@ -118,6 +118,15 @@ def shared_page_slots(groups: Sequence[KVCacheGroup]) -> tuple[int, ...] | None:
     return tuple(slots[layer] for layer in range(len(slots)))
 
 
+def reads_whole_tables(draft_model: bool, offload_tier: bool, contiguous: bool = False) -> bool:
+    """Whether some part of the engine reads every layer of a request's pages through one
+    block table, so every layer must be in one full-attention group (window layers then keep
+    their pages): a draft model (its layers attend over the target's tables), a CPU/disk KV
+    tier or swap (they copy whole tables), or the contiguous allocator. The engine
+    (:func:`pagedkv.core.kv_layout.kv_groups`) and the planner both decide by this."""
+    return draft_model or offload_tier or contiguous
+
+
 def windows_free_pages(layer_windows: Sequence[int | None]) -> bool:
     """Whether the engine keeps window KV groups for these layers, so window layers give
     pages back: one window on every layer, or one window beside full layers (else one

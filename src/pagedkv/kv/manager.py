@@ -3,7 +3,7 @@
 A request has one block table per KV cache group (:mod:`pagedkv.kv.groups`); each group's
 tables are kept by a manager chosen from the group's spec type
 (:mod:`pagedkv.kv.single_type`). Token ``t`` of a request lives, in the layers of group
-``g``, in slot ``table_g[t // block_size] * block_size + t % block_size``::
+``g``, in slot ``table_g[t // block_size] * block_size + t % block_size`` (:mod:`pagedkv.kv.slots`)::
 
     | prefix hit (shared, read-only) | computed | new (this step) | unallocated |
     ^0                               ^hit       ^num_computed     ^+num_new
@@ -18,8 +18,6 @@ null block: table entries whose page was given back point at it. Plain ints; no 
 
 from __future__ import annotations
 
-from itertools import chain
-
 from collections import Counter
 from typing import NamedTuple, Protocol, Sequence
 
@@ -27,6 +25,7 @@ from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.groups import KVCacheGroup, single_group
 from pagedkv.kv.hashing import ROOT_HASH, BlockHash, encode_extra_keys, hash_blocks
 from pagedkv.kv.single_type import FullAttentionManager, manager_for
+from pagedkv.kv.slots import slot
 
 
 class CacheRequest(Protocol):
@@ -241,8 +240,7 @@ class KVCacheManager:
 
     def slot(self, request_id: str, position: int, group: int = 0) -> int:
         """Flat cache slot of token ``position`` of the request in ``group``'s layers."""
-        table = self.groups[group].block_tables[request_id]
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+        return slot(self.groups[group].block_tables[request_id], position, self.block_size)
 
     # ---- accounting ---------------------------------------------------------------------
     def slot_usage(self, num_written: dict[str, int]) -> tuple[int, int]:
@@ -273,6 +271,11 @@ class KVCacheManager:
         only = [b for b, c in Counter(tails).items() if b != pool.null_block and pool.ref_cnt[b] == c]
         return pool.num_used * bs, bs * (pool.num_used - len(only)) + sum(partial.get(b, 0) for b in only)
 
+    @property
+    def blocks_given_back(self) -> int:
+        """Pages every group gave back before their request ended (sliding windows)."""
+        return sum(g.blocks_given_back for g in self.groups)
+
     def usage(self) -> KVUsage:
         p = self.pool
         return KVUsage(p.num_used, p.num_evictable, p.num_free, p.num_blocks)
@@ -290,7 +293,8 @@ class KVCacheManager:
         for i, g in enumerate(self.groups):
             for rid, t in g.block_tables.items():
                 for b in t:
-                    assert b == null or owner.setdefault(b, i) == i, f"block {b} in group {owner.get(b)} and {i} ({rid})"
+                    ok = b == null or owner.setdefault(b, i) == i
+                    assert ok, f"block {b} in group {owner.get(b)} and {i} ({rid})"
 
 
 def _group_hit(hit: ComputedBlocks, group: int) -> list[int]:

@@ -32,6 +32,8 @@ class FullAttentionManager:
 
     #: a prefix lookup stops at the first missing block (cheap): done before other groups'
     lookup_first = True
+    #: pages given back before their request ended (a sliding window's), over the manager's life
+    blocks_given_back = 0
 
     def __init__(self, spec: KVLayerSpec, group_id: int, pool: BlockPool) -> None:
         self.spec, self.group_id, self.pool = spec, group_id, pool

@@ -27,7 +27,7 @@ QUANTIZED_DTYPES = frozenset({"fp8_e4m3", "fp8_e5m2", "int8", "int4"})
 #: How quantized pages store their scales:
 #: per-tensor: one fp32 per layer for K and one for V; per-head: one fp32 per layer, KV head
 #: and K/V; per-token-head: one bfloat16 per token, KV head and K/V (with the page; bfloat16
-#: keeps fp32's range, and the scale is rounded up so no value saturates: see kv/quant.py).
+#: keeps fp32's range, and the scale is rounded up so no value saturates: see kv_cache/quant.py).
 #: 2-byte token scales are what lets int8 reach 1.94x float16's tokens per byte at head_dim 64
 #: (fp32 scales: 1.88x); llama.cpp's Q8_0 likewise keeps a 2-byte scale per 32 values.
 #: per-channel (KIVI-style, Liu et al. 2024, arXiv:2402.02750): keys get one static fp32

@@ -7,7 +7,7 @@ about four cycles per 32 weights here, which bounds the step by instructions, no
 8 bits per block of 32 values (its ``block_q8_1``) and takes integer dot products of the
 weights' quants with them (``ggml_vec_dot_q4_1_q8_1``), scaling once per block. This module
 does the same, with this recipe (``torch.ops.pagedkv.ggml_a8_linear``,
-``attention/csrc/ggml_a8_linear.cpp``):
+``kernels/cpu/csrc/ggml_a8_linear.cpp``):
 
 - activations, per row and block ``b`` of 32 values: ``dx = amax / 127`` (1 for an all-zero
   block; NaN for a block with a NaN or infinity, which makes the row's output NaN),
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.model.ggml_weights import FORMATS, GROUP, Q4_1, Q8_0, GGMLWeight
+from pagedkv.model.ggml_weights import FORMATS, GROUP, Q4_1, GGMLWeight
 from pagedkv.model.int8_weights import kernel_op
 
 LANES = 16  # output channels per panel

@@ -5,7 +5,7 @@ over the memory bandwidth. A GGUF file's Q4_1 tensors hold 32 weights in 20 byte
 scale ``d``, fp16 minimum ``m``, 32 nibbles ``q``: ``w = d * q + m``) and its Q8_0 ones in 34
 (fp16 ``d``, 32 int8 ``q``: ``w = q * d``); see ggml-common.h (``block_q4_1``,
 ``block_q8_0``). :class:`GGMLWeight` keeps those bytes as the file has them, and
-``torch.ops.pagedkv.ggml_linear`` (``attention/csrc/ggml_linear.cpp``) widens each block in
+``torch.ops.pagedkv.ggml_linear`` (``kernels/cpu/csrc/ggml_linear.cpp``) widens each block in
 registers to exactly the fp32 values gguf-py's ``dequantize`` gives, multiplied with fp32
 activations: the products are those of the fp32 engine over the same dequantized weights
 up to summation order, and no activation is quantized. The kernel is batch-invariant by

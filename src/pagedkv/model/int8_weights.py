@@ -4,7 +4,7 @@ A decode step at small batch reads every weight once, so its time is the weights
 over the memory bandwidth; int8 weights read a quarter of fp32's. Each output channel n of
 a weight ``W [N, K]`` is stored as ``q[n] = round(W[n] / s[n])`` clamped to [-127, 127] with
 ``s[n] = max_k |W[n, k]| / 127`` (symmetric, per channel), and ``y = x . (q * s)^T`` is
-computed by ``torch.ops.pagedkv.int8_linear`` (``attention/csrc/int8_linear.cpp``), which
+computed by ``torch.ops.pagedkv.int8_linear`` (``kernels/cpu/csrc/int8_linear.cpp``), which
 widens the int8 values to fp32 in registers: activations are never quantized (per-tensor
 activation quantization, FBGEMM's dynamic int8, took SmolLM2's perplexity from 30.4 to 104;
 see BENCHMARKS.md). The kernel is batch-invariant by construction, so this path needs no
@@ -24,7 +24,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from pagedkv.attention.dispatch import kernel_state as _kernel_state
+from pagedkv.kernels.cpu.ops import kernel_state as _kernel_state
 
 QMAX = 127
 
@@ -106,8 +106,8 @@ def kernel_op(name: str):
 
 
 def _resolve(name: str):
-    from pagedkv.attention.dispatch import attention_mode
-    from pagedkv.attention.kernel import KernelBuildError, load_kernel
+    from pagedkv.kernels.cpu.library import KernelBuildError, load_kernel
+    from pagedkv.kernels.cpu.ops import attention_mode
 
     if attention_mode() == "reference":
         _warn_fallback("PAGEDKV_ATTENTION=reference")

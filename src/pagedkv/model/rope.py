@@ -54,7 +54,7 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos(), emb.sin()
         self.max_positions = max_positions
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of ``positions`` ``[T]``, each ``[T, 1, head_dim]`` (look up once per
         forward; every layer rotates with the same tables). Positions past the table (a
         streaming sequence longer than the model's positions) are computed row by row in
@@ -73,13 +73,13 @@ class RotaryEmbedding:
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.rotate(x, *self.tables(positions))
+        return self.rotate(x, *self.cos_sin(positions))
 
     @staticmethod
     def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """:meth:`rotate` in place where the kernel library's op takes ``x`` (fp32, heads
         contiguous; bit-identical to :meth:`rotate`), else :meth:`rotate`; returns the result."""
-        from pagedkv.attention.dispatch import layer_op
+        from pagedkv.kernels.cpu.ops import layer_op
 
         op = layer_op("rope_rotate_")
         if (op is not None and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3

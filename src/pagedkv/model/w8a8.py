@@ -3,7 +3,7 @@
 At batch 16+ a decode step's layer products are bound by the CPU's arithmetic rate, not by
 memory: fp32 FMAs here run at ~0.2 TFLOP/s, while int8 dot products (``vpdpbusd`` on
 AVX-512 VNNI CPUs, ``vpmaddubsw`` on AVX2) run several times faster (BENCHMARKS.md, issue
-17; ``torch.ops.pagedkv.w8a8_linear``, ``attention/csrc/w8a8_linear.cpp``). Each product
+17; ``torch.ops.pagedkv.w8a8_linear``, ``kernels/cpu/csrc/w8a8_linear.cpp``). Each product
 then runs as:
 
 - **weights**: per output channel symmetric int8 of ``W * s`` (``s`` the layer input's
@@ -14,7 +14,7 @@ then runs as:
 - **SmoothQuant** (Xiao et al., 2023, "SmoothQuant: Accurate and Efficient Post-Training
   Quantization for Large Language Models", eq. 4): per input channel
   ``s_k = max|X_k|^alpha / max|W_k|^(1 - alpha)`` with ``alpha = 0.5``, from the channel
-  maxima of a fixed calibration text (:mod:`pagedkv.engine.calibrate`'s), moves the
+  maxima of a fixed calibration text (:mod:`pagedkv.worker.kv_scales`'s), moves the
   activations' outliers into the weights: ``x W^T = (x / s)(W s)^T``.
 - **grouped activation scales** where SmoothQuant does not suffice: the MLP's down
   projection, whose input ``silu(gate) * up`` has token-specific spikes, takes one

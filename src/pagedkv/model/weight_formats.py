@@ -15,11 +15,12 @@ Fused weights (q/k/v, gate/up) are kept quantized only when all their parts are.
 
 from __future__ import annotations
 
-from pagedkv.config import WEIGHT_DTYPES  # noqa: F401 - the names, re-exported
+from pagedkv.config.engine import WEIGHT_DTYPES  # noqa: F401 - the names, re-exported
 from pagedkv.model.ggml_a8 import GGMLA8Weight
 from pagedkv.model.ggml_weights import FORMATS, Q4_1, Q8_0, GGMLWeight
 from pagedkv.model.int8_weights import Int8Weight
 from pagedkv.model.w8a8 import W8A8Weight
+
 #: Fused linear weight of a layer -> the checkpoint names of its parts (``model.layers.i.`` + name).
 FUSED = {"qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
          "o": ("self_attn.o_proj.weight",),

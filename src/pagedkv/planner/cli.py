@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from pagedkv.config import DEFAULT_MODEL
+from pagedkv.config.engine import DEFAULT_MODEL
 
 EXAMPLES = """\
 examples:
@@ -49,7 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="auto|float32|float16|bfloat16|fp8_e4m3|fp8_e5m2|int8|int4 (also fp16, bf16, fp8); "
                         "auto = the engine's compute dtype (default: auto)")
     p.add_argument("--kv-cache-scale", "--kv-scale", dest="kv_scale", default="per-token-head",
-                   help="scales of quantized KV: per-tensor|per-head|per-token-head|per-channel (default: per-token-head)")
+                   help="scales of quantized KV: per-tensor|per-head|per-token-head|per-channel "
+                        "(default: per-token-head)")
     p.add_argument("--weight-dtype", default="auto",
                    help="the --kv-cache-dtype names (int4: 4 bits, scales not counted), or q4_1 / q8_0 "
                         "(GGML blocks, scales counted: 0.625 / 1.0625 bytes per weight; the CPU engine's "

@@ -1,12 +1,11 @@
 """``--gpu cpu``: measure this machine's read bandwidth and fp32 matmul rate once, then cache them.
 
-Method (torch, default threads): read bandwidth is the best of several
-``x.sum()`` passes over a float32 tensor much larger than the last-level cache
-(bytes read / seconds); copy bandwidth the best of several copies of half of it (bytes
-copied / seconds: what moving KV pages between pools in host memory runs at); the matmul rate is the best of several ``a @ b`` on square
-float32 matrices (``2 n^3`` FLOPs / seconds). Best-of-N, because these machines
-are shared and noise only ever slows a run down. Device memory is the machine's
-physical RAM.
+Method (torch, default threads): read bandwidth is the best of several ``x.sum()`` passes over
+a float32 tensor much larger than the last-level cache (bytes read / seconds); copy bandwidth
+the best of several copies of half of it (bytes copied / seconds: what moving KV pages between
+pools in host memory runs at); the matmul rate is the best of several ``a @ b`` on square
+float32 matrices (``2 n^3`` FLOPs / seconds). Best-of-N, because these machines are shared and
+noise only ever slows a run down. Device memory is the machine's physical RAM.
 
 The result is cached as JSON in ``$XDG_CACHE_HOME/pagedkv/cpu.json`` (else
 ``~/.cache/pagedkv/cpu.json``), keyed by host name, CPU count and torch thread
@@ -61,7 +60,7 @@ def measure(read_bytes: int | None = None, matmul_n: int | None = None, repeats:
     half = x[: x.numel() // 2]
     dst = torch.empty_like(half)
     copy = half.numel() * 4 / _best_seconds(lambda: dst.copy_(half), repeats)  # bytes copied / s
-    del x, half, dst
+    x = half = dst = None  # freed (the timed lambdas are done with them)
     a = torch.randn(matmul_n, matmul_n)                         # [n, n]
     b = torch.randn(matmul_n, matmul_n)
     flops = 2 * matmul_n**3 / _best_seconds(lambda: a @ b, repeats)

@@ -4,8 +4,8 @@ caps, FP8 on parts without FP8 units)."""
 
 from __future__ import annotations
 
-from pagedkv.planner.hardware import Device
 from pagedkv.model.config import ModelConfig, head_spans
+from pagedkv.planner.hardware import Device
 from pagedkv.planner.units import fmt_bytes
 
 
@@ -34,7 +34,8 @@ def _layout_notes(r, m: ModelConfig) -> list[str]:
     if r.sliding_window_layers:
         blocks = (f"{fmt_bytes(r.paged_bytes_per_request)} in whole {r.block_size}-token blocks (a window "
                   "that does not start on a block edge straddles one more)"
-                  if r.paged_bytes_per_request != r.bytes_per_request else f"the same in whole {r.block_size}-token blocks")
+                  if r.paged_bytes_per_request != r.bytes_per_request
+                  else f"the same in whole {r.block_size}-token blocks")
         if not r.windows_free_pages:
             blocks = (f"but the engine holds {fmt_bytes(r.paged_bytes_per_request)} in whole {r.block_size}-token "
                       "blocks: with offload tiers or a draft model (or several windows) it keeps one KV group, "

@@ -66,7 +66,8 @@ def norm_params(m: ModelConfig) -> int:
 def count_params(m: ModelConfig) -> ParamCount:
     """Count the parameters of ``m``; see the module docstring for what is included."""
     embedding = m.vocab_size * m.hidden_size
-    total = embedding + (0 if m.tie_word_embeddings else embedding) + norm_params(m) + m.position_embeddings * m.hidden_size
+    head = 0 if m.tie_word_embeddings else embedding
+    total = embedding + head + norm_params(m) + m.position_embeddings * m.hidden_size
     expert = mlp_params(m, m.moe.expert_intermediate_size) if m.moe else 0
     moe_layers = sum(m.moe.is_moe_layer(i) for i in range(m.num_hidden_layers)) if m.moe else 0
     per_layer = attention_params(m) + m.norms_per_layer * norm_params(m)

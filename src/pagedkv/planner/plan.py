@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from pagedkv.config import parse_size
+from pagedkv.config.engine import parse_size
+from pagedkv.kv.groups import reads_whole_tables
 from pagedkv.kv.spec import SCALE_GRANULARITIES, KVCacheSpec, pool_cache_bytes, pool_num_blocks, pool_page_bytes
 from pagedkv.model.config import ModelConfig
 from pagedkv.planner import dtypes
@@ -104,7 +105,8 @@ def _min_tp(c: _Inputs, need: int) -> int | None:
             specs = c.specs(tp)
         except ValueError:
             continue  # this degree does not split the KV heads
-        budget = c.budget if c.budget is not None else int(c.dev.memory_bytes * c.util) - math.ceil(c.all_weight_bytes / tp)
+        budget = (c.budget if c.budget is not None
+                  else int(c.dev.memory_bytes * c.util) - math.ceil(c.all_weight_bytes / tp))
         if (_requests_fitting(specs, budget, c.seq_len) >= need) if need else _budget_blocks(specs, budget) >= 1:
             return tp
     return None
@@ -147,7 +149,9 @@ def _capacity(c: _Inputs) -> dict:
     budget = c.budget if c.budget is not None else usable - weights_dev
     max_req = _requests_fitting(c.specs(), budget, c.seq_len) if budget > 0 else 0
     blocks = _budget_blocks(c.specs(), budget)
-    out = dict(cache_budget_bytes=budget, num_blocks=blocks, max_cached_tokens=blocks * c.spec.block_size * (c.spec.page_layers or c.spec.num_layers) // c.spec.num_layers,
+    out = dict(cache_budget_bytes=budget, num_blocks=blocks,
+               max_cached_tokens=(blocks * c.spec.block_size * (c.spec.page_layers or c.spec.num_layers)
+                                  // c.spec.num_layers),
                max_concurrent_requests=max_req, batch_fits=max_req >= c.batch)
     if c.dev:
         out.update(device_memory_bytes=c.dev.memory_bytes, usable_memory_bytes=usable,
@@ -171,7 +175,7 @@ def _speed(c: _Inputs, max_req: int | None) -> dict:
 
 def _tiers(c: _Inputs, memory, disk) -> dict:
     """The KV offload tiers' capacity (whole pages per device) and per-block load time."""
-    from pagedkv.kv.disk_offload import RECORD_OVERHEAD
+    from pagedkv.connectors.offload.disk_tier import RECORD_OVERHEAD
 
     page, out = pool_page_bytes(c.specs()), {}
     link = tier_link(c.dev, c.specs(), page) if c.dev is not None and (memory is not None or disk is not None) else None
@@ -242,7 +246,7 @@ def _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, util,
 def _draft_model(speculative_config) -> ModelConfig | None:
     """The draft's config for a ``draft_model`` speculative config (a bundled name or a
     config.json path, as ``--model``), else None."""
-    from pagedkv.spec_decode.config import SpeculativeConfig
+    from pagedkv.config.speculative import SpeculativeConfig
 
     sc = SpeculativeConfig.parse(speculative_config)
     return load_model(sc.model) if sc is not None and sc.method == "draft_model" else None
@@ -277,7 +281,8 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
     """
     c = _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, gpu_memory_utilization,
                  kv_heads, block_size, kv_cache_memory, kv_scale_granularity, speculative_config)
-    one_group = c.draft is not None or kv_offload_memory is not None or kv_offload_disk_size is not None
+    one_group = reads_whole_tables(c.draft is not None,
+                                   kv_offload_memory is not None or kv_offload_disk_size is not None)
     c = replace(c, spec=whole_pages(c.spec, one_group), whole=whole_pages(c.whole, one_group))
     fields = {**_model_fields(c), **_capacity(c)}
     if c.dev:

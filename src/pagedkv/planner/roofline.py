@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from pagedkv.kv.spec import KVCacheSpec
+from pagedkv.model.config import ModelConfig
 from pagedkv.planner.dtypes import WEIGHT_DTYPE_BYTES
 from pagedkv.planner.hardware import Device
-from pagedkv.model.config import ModelConfig
-from pagedkv.planner.params import decode_params_read, matmul_params, count_params
+from pagedkv.planner.params import count_params, decode_params_read, matmul_params
 
 MAX_SWEEP_BATCH = 4096
 
@@ -277,7 +277,8 @@ def config_cost(m: ModelConfig, spec: KVCacheSpec, weight_dtype: str, tp: int = 
                      kv_bytes_per_token=spec.bytes_per_token,
                      attn_flops_per_pair=2 * m.num_hidden_layers * m.num_attention_heads * (dqk + dv) // tp,
                      expert_bytes=round(c.moe_layers * c.expert * per / tp),
-                     num_experts=m.moe.num_experts if m.moe else 0, experts_per_tok=m.moe.experts_per_tok if m.moe else 0,
+                     num_experts=m.moe.num_experts if m.moe else 0,
+                     experts_per_tok=m.moe.experts_per_tok if m.moe else 0,
                      allreduce_elements_per_token=allreduce_elements_per_token(m, tp))
 
 

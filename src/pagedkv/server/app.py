@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from pagedkv.config import SCORED_EVICTIONS
+from pagedkv.config.engine import SCORED_EVICTIONS
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.loader import load_tokenizer
 from pagedkv.reprs import brief
@@ -70,13 +70,13 @@ class Server:
         self.config = config
         self.metrics = ServerMetrics(lambda: self.loop.stats)
         self.loop = EngineLoop(engine, observer=self.metrics.observe)
-        self.tokenizer = load_tokenizer(engine.parts.files.folder)
+        self.tokenizer = load_tokenizer(engine.model_files.folder)  # its own: the engine thread uses the engine's
         self.token_text = TokenText(self.tokenizer)
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model.embed.shape[0]
+        self.vocab_size = engine.vocab_size
         self.engine_config = engine.config
         self.prompts = Prompts(self.tokenizer, engine.max_model_len, self.vocab_size)
-        self.capacity_tokens = engine.kv.pool.num_blocks * engine.kv.block_size
+        self.capacity_tokens = engine.capacity_tokens
         self.created = int(time.time())
 
     # ---- request checks ------------------------------------------------------------

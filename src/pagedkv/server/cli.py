@@ -19,7 +19,8 @@ import socket
 import sys
 import threading
 
-HARD_STOP_MARGIN_S = 30.0  # after the drain + abort: time for the engine step in flight to end, then uvicorn cancels what hangs
+# after the drain + abort: time for the engine step in flight to end, then uvicorn cancels what hangs
+HARD_STOP_MARGIN_S = 30.0
 
 SERVE_EXAMPLES = """examples:
   pagedkv serve                                  # smollm2-135m-instruct on http://127.0.0.1:8000
@@ -88,7 +89,7 @@ def run_serve(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from pagedkv.cli_common import engine_kwargs
-    from pagedkv.config import EngineConfig, parse_size
+    from pagedkv.config.engine import EngineConfig, parse_size
 
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
@@ -123,7 +124,7 @@ def _serve(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.torch_threads)
     print(f"pagedkv: loading {a.model} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
-    from pagedkv.attention.dispatch import prepare_kernel
+    from pagedkv.kernels.cpu.ops import prepare_kernel
 
     prepare_kernel()  # a first build (~15 s) happens now, not inside a request's engine step
     app = build_app(engine, ServerConfig(names, keys, max_body, not a.shared_prefix_cache, allowed_hosts))
@@ -132,7 +133,8 @@ def _serve(a: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv: serving {names[0]} on http://{shown}:{port} ({s.num_blocks} KV blocks of "
           f"{s.block_size} tokens = {s.num_blocks * s.block_size} tokens, {s.kv_cache_bytes / 2**20:.0f} MiB; "
-          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}: {describe(engine.model)}{_tiers(s)}{_spec(engine)}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
+          f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}: {describe(engine.model)}"
+          f"{_tiers(s)}{_spec(engine)}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
     limits = HTTPLimits(limit_concurrency=a.limit_concurrency or None)
     uvicorn_server(app, a.shutdown_timeout, limits, log_level=a.log_level,
                    access_log=a.access_log).run(sockets=[sock])

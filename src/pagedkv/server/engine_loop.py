@@ -22,9 +22,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.stats import EngineStats
 
 log = logging.getLogger("pagedkv.server")
@@ -133,11 +133,10 @@ class EngineLoop:
         if self._thread is None or not self._thread.is_alive():
             return "the engine is not running"
         if self.error is not None:
-            return f"an engine step failed: {str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__}"
-        check = getattr(self.engine, "check_health", None)  # (a stand-in engine may have none)
+            first = str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__
+            return f"an engine step failed: {first}"
         try:
-            if check is not None:
-                check()
+            self.engine.check_health()
         except Exception as e:  # noqa: BLE001 - any reason: unhealthy
             return str(e).splitlines()[0] if str(e) else type(e).__name__
         return None
@@ -212,7 +211,7 @@ class EngineLoop:
             self._abort_all()
         elif cmd[0] == "drain":
             sched = self.engine.scheduler
-            sched.max_num_batched_tokens = min(sched.max_num_batched_tokens, cmd[1])
+            sched.cap_step_tokens(cmd[1])
         elif cmd[0] == "abort":
             self._deliver([o for rid in cmd[1] if (o := self.engine.abort_request(rid)) is not None])
 
@@ -233,11 +232,9 @@ class EngineLoop:
             for rid in added:
                 self.engine.abort_request(rid)
                 self._routes.pop(rid, None)
-            release = getattr(self.engine, "release_transfer", None)
-            if release is not None:  # never added, or aborted: their prefill legs' leases go now
-                for r in cmd.requests[len(added) + 1:]:
-                    release(r.params)
-                release(None)  # (a step that carries the aborted ones' releases too)
+            for r in cmd.requests[len(added) + 1:]:  # never added, or aborted: their prefill legs' leases go now
+                self.engine.release_transfer(r.params)
+            self.engine.release_transfer(None)  # (a step that carries the aborted ones' releases too)
             if not isinstance(e, ValueError):
                 log.exception("add_request failed")
             return _resolve(cmd.loop, cmd.done, e)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-from urllib.parse import urlsplit
 
 from pagedkv.server.protocol import APIError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pagedkv.engine.sampling_params import MAX_STOP_CHARS, SamplingParams
+from pagedkv.core.sampling_params import MAX_STOP_CHARS, SamplingParams
 from pagedkv.reprs import brief
 
 MAX_N = 8                  # choices per request

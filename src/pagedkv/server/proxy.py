@@ -193,7 +193,8 @@ def add_parser(subparsers):
     import argparse
 
     p = subparsers.add_parser("proxy", help="one OpenAI endpoint over a prefill and a decode instance",
-                              description="One OpenAI endpoint in front of a prefill and a decode instance (disaggregated prefill/decode).", epilog=PROXY_EXAMPLES,
+                              description="One OpenAI endpoint in front of a prefill and a decode instance "
+                                          "(disaggregated prefill/decode).", epilog=PROXY_EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefill", required=True, help="the prefill instance's base URL (http://host:port)")
     p.add_argument("--decode", required=True, help="the decode instance's base URL")

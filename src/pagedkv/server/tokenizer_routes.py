@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.server.protocol import (APIError, _bool, _str, _token_ids, bad, parse_messages)
+from pagedkv.server.protocol import APIError, _bool, _str, _token_ids, bad, parse_messages
 
 
 @dataclass(frozen=True)

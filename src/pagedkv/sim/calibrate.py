@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pagedkv.config import EngineConfig
+from pagedkv.config.engine import EngineConfig
 from pagedkv.planner.roofline import ModelCost
 from pagedkv.sim.cost import Efficiency
 
@@ -140,18 +140,18 @@ def few_row_factors(cost, phases, reqs, tokens, secs, rows: int = FEW_ROWS,
                     batch_rows: int = BATCH_ROWS) -> tuple[tuple, tuple]:
     """``(few_row, few_row_kv)`` factors (:class:`~pagedkv.sim.cost.Efficiency`) per ``M = 1
     .. rows`` token rows, from the profiled decode steps of exactly ``M`` rows (one per
-    request: a prefill chunk of ``M`` tokens is priced by :func:`prefill_factors`): with ``(rest, kv)``
-    each step's modelled parts (:meth:`~pagedkv.sim.cost.StepCost.parts`), the non-negative
-    ``(a, b)`` minimizing the relative error of ``a * rest + b * kv`` where the steps read KV
-    of at least two sizes (a factor of 2 apart, 4 steps or more) and both lie within
-    :data:`SPLIT_RANGE` of the one-factor fit, else one factor for both (the median of
-    measured / modelled). Steps without a positive, finite time are left out. An ``M`` without steps is interpolated between its neighbours
-    (past the last measured one: nothing, i.e. 1). From ``rows + 1`` to ``batch_rows`` rows an
-    ``M`` counts only with :data:`MIN_BATCH_STEPS` steps or more (a lone odd step, a prefill
-    chunk's tail, decides nothing there), and past the last ``M`` measured the factors
-    return to 1 in a straight line at twice that ``M``: the batch-fitted terms price a
-    64-row decode ~5% and a 48-row one ~20% slow on the AMD EPYC family 26 (2026-12-05)
-    where the all-at-once steps before fitted within 1%."""
+    request: a prefill chunk of ``M`` tokens is priced by :func:`prefill_factors`): with
+    ``(rest, kv)`` each step's modelled parts (:meth:`~pagedkv.sim.cost.StepCost.parts`), the
+    non-negative ``(a, b)`` minimizing the relative error of ``a * rest + b * kv`` where the
+    steps read KV of at least two sizes (a factor of 2 apart, 4 steps or more) and both lie
+    within :data:`SPLIT_RANGE` of the one-factor fit, else one factor for both (the median of
+    measured / modelled). Steps without a positive, finite time are left out. An ``M`` without
+    steps is interpolated between its neighbours (past the last measured one: nothing, i.e. 1).
+    From ``rows + 1`` to ``batch_rows`` rows an ``M`` counts only with :data:`MIN_BATCH_STEPS`
+    steps or more (a lone odd step, a prefill chunk's tail, decides nothing there), and past
+    the last ``M`` measured the factors return to 1 in a straight line at twice that ``M``: the
+    batch-fitted terms price a 64-row decode ~5% and a 48-row one ~20% slow on the AMD EPYC
+    family 26 (2026-12-05) where the all-at-once steps before fitted within 1%."""
     from pagedkv.sim.fit import nnls
 
     factors = {}

@@ -44,9 +44,9 @@ EXAMPLES = """examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from pagedkv.bench.workloads import DATASETS
     from pagedkv.sim.sweep import TARGETS
     from pagedkv.sim.workloads import SYNTHETIC
-    from pagedkv.bench.workloads import DATASETS
 
     p = subparsers.add_parser(
         "simulate", help="simulate serving a workload on GPUs we do not have (the engine's scheduler, cost clock)",
@@ -154,7 +154,7 @@ def run_simulate(a) -> int:
 
 
 def _run(a) -> int:
-    from pagedkv.config import EngineConfig
+    from pagedkv.config.engine import EngineConfig
 
     flags, weight = _engine_flags(a)
     if a.trace is not None and (a.workload is not None or a.num_prompts is not None):
@@ -184,7 +184,8 @@ def _run(a) -> int:
         given = [f for f, v in (("--output", a.output), ("--plot", a.plot), ("--trace", a.trace),
                                 ("--request-rate", a.request_rate)) if v is not None]
         if given:
-            raise ValueError(f"not with --sweep: {', '.join(given)} (the sweep sets Poisson rates itself and writes no files)")
+            raise ValueError(f"not with --sweep: {', '.join(given)} (the sweep sets Poisson rates itself and writes "
+                             "no files)")
         return _run_sweep(a, flags, weight)
     return _run_one(a, flags, weight)
 

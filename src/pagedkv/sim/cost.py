@@ -30,7 +30,7 @@ while steps of several requests' prefills fitted better uncorrected than with ei
 (AMD EPYC family 26, 2026-12-05). On this CPU the GGML-block
 linear kernel widens each weight once per tile of up to 4 activation rows, and once per
 row for a lone row (a single-row step, or the row after whole tiles at 5 and 9 rows;
-``attention/csrc/ggml_linear.cpp``), so its cost per row is not flat; and a decode of one
+``kernels/cpu/csrc/ggml_linear.cpp``), so its cost per row is not flat; and a decode of one
 or two sequences reads its KV far below the rate a batch reaches (a 1-row step measured
 9 us per cached token against 3.8 us modelled from the batch-fitted ``kv_read``): neither
 is a roofline term. The simulator's runner adds ``idle_wake_s`` to the first step after
@@ -45,7 +45,6 @@ from dataclasses import asdict, dataclass
 
 from pagedkv.planner.roofline import Ceilings, ModelCost, StepWork
 from pagedkv.reprs import brief
-
 
 MAX_FEW_ROW_FACTOR = 1e3  # a step at 1,000x its modelled cost is a typo, not a machine
 MAX_OVERHEAD_S = 3600.0
@@ -103,7 +102,8 @@ class Efficiency:
         if not isinstance(self.source, str):
             raise ValueError(f"source must be a string, got {self.source!r}")
         if (self.kv_read is None) != (self.attention is None):
-            raise ValueError("kv_read and attention efficiencies are both set (a separate attention phase) or both None")
+            raise ValueError("kv_read and attention efficiencies are both set (a separate attention phase) "
+                             "or both None")
         for name in ("memory", "compute", "kv_read", "attention"):
             v = getattr(self, name)
             if not (v is None and name in ("kv_read", "attention")) and not (_real(v) and 0.0 < v <= 1.5):

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from pagedkv.bench.metrics import RequestRecord, summarize_requests
 from pagedkv.bench.workloads import BenchRequest
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.kv.connector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from pagedkv.connectors.base import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.reprs import brief
 from pagedkv.sim.engine import SimEngine
 
@@ -153,7 +153,8 @@ def parse_disagg(spec: str) -> tuple[int, int]:
     if not m or int(m[1]) < 1 or int(m[2]) < 1:
         raise ValueError(f"--disagg is XPYD with X, Y >= 1 (e.g. 2P1D), got {brief(spec)}")
     if int(m[1]) + int(m[2]) > MAX_INSTANCES:
-        raise ValueError(f"--disagg {spec.strip()}: at most {MAX_INSTANCES} instances in all (each is an engine in memory)")
+        raise ValueError(f"--disagg {spec.strip()}: at most {MAX_INSTANCES} instances in all "
+                         "(each is an engine in memory)")
     return int(m[1]), int(m[2])
 
 

@@ -4,10 +4,10 @@ swapped for a cost model and a virtual clock.
 Everything above the runner is the engine's code, unchanged: the :class:`Scheduler`
 (admission, chunked prefill, preemption, prefix caching), the :class:`KVCacheManager`
 and its groups (paged, contiguous or sliding-window), the admission checks
-(:func:`~pagedkv.engine.admission.resolve_max_tokens`) and ``max_model_len``'s cap by
-the cache (:func:`~pagedkv.engine.setup.cache_max_model_len`). It offers the part of
+(:func:`~pagedkv.core.admission.resolve_max_tokens`) and ``max_model_len``'s cap by
+the cache (:func:`~pagedkv.core.limits.cache_max_model_len`). It offers the part of
 :class:`~pagedkv.engine.engine.LLMEngine`'s interface the benchmark driver uses
-(``add_request``, ``step``, ``abort_request``, ``scheduler``, ``kv``), on token ids only:
+(``add_request``, ``step``, ``abort_request``, ``scheduler``, ``kv_manager``), on token ids only:
 no tokenizer, no weights, no tensors.
 
 Speculative decoding runs the scheduler's own draft handling (verification, lookahead
@@ -23,21 +23,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.config import EngineConfig
-from pagedkv.engine.admission import resolve_max_tokens
-from pagedkv.engine.core import EngineCore
-from pagedkv.engine.kv_eviction import eviction_policy
-from pagedkv.engine.preemption import PreemptionCost
-from pagedkv.engine.request import Request
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.setup import cache_max_model_len, check_streaming, kv_groups, resolve_max_model_len, step_tokens
+from pagedkv.config.engine import EngineConfig
+from pagedkv.core.admission import resolve_max_tokens
+from pagedkv.core.build import build_scheduler
+from pagedkv.core.engine_core import EngineCore
+from pagedkv.core.kv_layout import kv_groups
+from pagedkv.core.limits import cache_max_model_len, check_streaming, resolve_max_model_len, step_tokens
+from pagedkv.core.preemption import PreemptionCost
+from pagedkv.core.request import Request
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.model.config import ModelConfig
 from pagedkv.planner.roofline import ModelCost
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.runner import SimRunner
-from pagedkv.sim.tier import TierCosts, sim_tier
+from pagedkv.sim.tier import sim_tier
 
 
 @dataclass(slots=True)
@@ -57,9 +57,9 @@ class SimEngine:
         model: the model's shape (:func:`pagedkv.planner.models.load_model`).
         num_blocks: KV pages in the pool (the planner's ``num_blocks`` for the budget).
         cost: the model's cost (its matmul sizes price ``--preemption-mode`` decisions).
-        runner: a :class:`~pagedkv.sim.runner.SimRunner` on ``clock``.
+        runner: a :class:`~pagedkv.sim.runner.SimRunner` on ``clock``; with
+            ``kv_offload_memory``, made with the tiers' worker (:func:`~pagedkv.sim.tier.sim_tier_worker`).
         clock: the virtual clock, shared with the runner.
-        tier: the KV tiers' copy costs (with ``kv_offload_memory``).
         connector: a KV connector for the engine (e.g. a decode instance's remote prefill).
 
     Raises:
@@ -67,34 +67,28 @@ class SimEngine:
     """
 
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int, cost: ModelCost,
-                 runner: SimRunner, clock: VirtualClock, tier: TierCosts | None = None,
-                 connector=None) -> None:
+                 runner: SimRunner, clock: VirtualClock, connector=None) -> None:
         check_streaming(config, model)
         self.config, self.model_config, self.clock = config, model, clock
-        streaming = config.kv_eviction == "streaming"
-        max_len = resolve_max_model_len(model, config.max_model_len, streaming)
+        max_len = resolve_max_model_len(model, config.max_model_len, config.kv_eviction == "streaming")
         keys = (("model", model.name), ("kv_dtype", config.kv_cache_dtype), ("block_size", str(config.block_size)))
-        spec = config.speculative_config
-        if spec is not None and runner.spec is None:
+        speculative = config.speculative_config
+        if speculative is not None and runner.spec_draws is None:
             raise ValueError("speculative decoding is simulated at a given draft acceptance rate "
                              "(--spec-acceptance-rate, accepted / drafted as pagedkv bench reports it)")
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
-                                 kv_groups(config, model, spec is not None and spec.method == "draft_model"))
-        self.max_model_len = cache_max_model_len(config, self.kv, max_len)
+        has_draft = speculative is not None and speculative.method == "draft_model"
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, keys,
+                                         kv_groups(config, model, has_draft))
+        self.max_model_len = cache_max_model_len(config, self.kv_manager, max_len)
         self.connector = connector  # e.g. a decode instance's remote prefill (pagedkv.sim.disagg)
         if config.kv_offload_memory is not None:
-            if tier is None:
-                raise ValueError("a simulated KV tier needs its copy costs (SimSetup passes them)")
-            connector = self.connector = sim_tier(self.kv, config, tier)
-            runner.tier = connector.worker
+            if runner.tier is None:
+                raise ValueError("a simulated KV tier needs the runner's tier worker (sim_tier_worker)")
+            self.connector = sim_tier(self.kv_manager, config, runner.tier)
         preemption = PreemptionCost(config.preemption_mode, cost.layer_matmul_params, cost.attn_flops_per_pair)
-        scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                              frozenset(), connector.scheduler if connector else None, config.scheduling_policy,
-                              preemption,
-                              spec.num_speculative_tokens if spec else 0, spec.num_lookahead_tokens if spec else 0,
-                              eviction_policy(config))
-        if connector is not None:
-            connector.scheduler.requests = scheduler.requests  # the live requests, read-only
+        scheduler = build_scheduler(config, self.kv_manager, self.max_model_len,
+                                    connector=self.connector.scheduler if self.connector else None,
+                                    preemption=preemption)
         self.core = EngineCore(scheduler, runner, clock=clock, debug_invariants=config.debug_invariants)
         self._live: dict[str, Request] = {}
         self._next_id = 0
@@ -116,7 +110,7 @@ class SimEngine:
         try:
             if not isinstance(ids, (list, tuple)) or not ids:
                 raise ValueError("a simulated prompt is a non-empty list of token ids")
-            max_tokens = resolve_max_tokens(self.kv, self.max_model_len, step_tokens(self.config), len(ids),
+            max_tokens = resolve_max_tokens(self.kv_manager, self.max_model_len, step_tokens(self.config), len(ids),
                                             params, self.config.kv_eviction == "streaming",
                                             self.scheduler.eviction)
         except ValueError:
@@ -147,4 +141,4 @@ class SimEngine:
         return self.core.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> int:
-        return self.kv.reset_prefix_cache()
+        return self.kv_manager.reset_prefix_cache()

@@ -52,7 +52,8 @@ def _efficiency(entry: dict, where: str) -> Efficiency:
     known = set(Efficiency.__dataclass_fields__)
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown efficiency field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ValueError(f"{where}: unknown efficiency field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
     try:
         return Efficiency(**{"source": f"given in {where}", **fields})
     except TypeError as e:

@@ -56,7 +56,8 @@ def render(r: SimResult) -> str:
         f"  TPOT p50/p90/p99      {_ms(m['tpot_s'])} ms",
         f"  ITL  p50/p90/p99      {_ms(m['itl_s'])} ms",
         f"  e2e  p50/p90/p99      {_ms(m['e2e_s'])} ms",
-        f"  normalized latency    {_fmt_ms(m['normalized_latency_s'])} ms/token (mean over requests of e2e / output tokens)",
+        f"  normalized latency    {_fmt_ms(m['normalized_latency_s'])} ms/token "
+        "(mean over requests of e2e / output tokens)",
         f"  preemptions           {m['preemptions']}",
         f"  prefix cache hits     {m['prefix_hit_tokens']:,} tokens at admissions, readmissions after preemption "
         f"included ({w['prompt_tokens']:,} prompt tokens in the workload)",

@@ -21,13 +21,13 @@ import os
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from pagedkv.bench.driver import EngineRun, drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals, workload_summary
-from pagedkv.config import WEIGHT_DTYPES, EngineConfig
-from pagedkv.engine.kv_eviction import eviction_policy
-from pagedkv.engine.setup import kv_groups
+from pagedkv.config.engine import WEIGHT_DTYPES, EngineConfig
+from pagedkv.core.kv_eviction import eviction_policy
+from pagedkv.core.kv_layout import kv_groups
 from pagedkv.kv.groups import shared_page_slots
 from pagedkv.model.config import ENGINE_MAX_POSITIONS, ModelConfig
 from pagedkv.planner.hardware import disk_block_load_seconds, get_device, nvme_write_bandwidth
@@ -40,9 +40,15 @@ from pagedkv.sim.cost import Efficiency, StepCost
 from pagedkv.sim.engine import SimEngine
 from pagedkv.sim.runner import SimRunner, cost_model_times
 from pagedkv.sim.spec import SpecDraws, alpha_for
-from pagedkv.sim.tier import TierCosts
-from pagedkv.sim.workloads import (MAX_ARRIVAL_S, SYNTHETIC, check_requests, dataset_workload, load_trace,
-                                   synthetic_workload)
+from pagedkv.sim.tier import TierCosts, sim_tier_worker
+from pagedkv.sim.workloads import (
+    MAX_ARRIVAL_S,
+    SYNTHETIC,
+    check_requests,
+    dataset_workload,
+    load_trace,
+    synthetic_workload,
+)
 
 
 @dataclass
@@ -85,11 +91,13 @@ class SimSetup:
         clock = VirtualClock()
         m = sim_model(self.model_name)
         sc = self.config.speculative_config
-        spec = (SpecDraws(sc.num_speculative_tokens, self.spec_acceptance_rate, self.seed, self.draft_cost)
-                if sc is not None and self.spec_acceptance_rate is not None else None)
-        runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config), spec=spec,
-                           eviction=eviction_policy(self.config), idle_wake_s=self.step_cost.efficiency.idle_wake_s)
-        return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock, self.tier, connector)
+        draws = (SpecDraws(sc.num_speculative_tokens, self.spec_acceptance_rate, self.seed, self.draft_cost)
+                 if sc is not None and self.spec_acceptance_rate is not None else None)
+        runner = SimRunner(clock, cost_model_times(self.step_cost), windows=read_windows(m, self.config),
+                           spec_draws=draws, eviction=eviction_policy(self.config),
+                           tier=sim_tier_worker(self.config, self.tier),
+                           idle_wake_s=self.step_cost.efficiency.idle_wake_s)
+        return SimEngine(self.config, m, self.num_blocks, self.step_cost.cost, runner, clock, connector)
 
 
 def sim_model(name: str) -> ModelConfig:
@@ -143,7 +151,8 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
     draft = draft_parts(config, p, dev, tp, spec_acceptance_rate)
     if draft is not None:  # pages hold both models' KV (one pool, as the engine keeps them)
         page += draft[1]
-    elif not config.num_blocks:  # the plan's pool in this layout's pages (a hybrid model on one group: whole-layer pages)
+    # the plan's pool in this layout's pages (a hybrid model on one group: whole-layer pages)
+    elif not config.num_blocks:
         num_blocks = num_blocks * m.kv_spec(p.kv_cache_dtype, config.block_size, tp,
                                             config.kv_cache_scale).page_size_bytes // page
     check_pool(m, p, dev, config, tp, num_blocks, kv_cache_memory is not None, page)
@@ -196,7 +205,8 @@ def draft_parts(config: EngineConfig, p, dev, tp: int, rate: float | None):
         return None
     if rate is None:
         raise ValueError("speculative decoding is simulated at a given draft acceptance rate: pass "
-                         "spec_acceptance_rate (--spec-acceptance-rate), accepted / drafted as pagedkv bench reports it")
+                         "spec_acceptance_rate (--spec-acceptance-rate), accepted / drafted as pagedkv bench "
+                         "reports it")
     alpha_for(rate, sc.num_speculative_tokens)  # a rate outside [0, 1] is refused here, before any step
     if sc.method != "draft_model":
         return None
@@ -210,7 +220,8 @@ def sim_page_bytes(m: ModelConfig, p, config: EngineConfig, tp: int) -> int:
     (one group's layers) where its KV groups share pages, else every layer's."""
     spec = m.kv_spec(p.kv_cache_dtype, config.block_size, tp, config.kv_cache_scale)
     sc = config.speculative_config
-    if spec.page_layers and shared_page_slots(kv_groups(config, m, sc is not None and sc.method == "draft_model")) is None:
+    has_draft = sc is not None and sc.method == "draft_model"
+    if spec.page_layers and shared_page_slots(kv_groups(config, m, has_draft)) is None:
         spec = replace(spec, page_layers=0)
     return spec.page_size_bytes
 
@@ -343,7 +354,7 @@ def run_setup(setup: SimSetup, requests: list[BenchRequest]) -> SimResult:
     if engine.scheduler.spec_stats is not None:  # the drafts as the scheduler counted them
         metrics["spec_decode"] = engine.scheduler.spec_stats.to_dict()
     if engine.connector is not None:  # the CPU tier's counters, as the engine's stats() gives them
-        metrics["kv_offload"] = asdict(engine.connector.scheduler.stats)
+        metrics["kv_offload"] = engine.connector.scheduler.get_stats()
     return SimResult(settings, metrics, timeline, wall,
                      events / wall if wall > 0 else math.inf, run)
 
@@ -387,7 +398,7 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
         workload_seed: seed of synthetic lengths, dataset draws, arrivals and accepted drafts.
         spec_acceptance_rate: with ``speculative_config``, the share of drafts the target
             accepts (accepted / drafted; :mod:`pagedkv.sim.spec`); required then.
-        engine_flags: :class:`~pagedkv.config.EngineConfig` fields (block_size, max_num_seqs, ...).
+        engine_flags: :class:`~pagedkv.config.engine.EngineConfig` fields (block_size, max_num_seqs, ...).
 
     Raises:
         ValueError: unknown model, GPU or workload; bad numbers; settings not simulated.
@@ -407,7 +418,8 @@ def simulate(model: str = "smollm2-135m-instruct", gpu: str = "cpu", tp: int = 1
 
 
 def prepare(model: str, gpu: str, tp: int, engine_flags: dict, weight_dtype: str, gpu_memory_utilization: float,
-            kv_cache_memory, efficiency: Efficiency | str | None, workload, num_prompts: int, request_rate: float | None,
+            kv_cache_memory, efficiency: Efficiency | str | None, workload, num_prompts: int,
+            request_rate: float | None,
             workload_kw: dict, spec_acceptance_rate: float | None = None) -> tuple[SimSetup, list[BenchRequest]]:
     """The setup and the requests of one simulation (the arguments as :func:`simulate`'s;
     ``workload_kw``: :func:`build_requests`' keywords but ``max_model_len``, which is the

@@ -1,7 +1,7 @@
 """The simulator's runner: computes nothing, answers each step as the model runner would
 and advances the virtual clock by the step's seconds.
 
-It follows each request's length from the :class:`~pagedkv.engine.step_io.SchedulerOutput`
+It follows each request's length from the :class:`~pagedkv.core.runner_io.SchedulerOutput`
 deltas (the whole token list of a new or resumed request, the new tokens of a cached
 one), so it knows which chunks reach their request's last token: those sample one
 token (``token_id``; lengths, not values, matter to a schedule). A step's seconds come
@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedkv.engine.kv_eviction import KVEvictionPolicy
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.step_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedkv.core.kv_eviction import KVEvictionPolicy
+from pagedkv.core.runner_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.planner.roofline import StepWork, chunk_work
 from pagedkv.sim.clock import VirtualClock
 from pagedkv.sim.cost import StepCost, step_kind
@@ -25,7 +25,7 @@ from pagedkv.sim.tier import SimTierWorker
 
 @dataclass
 class _EvictState:
-    """What :class:`~pagedkv.engine.kv_eviction.KVEvictionPolicy` reads of a request."""
+    """What :class:`~pagedkv.core.kv_eviction.KVEvictionPolicy` reads of a request."""
     num_prompt_tokens: int
     sampling_params: SamplingParams
     num_computed_tokens: int = 0
@@ -33,7 +33,7 @@ class _EvictState:
 
 
 def kept_indices(length: int, budget: int, num_sinks: int, window: int) -> list[int]:
-    """A keep list as :func:`~pagedkv.engine.eviction_scores.select_tokens` returns one for
+    """A keep list as :func:`~pagedkv.worker.eviction_scores.select_tokens` returns one for
     equal scores: the sinks, the earliest ``budget - sinks - window`` tokens after them, the
     last ``window``; ascending, ``budget`` of ``length`` cache indices."""
     room = budget - num_sinks - window
@@ -109,7 +109,7 @@ class RecordedTimes:
 
 
 class SimRunner:
-    """A runner (:class:`~pagedkv.engine.core.Runner`) over a virtual clock.
+    """A runner (:class:`~pagedkv.core.engine_core.Runner`) over a virtual clock.
 
     Args:
         clock: the engine core's clock, advanced by each step.
@@ -119,10 +119,10 @@ class SimRunner:
         token_id: the token every sampled row produces.
         windows: the layers' attention windows (:func:`~pagedkv.planner.roofline.layer_window_mix`),
             capping the KV each chunk reads; ``()`` for full attention.
-        spec: speculative decoding (:class:`~pagedkv.sim.spec.SpecDraws`): a request verifying
+        spec_draws: speculative decoding (:class:`~pagedkv.sim.spec.SpecDraws`): a request verifying
             drafts samples its accepted ones plus one, every sampling request proposes k
             drafts for its next step, and a draft model's proposing time is added to the step.
-        eviction: SnapKV/H2O (:class:`~pagedkv.engine.kv_eviction.KVEvictionPolicy`): at each
+        eviction: SnapKV/H2O (:class:`~pagedkv.core.kv_eviction.KVEvictionPolicy`): at each
             eviction point the runner answers a keep list of the budget's size (the sinks, the
             window and the earliest tokens between: which tokens a scorer keeps changes no
             page count), so the scheduler compacts and frees pages as in the engine; chunks
@@ -137,12 +137,12 @@ class SimRunner:
     def __init__(self, clock: VirtualClock, times: StepTimes | None = None,
                  replay: RecordedTimes | None = None, replay_t0: float = 0.0,
                  token_id: int = 0, windows: tuple[tuple[int | None, float], ...] = (),
-                 spec: SpecDraws | None = None, eviction: KVEvictionPolicy | None = None,
+                 spec_draws: SpecDraws | None = None, eviction: KVEvictionPolicy | None = None,
                  tier: SimTierWorker | None = None, idle_wake_s: float = 0.0) -> None:
         if (times is None) == (replay is None):
             raise ValueError("give one of times and replay")
         self.clock, self.times, self.replay, self.replay_t0 = clock, times, replay, replay_t0
-        self.token_id, self.windows, self.spec, self.eviction = token_id, windows, spec, eviction
+        self.token_id, self.windows, self.spec_draws, self.eviction = token_id, windows, spec_draws, eviction
         self.evict: dict[str, _EvictState] = {}  # per request, what the eviction policy reads
         self.tier = tier
         self.idle_wake_s, self.idle_s = idle_wake_s, 0.0  # idle_s: the driver's waits since the last step
@@ -163,13 +163,13 @@ class SimRunner:
         lengths, tid = self.lengths, self.token_id
         sampling = [rid for rid, start, n in chunks if start + n >= lengths[rid]]
         result = ModelRunnerOutput(sampled={rid: SampledTokens([tid] * (1 + self._accepted(out, rid)))
-                                            for rid in sampling} if self.spec is not None else
+                                            for rid in sampling} if self.spec_draws is not None else
                                    dict.fromkeys(sampling, SampledTokens([tid])))  # (read-only: one serves all)
         draft_s = 0.0
-        if self.spec is not None:
+        if self.spec_draws is not None:
             result.num_draft_tokens = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
-            result.spec_token_ids = {rid: [self.token_id] * self.spec.k for rid in sampling}
-            draft_s = self.spec.draft_seconds([self.lengths[rid] for rid in sampling], len(chunks))
+            result.spec_token_ids = {rid: [self.token_id] * self.spec_draws.k for rid in sampling}
+            draft_s = self.spec_draws.draft_seconds([self.lengths[rid] for rid in sampling], len(chunks))
         result.kv_keep = keep
         before_s = saves_s = 0.0
         if self.tier is not None:
@@ -211,7 +211,7 @@ class SimRunner:
 
     def _accepted(self, out: SchedulerOutput, rid: str) -> int:
         drafts = out.scheduled_spec_decode_tokens.get(rid)
-        return self.spec.accepted(len(drafts)) if drafts and self.spec is not None else 0
+        return self.spec_draws.accepted(len(drafts)) if drafts and self.spec_draws is not None else 0
 
     def _advance(self, work: StepWork, num_requests: int, extra_s: float = 0.0, before_s: float = 0.0,
                  beside_s: float = 0.0, kind: str | None = None) -> float:

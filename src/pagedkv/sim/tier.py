@@ -1,6 +1,6 @@
 """The KV tiers in the simulator: the engine's own tier bookkeeping, copies priced.
 
-``--kv-offload-memory`` runs the engine's :class:`~pagedkv.kv.cpu_offload.CPUOffloadScheduler`
+``--kv-offload-memory`` runs the engine's :class:`~pagedkv.connectors.offload.cpu_tier.CPUOffloadScheduler`
 unchanged (its index of blocks by prefix hash, lookups after the device's, pins, the
 write-through plan, swap space for ``--preemption-mode swap|auto``); only the worker side is
 a cost: each step's copies move whole pages over the host link
@@ -10,7 +10,7 @@ beside the forward, layer by layer (the engine's write-through), and only their 
 the forward adds.
 
 ``--kv-offload-dir`` / ``--kv-offload-disk-size`` add the engine's disk tier behind it: its
-:class:`~pagedkv.kv.disk_offload.DiskPlan` unchanged (records written from ready CPU
+:class:`~pagedkv.connectors.offload.disk_tier.DiskPlan` unchanged (records written from ready CPU
 entries, parents first, the CPU entry pinned until its write is reported; lookups continue
 on disk where the CPU run ends) over a directory that holds no files (the simulated disk
 starts empty: the path is neither read nor written). Disk loads run before the forward at
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.kv.connector import KVConnector, KVConnectorWorker
-from pagedkv.kv.cpu_offload import CPUOffloadScheduler
-from pagedkv.kv.cpu_offload_worker import OffloadMeta
-from pagedkv.kv.disk_offload import RECORD_OVERHEAD, DiskPlan
+from pagedkv.connectors.base import KVConnector, KVConnectorWorker
+from pagedkv.connectors.offload.cpu_tier import CPUOffloadScheduler
+from pagedkv.connectors.offload.cpu_tier_worker import OffloadMeta
+from pagedkv.connectors.offload.disk_tier import RECORD_OVERHEAD, DiskPlan
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class SimDiskDirectory:
 
 class SimTierWorker(KVConnectorWorker):
     """Prices each step's :class:`OffloadMeta` by :class:`TierCosts` and reports it done, as
-    :class:`~pagedkv.kv.cpu_offload_worker.CPUOffloadWorker` would; disk writes finish on
+    :class:`~pagedkv.connectors.offload.cpu_tier_worker.CPUOffloadWorker` would; disk writes finish on
     the virtual clock, one after another."""
 
     def __init__(self, costs: TierCosts, disk: bool = False) -> None:
@@ -110,13 +110,29 @@ class SimTierWorker(KVConnectorWorker):
         return self._meta.step, True, self._counts, disk
 
 
-def sim_tier(kv, config, costs: TierCosts) -> KVConnector:
+def sim_tier_worker(config, costs: TierCosts | None) -> SimTierWorker | None:
+    """The simulated tiers' worker side for ``config`` (None without ``kv_offload_memory``);
+    the runner takes it at construction (:class:`~pagedkv.sim.runner.SimRunner`).
+
+    Raises:
+        ValueError: a tier without its copy costs.
+    """
+    if not config.kv_offload_memory:
+        return None
+    if costs is None:
+        raise ValueError("a simulated KV tier needs its copy costs (SimSetup passes them)")
+    return SimTierWorker(costs, config.kv_offload_dir is not None)
+
+
+def sim_tier(kv, config, worker: SimTierWorker) -> KVConnector:
     """Both sides of the simulated tiers of ``config`` (``kv_offload_memory``, and the disk
-    tier when ``kv_offload_dir`` is set) behind the KV manager ``kv``.
+    tier when ``kv_offload_dir`` is set) behind the KV manager ``kv``; ``worker``: the
+    runner's tier worker (:func:`sim_tier_worker`), whose costs price the copies.
 
     Raises:
         ValueError: prefix caching off, several KV cache groups, or a tier under one page.
     """
+    costs = worker.costs
     if not kv.enable_prefix_caching:
         raise ValueError("the CPU KV tier (--kv-offload-memory) needs prefix caching: its blocks are keyed by "
                          "their prefix hash")
@@ -134,4 +150,4 @@ def sim_tier(kv, config, costs: TierCosts) -> KVConnector:
                              "record")
         disk = DiskPlan(SimDiskDirectory(), disk_capacity, config.kv_offload_policy)
     scheduler = CPUOffloadScheduler(kv, capacity, config.kv_offload_policy, page, disk, (page, page / costs.link))
-    return KVConnector(scheduler, SimTierWorker(costs, disk is not None))
+    return KVConnector(scheduler, worker)

@@ -160,7 +160,7 @@ def dataset_workload(name: str, num_prompts: int, max_prompt_tokens: int, max_to
     """A benchmark dataset (:data:`pagedkv.bench.workloads.DATASETS`), tokenized with the
     default model's tokenizer."""
     from pagedkv.bench.workloads import build_workload
-    from pagedkv.config import DEFAULT_MODEL
+    from pagedkv.config.engine import DEFAULT_MODEL
     from pagedkv.model.loader import load_tokenizer, resolve_model
 
     if name not in DATASETS:
