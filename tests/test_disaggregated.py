@@ -10,6 +10,7 @@ import itertools
 import time
 
 import pytest
+import torch
 
 from pagedkv import SamplingParams
 from pagedkv.config.engine import EngineConfig
@@ -25,8 +26,8 @@ def _cfg(role: str, port: int, **kw) -> dict:
 
 def make_pair(model_dir, prefix_caching=True, producer_kw=None, consumer_kw=None, **engine_kw):
     port = next(PORTS)
-    kw = dict(model=str(model_dir), num_blocks=64, enable_prefix_caching=prefix_caching, debug_invariants=True,
-              **engine_kw)
+    kw = dict(model=str(model_dir), num_blocks=64, enable_prefix_caching=prefix_caching, debug_invariants=True)
+    kw.update(engine_kw)
     p = LLMEngine(**kw, kv_transfer_config=_cfg("kv_producer", port, **(producer_kw or {})))
     d = LLMEngine(**kw, kv_transfer_config=_cfg("kv_consumer", port, **(consumer_kw or {})))
     assert d.runner.connector.link.ready.wait(30) and p.runner.connector.link.ready.wait(30)
@@ -276,3 +277,134 @@ def test_a_kv_port_held_by_another_service_is_named_and_retried_slowly():
     finally:
         link.close()
         srv.close()
+
+
+# ---- issue 51: the link keeps the server's promises ------------------------------------------
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses with a TCP socket listening on ``port`` (``/proc/net/tcp`` and
+    ``tcp6``: state 0A)."""
+    import ipaddress
+    import socket as so
+    found = set()
+    for name, width in (("tcp", 4), ("tcp6", 16)):
+        try:
+            lines = open(f"/proc/net/{name}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:
+                raw = bytes.fromhex(addr)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # per 32-bit word, host order
+                found.add(str(ipaddress.ip_address(raw)) if width == 4 else so.inet_ntop(so.AF_INET6, raw))
+    return found
+
+
+def _pair_with_secrets(model_dir, producer_secret, consumer_secret):
+    port = next(PORTS)
+    kw = dict(model=str(model_dir), num_blocks=64, debug_invariants=True)
+    p = LLMEngine(**kw, kv_transfer_config=_cfg("kv_producer", port, **producer_secret))
+    d = LLMEngine(**kw, kv_transfer_config=_cfg("kv_consumer", port, **consumer_secret))
+    return p, d, port
+
+
+@pytest.mark.parametrize("producer,consumer,says", [({"kv_secret": "s3cret"}, {}, "does not hold"),
+                                                    ({"kv_secret": "s3cret"}, {"kv_secret": "other"}, "different"),
+                                                    ({}, {"kv_secret": "s3cret"}, "holds no shared secret")],
+                         ids=["consumer-without", "wrong-secret", "producer-without"])
+def test_a_peer_without_the_shared_secret_pulls_nothing(tiny_model_dir, caplog, producer, consumer, says):
+    """Issue 51: with ``kv_secret`` set, the handshake proves both ends hold it before any
+    page moves; a peer without it is refused with one log line, and its decode legs compute
+    the prompt themselves (nothing leaves the producer)."""
+    p, d, _ = _pair_with_secrets(tiny_model_dir, producer, consumer)
+    try:
+        link = d.runner.connector.link
+        deadline = time.monotonic() + 30
+        while link.refused is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.refused is not None and says in link.refused and not link.ready.is_set()
+        assert not p.runner.connector.link.ready.is_set()  # it refused too: never "link up"
+        prompt = prompt_of(40, base=4100)
+        prefill(p, prompt, "s")
+        out = decode(d, prompt, "s")
+        assert out.token_ids == colocated(p, prompt).token_ids  # computed here, correct
+        assert d.stats().kv_transfer["pulls_ok"] == 0 and d.stats().kv_transfer["blocks"] == 0
+        assert sum("secret" in r.getMessage() for r in caplog.records if r.levelname == "ERROR") >= 1
+    finally:
+        close(p, d)
+
+
+def test_the_shared_secret_links_and_the_store_listens_on_kv_ip_only(tiny_model_dir, monkeypatch, reference):
+    monkeypatch.setenv("PAGEDKV_KV_SECRET", "from-the-environment")  # both ends: kept out of `ps`
+    p, d, port = _pair_with_secrets(tiny_model_dir, {}, {})
+    try:
+        assert d.runner.connector.link.ready.wait(30) and p.runner.connector.link.ready.wait(30)
+        assert _listening_addresses(port) == {"127.0.0.1"}  # not every interface
+        prompt = prompt_of(40, base=4200)
+        prefill(p, prompt, "t")
+        assert decode(d, prompt, "t").token_ids == colocated(reference, prompt).token_ids
+        assert d.stats().kv_transfer["pulls_ok"] == 1
+        assert "from-the-environment" not in repr(p.config.kv_transfer_config)
+    finally:
+        close(p, d)
+
+
+class _FakeGroup:
+    """A process group whose receives fill in ``headers`` one after another."""
+
+    def __init__(self, *headers):
+        self.headers, self.allocated = list(headers), []
+
+    def recv(self, tensors, src, tag):
+        t = tensors[0]
+        if self.headers:
+            t.copy_(torch.tensor(self.headers.pop(0), dtype=torch.int64))
+        else:
+            self.allocated.append(t.numel())
+        return type("Work", (), {"wait": lambda self, timeout=None: True})()
+
+
+@pytest.mark.parametrize("header,limits", [((1 << 40, 0), {}), ((-5, 0), {}), ((100, 1 << 40), {"max_data": 0}),
+                                           ((1 << 20, 0), {"max_meta": 64 << 10})],
+                         ids=["huge-json", "negative", "hello-with-data", "hello-over-64k"])
+def test_a_message_header_is_checked_before_anything_is_allocated(header, limits):
+    """Issue 51: a peer (before or after proving anything) that announces a huge or
+    negative message gets a LinkError; nothing of that size is allocated."""
+    from pagedkv.config.kv_transfer import KVTransferConfig
+    from pagedkv.connectors.pd.kv_link import KVLink, LinkError
+
+    link = KVLink(KVTransferConfig(kv_connector="TorchDistConnector", kv_role="kv_producer", kv_port=next(PORTS)),
+                  "fingerprint")
+    pg = _FakeGroup(header)
+    with pytest.raises(LinkError, match="malformed message"):
+        link.recv(1, pg=pg, **limits)
+    assert pg.allocated == []
+
+
+def test_leases_give_way_to_a_waiting_prefill(tiny_model_dir, reference):
+    """Issue 51: prompts whose leases fill the producer's pool (their decode legs not sent
+    yet, as for a request of many prompts) do not hold a new prefill leg for ``kv_lease_s``:
+    leases older than RECLAIM_AFTER_S end early, and those prompts' decode legs compute
+    them, correctly."""
+    from pagedkv.connectors.pd.producer import RECLAIM_AFTER_S
+
+    p, d = make_pair(tiny_model_dir, prefix_caching=False, producer_kw={"kv_lease_s": 60}, num_blocks=12)
+    try:
+        held = [(prompt_of(40, base=5000 + 100 * i), f"full-{i}") for i in range(3)]  # 3 pages each: 9 of 12
+        for prompt, tid in held:
+            prefill(p, prompt, tid)
+        assert p.stats().kv_transfer["leases"] == 3
+        t = time.monotonic()
+        late = prompt_of(60, base=6000)
+        prefill(p, late, "late")  # needs 4 pages: only 3 free until a lease ends
+        assert RECLAIM_AFTER_S <= time.monotonic() - t < RECLAIM_AFTER_S + 5  # not kv_lease_s
+        stats = p.stats().kv_transfer
+        assert stats["leases_reclaimed"] == 1 and stats["leases"] == 3  # the oldest gave way; the late one's
+        for prompt, tid in held + [(late, "late")]:  # reclaimed or not: the same tokens
+            assert decode(d, prompt, tid).token_ids == colocated(reference, prompt).token_ids
+        assert d.stats().kv_transfer["pulls_ok"] >= 1  # the late one's lease was pulled
+        drain(p)
+        assert all_free(p, d)
+    finally:
+        close(p, d)

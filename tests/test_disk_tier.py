@@ -112,6 +112,50 @@ def test_a_damaged_record_is_a_miss_and_the_output_stays_right(tiny_llm_factory,
     assert not (tmp_path / "junk.kvb").exists() and third.engine.stats().kv_offload["disk_corrupt_records"] >= 1
 
 
+def _chain_order(path) -> list:
+    """The record files of one prompt's chain, head first (by their headers' parents)."""
+    from pagedkv.connectors.offload.disk_records import read_header
+
+    by_parent = {read_header(f.read_bytes())[0]["parent"]: f for f in path.glob("*.kvb")}
+    chain, parent = [], ROOT_HASH.hex()
+    while parent in by_parent:
+        f = by_parent.pop(parent)
+        chain.append(f)
+        parent = read_header(f.read_bytes())[0]["hash"]
+    return chain
+
+
+@pytest.mark.filterwarnings("ignore:pagedkv. KV disk tier. unreadable record")
+def test_a_corrupt_record_heals_the_recomputed_blocks_reach_the_tiers_again(tiny_llm_factory, tmp_path):
+    """Issue 51: flip a payload bit in record 3 of 7. The output stays right and the record
+    is counted; the blocks recomputed after it are saved like any other, so the next
+    restart serves all 7 from disk again (it found 2 before: the failed step's saves were
+    dropped and the retry's plan started at the rolled-back block, past a gap)."""
+    ids = _prompt(120)  # 7 full blocks of 16
+    want = _run(tiny_llm_factory(num_blocks=64, batch_invariant=True, enable_prefix_caching=False), ids)
+    first = _tiered(tiny_llm_factory, tmp_path)
+    assert _run(first, ids) == want
+    del first
+    _restart()
+    chain = _chain_order(tmp_path)
+    assert len(chain) == 7
+    data = bytearray(chain[3].read_bytes())
+    data[-1] ^= 0x01  # the header still reads, the checksum fails
+    chain[3].write_bytes(bytes(data))
+    second = _tiered(tiny_llm_factory, tmp_path)
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        assert _run(second, ids) == want
+    s = second.engine.stats().kv_offload
+    assert s["disk_corrupt_records"] == 1
+    assert s["disk_hit_tokens"] == 3 * 16  # what was loaded and used, not the blocks after the bad one
+    del second
+    _restart()
+    assert len(_chain_order(tmp_path)) == 7
+    third = _tiered(tiny_llm_factory, tmp_path)
+    assert _run(third, ids) == want
+    assert third.engine.stats().kv_offload["disk_hit_tokens"] == 7 * 16
+
+
 def test_one_engine_per_directory_and_unwritable_directories_fail_at_start(tiny_llm_factory, tmp_path):
     first = _tiered(tiny_llm_factory, tmp_path)
     with pytest.raises(ValueError, match="in use by another engine"):
@@ -302,3 +346,51 @@ def test_close_writes_the_blocks_the_last_step_filled(tiny_llm_factory, tmp_path
     del llm
     _restart()
     assert _tiered(tiny_llm_factory, tmp_path).engine.stats().kv_offload["disk_blocks_used"] == 2
+
+
+def test_tier_sizes_and_directories_are_checked_with_clear_errors(tmp_path):
+    """Issue 51: ``kv_offload_memory=True`` was one byte; a NUL in ``kv_offload_dir`` surfaced
+    as Python's raw 'embedded null byte'."""
+    from pagedkv.config import EngineConfig
+
+    with pytest.raises(ValueError, match="a size is a byte count"):
+        EngineConfig(kv_offload_memory=True)
+    with pytest.raises(ValueError, match="kv_offload_dir .* must be a non-empty directory path"):
+        EngineConfig(kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path) + "\0x")
+    assert EngineConfig(kv_offload_memory="1MiB", kv_offload_dir=tmp_path).kv_offload_dir == str(tmp_path)
+
+
+def test_a_pipe_or_a_deeply_nested_header_named_like_a_record_is_a_miss(tiny_llm_factory, tmp_path):
+    """Issue 51's break-it pass: a named pipe called ``*.kvb`` hung the start (a blocking
+    open), a header of 10^5 nested brackets crashed it (RecursionError): both are bad
+    records now, counted and passed over."""
+    import os
+    import struct
+
+    os.mkfifo(tmp_path / ("8" * 64 + ".kvb"))
+    (tmp_path / ("7" * 64 + ".kvb")).write_bytes(b"PKVB" + struct.pack("<II", 1, 10**5) + b"[" * 10**5)
+    llm = _tiered(tiny_llm_factory, tmp_path)
+    assert llm.engine.stats().kv_offload["disk_corrupt_records"] == 2
+    assert _run(llm, _prompt(20))[0]
+
+
+def test_two_checkpoints_that_share_names_sizes_and_times_are_other_weights(tmp_path):
+    """Copies that keep their timestamps (``cp -p``, images with fixed mtimes) of two
+    different checkpoints under the same folder name: their weights versions, part of every
+    block hash, differ, so neither is served the other's KV."""
+    import os
+
+    from conftest import make_hf_folder
+
+    from pagedkv.model.loader import resolve_model
+
+    folders = []
+    for seed, where in ((1, "a"), (2, "b")):
+        folder = tmp_path / where / "model"
+        folder.mkdir(parents=True)
+        make_hf_folder(folder, seed=seed)
+        for f in folder.iterdir():
+            os.utime(f, ns=(10**18, 10**18))
+        folders.append(folder)
+    a, b = (resolve_model(str(f)) for f in folders)
+    assert a.folder.name == b.folder.name and a.weights_version != b.weights_version

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.server import ServerConfig, build_app
+from pagedkv.server.guards import GuardConfig
 from pagedkv.server.http_limits import HTTPLimits
 from pagedkv.server.live import LiveServer
 from pagedkv.server.loadtest import run_load
@@ -65,11 +66,13 @@ def no_server_errors():
     assert not handler.records, [r.getMessage() for r in handler.records]
 
 
-def _serve(model_dir, live=None, num_blocks=NUM_BLOCKS, **cfg):
-    """``live``: LiveServer keywords (limits, shutdown_timeout); ``cfg``: ServerConfig's."""
+def _serve(model_dir, live=None, num_blocks=NUM_BLOCKS, **guards):
+    """``live``: LiveServer keywords (limits, shutdown_timeout); ``guards``: GuardConfig's."""
     engine = LLMEngine(model=str(model_dir), num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN,
                        debug_invariants=True)
-    return LiveServer(build_app(engine, ServerConfig([MODEL, "tiny-alias"], **cfg)), **(live or {})).start()
+    config = ServerConfig([MODEL, "tiny-alias"], GuardConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                                               for k, v in guards.items()}))
+    return LiveServer(build_app(engine, config), **(live or {})).start()
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,24 @@ def server(tiny_model_dir, one_thread):
     srv = _serve(tiny_model_dir, max_body_bytes=64 * 1024, allowed_hosts=["gpu-box.lan"])
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(server):
+    """``pagedkv proxy`` with the server's guards in front of it (the server as both
+    instances: a plain server ignores the legs' transfer params)."""
+    from pagedkv.server.proxy import build_proxy
+
+    guard = GuardConfig(allowed_hosts=("gpu-box.lan",), max_body_bytes=64 * 1024)
+    p = LiveServer(build_proxy(server.url, server.url, timeout=30, guard=guard)).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(params=["server", "proxy"])
+def listener(request):
+    """Each process that listens on a port: the guard tests hold for both (issue 51)."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -548,14 +569,14 @@ def test_a_prompt_over_the_character_cap_is_refused_untokenized(server, slow_tok
     assert time.monotonic() - t0 < 1.0 and slow_tokenizer.on_loop == []
 
 
-def test_body_over_limit_is_413(server):
-    r = post(server, "/v1/completions", content=json.dumps({"prompt": "x" * 100_000}).encode())
+def test_body_over_limit_is_413(listener):
+    r = post(listener, "/v1/completions", content=json.dumps({"prompt": "x" * 100_000}).encode())
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     def chunked():  # no Content-Length: the limit is enforced while reading
         for _ in range(100):
             yield b" " * 1024
-    r = httpx.post(server.url + "/v1/completions", content=chunked(), headers=JSON_TYPE, timeout=30)
+    r = httpx.post(listener.url + "/v1/completions", content=chunked(), headers=JSON_TYPE, timeout=30)
     assert r.status_code == 413
 
 
@@ -563,9 +584,13 @@ def test_unknown_fields_are_ignored_and_unknown_routes_are_openai_errors(server)
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1, "frobnicate": {"a": 1},
                                          "user": "u1", "presence_penalty": 0, "logit_bias": {}})
     assert r.status_code == 200, r.text
-    r = httpx.get(server.url + "/v1/nothing-here")
+
+
+def test_unknown_routes_and_methods_are_openai_errors(listener):
+    r = httpx.get(listener.url + "/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    assert httpx.get(server.url + "/v1/completions").status_code == 405
+    r = httpx.get(listener.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_openai_client_raises_typed_errors(server):
@@ -607,30 +632,30 @@ ONE = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
                                      {"Content-Type": "application/x-www-form-urlencoded"},
                                      {"Content-Type": "multipart/form-data; boundary=x"},
                                      JSON_TYPE | {"Content-Encoding": "gzip"}])
-def test_post_bodies_must_be_plain_json(server, headers):
+def test_post_bodies_must_be_plain_json(listener, headers):
     """A page can POST text/plain or a form cross-site with no CORS preflight: refuse them."""
     for path in ("/v1/completions", "/v1/chat/completions"):
-        r = post(server, path, content=ONE, headers=headers)
+        r = post(listener, path, content=ONE, headers=headers)
         assert r.status_code == 415, r.text
         assert r.json()["error"]["code"] == "unsupported_media_type"
-    r = post(server, "/v1/completions", content=ONE, headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    r = post(listener, "/v1/completions", content=ONE, headers={"Content-Type": "Application/JSON; charset=utf-8"})
     assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.2", "", "[::1",
                                   "localhost#evil.example", "evil.example@localhost", "localhost/x", "localhost:80x"])
-def test_unknown_host_is_refused_without_a_key(server, host):
+def test_unknown_host_is_refused_without_a_key(listener, host):
     """DNS rebinding: the attacker's page reaches 127.0.0.1 under its own name."""
     for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
                          ("GET", "/health")):
-        r = httpx.request(method, server.url + path, content=ONE, headers=JSON_TYPE | {"Host": host})
+        r = httpx.request(method, listener.url + path, content=ONE, headers=JSON_TYPE | {"Host": host})
         assert r.status_code == 403, (path, r.text)
         assert r.json()["error"]["code"] == "host_not_allowed"
 
 
 @pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1", "127.0.0.1:80", "[::1]:8000", "gpu-box.lan:8000"])
-def test_loopback_and_allowed_hosts_are_served(server, host):
-    r = post(server, "/v1/completions", content=ONE, headers={"Host": host})
+def test_loopback_and_allowed_hosts_are_served(listener, host):
+    r = post(listener, "/v1/completions", content=ONE, headers={"Host": host})
     assert r.status_code == 200, r.text
 
 
@@ -639,8 +664,8 @@ def test_loopback_and_allowed_hosts_are_served(server, host):
                                            ("http://evil.example@localhost", 403), ("http://localhost/x", 403),
                                            ("http://localhost:3000", 200), ("http://[::1]:8000", 200),
                                            ("https://gpu-box.lan", 200)])
-def test_cross_origin_browser_requests_are_refused(server, origin, status):
-    r = post(server, "/v1/completions", content=ONE, headers={"Origin": origin})
+def test_cross_origin_browser_requests_are_refused(listener, origin, status):
+    r = post(listener, "/v1/completions", content=ONE, headers={"Origin": origin})
     assert r.status_code == status, r.text
     if status == 403:
         assert r.json()["error"]["code"] == "origin_not_allowed"
@@ -662,12 +687,12 @@ def test_errors_quote_huge_numbers_briefly(server):
                                       b"Host: localhost\r\nContent-Encoding: identity\r\n"
                                       b"Content-Encoding: gzip\r\n"],
                          ids=["host", "origin", "content-type", "content-encoding"])
-def test_repeated_security_headers_are_refused(server, repeated):
+def test_repeated_security_headers_are_refused(listener, repeated):
     """Which of two Host (or Origin, Content-Type, Content-Encoding) headers counts is a
     parser's guess: a request that repeats one is refused, not checked against either."""
     if not repeated.startswith(b"Host: localhost\r\nContent-Type"):
         repeated += b"Content-Type: application/json\r\n"
-    s = _raw(server, b"POST /v1/completions HTTP/1.1\r\n" + repeated
+    s = _raw(listener, b"POST /v1/completions HTTP/1.1\r\n" + repeated
              + f"Content-Length: {len(ONE)}\r\nConnection: close\r\n\r\n".encode() + ONE)
     s.settimeout(10)
     head = s.recv(4096)
@@ -693,6 +718,28 @@ def test_api_key_required(keyed_server):
     r = client(keyed_server, KEYS[1]).completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert r.usage.completion_tokens == 1
     assert metrics(keyed_server)['pagedkv_requests_rejected_total{reason="unauthorized"}'] >= 3
+
+
+def test_a_utf8_key_works_and_a_non_ascii_header_is_a_401_on_server_and_proxy(tiny_model_dir, one_thread):
+    """Issue 51: an Authorization header is bytes; the proxy passed it on as text, and a
+    non-ASCII one crashed it (500) where the server answered."""
+    from pagedkv.server.proxy import build_proxy
+
+    key = "sk-ünï cöde"
+    srv = _serve(tiny_model_dir, api_keys=[key])
+    proxy = LiveServer(build_proxy(srv.url, srv.url, timeout=30, guard=GuardConfig(api_keys=(key,)))).start()
+    try:
+        for listener in (srv, proxy):
+            good = {"Authorization": b"Bearer " + key.encode(), **JSON_TYPE}
+            r = httpx.post(listener.url + "/v1/completions", content=ONE, headers=good, timeout=30)
+            assert r.status_code == 200, r.text
+            for bad in (b"Bearer caf\xc3\xa9", b"Bearer \xff\xfe"):
+                r = httpx.post(listener.url + "/v1/completions", content=ONE, timeout=30,
+                               headers={"Authorization": bad, **JSON_TYPE})
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    finally:
+        proxy.stop()
+        srv.stop()
 
 
 def test_prefix_cache_is_isolated_per_api_key(keyed_server):
@@ -810,6 +857,13 @@ def test_slow_but_steady_upload_within_the_deadline_is_served(strict_server):
 
 
 def test_connections_over_the_limit_get_503(strict_server):
+    idle = [_raw(strict_server) for _ in range(FAST.limit_concurrency - 1)]
+    try:  # the limit's last connection is served (uvicorn's own count would refuse it)
+        time.sleep(0.1)
+        assert httpx.get(strict_server.url + "/health").status_code == 200
+    finally:
+        for s in idle:
+            s.close()
     idle = [_raw(strict_server) for _ in range(FAST.limit_concurrency)]
     try:
         time.sleep(0.1)

@@ -44,6 +44,8 @@ def test_help_has_examples():
     (["--allowed-hosts", " , "], "--allowed-hosts takes comma-separated host names"),
     (["--allowed-hosts", "a.lan,[::1"], "--allowed-hosts takes comma-separated host names"),
     (["--served-model-name", "a", ""], "--served-model-name takes non-empty names"),
+    (["--api-key", " padded "], "must not start or end with whitespace"),
+    (["--api-key", ""], "an API key must not be empty"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     assert serve_main(args) == 2

@@ -7,6 +7,7 @@ decimal ones for KB/MB/GB (1e3, 1e6, 1e9 bytes).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, fields
 
@@ -35,6 +36,8 @@ def parse_size(text: str | int) -> int:
     Raises:
         ValueError: for anything else, or a size that is not positive.
     """
+    if isinstance(text, bool):  # (True is an int: it would be one byte)
+        raise ValueError(f"a size is a byte count or text such as 512MiB, got {text!r}")
     if isinstance(text, int):
         value = text
     else:
@@ -205,6 +208,12 @@ class EngineConfig:
             self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
         elif self.kv_offload_dir is not None:
             self.kv_offload_disk_size = parse_size("4GiB")
+        if isinstance(self.kv_offload_dir, os.PathLike):
+            self.kv_offload_dir = os.fspath(self.kv_offload_dir)
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or "\0" in self.kv_offload_dir
+                                                or not self.kv_offload_dir.strip()):
+            raise ValueError(f"kv_offload_dir (--kv-offload-dir) must be a non-empty directory path, got "
+                             f"{self.kv_offload_dir!r}")
         if self.kv_offload_dir is not None and not self.kv_offload_memory:
             raise ValueError("kv_offload_dir (--kv-offload-dir): the disk tier stages through the CPU tier; "
                              "set kv_offload_memory (--kv-offload-memory) too")

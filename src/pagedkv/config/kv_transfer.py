@@ -20,6 +20,12 @@ instance) connects there. Keys:
   are pooled and sized in powers of two: the memory behind them can reach about 3x this);
 - ``kv_load_failure_policy``: ``recompute`` (the consumer computes what it could not load:
   correct, slower) or ``fail`` (the request ends with an error naming why);
+- ``kv_secret``: a shared secret both instances hold (better: ``$PAGEDKV_KV_SECRET``, which
+  stays out of process listings). With it, each end proves it knows the secret (HMAC-SHA256
+  over a fresh nonce) before any page moves, and a peer without it is refused with one log
+  line. Without it, any process that reaches ``kv_port`` can join as the consumer and pull
+  the KV of other users' prompts: trusted networks only (a warning says so at start). The
+  link is not encrypted either way: the pages cross the network as they are stored;
 - ``kv_fault_injection``: tests only: lets a request's ``kv_transfer_params["fault"]``
   drop, delay, corrupt, stall (send part of the pages, then nothing for longer than the
   consumer waits) or duplicate its transfer, or corrupt only its pushes (``corrupt_push``).
@@ -28,13 +34,15 @@ instance) connects there. Keys:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 KV_CONNECTORS = ("TorchDistConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 FAULTS = ("drop", "delay", "corrupt", "corrupt_push", "stall", "duplicate")
 SEND_TYPES = ("GET", "PUT_ASYNC")
+SECRET_ENV = "PAGEDKV_KV_SECRET"
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class KVTransferConfig:
     kv_send_type: str = "GET"
     kv_buffer_size: int | float = 1e9
     kv_fault_injection: bool = False
+    kv_secret: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, value) -> "KVTransferConfig | None":
@@ -98,6 +107,14 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config kv_buffer_size must be bytes in [0, 2^50], got {v!r}")
         if not isinstance(self.kv_fault_injection, bool):
             raise ValueError("kv_transfer_config kv_fault_injection must be true or false")
+        if self.kv_secret is not None and (not isinstance(self.kv_secret, str) or not self.kv_secret.strip()):
+            raise ValueError("kv_transfer_config kv_secret must be a non-empty string")
+
+    @property
+    def secret(self) -> bytes | None:
+        """The link's shared secret: ``kv_secret``, else ``$PAGEDKV_KV_SECRET``, else None."""
+        value = self.kv_secret or os.environ.get(SECRET_ENV) or None
+        return value.encode() if value else None
 
     @property
     def is_producer(self) -> bool:

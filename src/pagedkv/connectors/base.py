@@ -108,6 +108,11 @@ class KVConnectorScheduler:
         """A request carrying ``kv_transfer_params`` was refused before it was queued: give up
         what it would have read (e.g. tell the producer to end its lease at the next step)."""
 
+    def reclaim(self, num_blocks: int) -> None:
+        """The scheduler cannot place a waiting request for want of about ``num_blocks``
+        pages: give back pages this side keeps by choice (e.g. a producer's leases), if any;
+        they are freed with the worker's next ``finished_sending``."""
+
     def has_pending_releases(self) -> bool:
         """Whether this side holds messages for the worker (e.g. lease releases) that a step
         computing nothing should carry now rather than with the next real step."""

@@ -223,6 +223,9 @@ class Scheduler:
             look = self._lookahead(req, hit.num_tokens + external + n, ends)
             if n <= 0 or not (look and self.kv_manager.allocate_slots(req, n + external + look, hit)
                               or self.kv_manager.allocate_slots(req, n + external, hit)):
+                if n > 0 and self.connector is not None:  # out of pages: ask for what the connector keeps
+                    need = -(-(n + external) // self.kv_manager.block_size) - self.kv_manager.pool.num_available
+                    self.connector.reclaim(max(1, need))
                 break
             self.waiting.popleft()
             if self.connector is not None:

@@ -154,14 +154,20 @@ class LLMEngine:
 
     def release_transfer(self, params) -> None:
         """A decode leg that will not run (refused, or not added with its batch): the producer
-        frees its lease now (a step that computes nothing carries the release, and those of
-        requests aborted before it). ``params``: the leg's SamplingParams, or None to send only
-        what is pending. No-op without a connector or anything to release."""
+        frees its lease now (:meth:`release_kv_transfer`). ``params``: the leg's SamplingParams,
+        or None to send only what is pending (the releases of requests aborted just before)."""
+        self.release_kv_transfer(params.kv_transfer_params if isinstance(params, SamplingParams) else None)
+
+    def release_kv_transfer(self, kv_transfer_params: dict | None) -> None:
+        """The request carrying ``kv_transfer_params`` (a decode leg's ``do_remote_prefill``
+        and ``transfer_id``) was refused before it reached the scheduler: tell the producer
+        now, in a step that computes nothing, rather than leaving its pages leased for
+        ``kv_lease_s``. No-op without a connector, or with nothing to release."""
         connector = self.scheduler.connector
         if connector is None:
             return
-        if isinstance(params, SamplingParams) and params.kv_transfer_params:
-            connector.reject(params.kv_transfer_params)
+        if isinstance(kv_transfer_params, dict):
+            connector.reject(kv_transfer_params)
         if connector.has_pending_releases():
             self.core.connector_step()
 

@@ -5,11 +5,11 @@
     POST /tokenize              POST /detokenize            GET /tokenizer_info   (vLLM's)
     GET  /health                GET  /metrics (Prometheus text)
 
-Security defaults: with API keys configured, ``/v1/*`` needs ``Authorization: Bearer
-<key>`` (401 otherwise) and each key gets its own prefix cache (``cache_salt`` = a hash
-of the key), so one tenant's timings cannot reveal another's prompts. Without keys,
-:class:`~pagedkv.server.host_guard.HostGuard` accepts only loopback (or ``allowed_hosts``)
-Host names and refuses cross-origin browser requests (403). POST bodies must be
+Security defaults (:mod:`pagedkv.server.guards`, the same in ``pagedkv proxy``): with API
+keys configured, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise) and each
+key gets its own prefix cache (``cache_salt`` = a hash of the key), so one tenant's timings
+cannot reveal another's prompts. Without keys, only loopback (or ``allowed_hosts``) Host
+names are accepted and cross-origin browser requests refused (403). POST bodies must be
 uncompressed ``application/json`` (415 otherwise); bodies over ``max_body_bytes`` get 413
 before they are read in full. Errors never carry stack traces: an exception a route lets
 escape becomes a 500 JSON body and one log record.
@@ -17,18 +17,14 @@ escape becomes a 500 JSON body and one log record.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
-import hmac
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedkv.config.engine import SCORED_EVICTIONS
@@ -37,7 +33,8 @@ from pagedkv.model.loader import load_tokenizer
 from pagedkv.reprs import brief
 from pagedkv.server import generate
 from pagedkv.server.engine_loop import EngineLoop
-from pagedkv.server.host_guard import HostGuard
+from pagedkv.server.errors import install_error_handlers
+from pagedkv.server.guards import GuardConfig, Guards
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.prompts import Prompts
 from pagedkv.server.protocol import APIError, parse_chat, parse_completion
@@ -45,20 +42,17 @@ from pagedkv.server.responses import TokenIdText, TokenText
 from pagedkv.server.tokenizer_routes import parse_detokenize, parse_tokenize, tokenizer_info
 
 log = logging.getLogger("pagedkv.server")
-DEFAULT_MAX_BODY_BYTES = 2**20
 
 
 @dataclass
 class ServerConfig:
     """``served_model_names[0]`` is the name responses carry; any of them is accepted.
-    ``allowed_hosts``: Host names accepted besides loopback when ``api_keys`` is empty
-    (``"*"``: any)."""
+    ``guards``: API keys, allowed hosts, body and connection limits (:mod:`pagedkv.server.guards`);
+    ``isolate_prefix_cache``: one prefix cache per API key."""
 
     served_model_names: list[str]
-    api_keys: list[str] = field(default_factory=list)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    guards: GuardConfig = field(default_factory=GuardConfig)
     isolate_prefix_cache: bool = True
-    allowed_hosts: list[str] = field(default_factory=list)
 
 
 class Server:
@@ -67,7 +61,7 @@ class Server:
     the event loop, and the config."""
 
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
-        self.config = config
+        self.config, self.guards = config, Guards(config.guards)
         self.metrics = ServerMetrics(lambda: self.loop.stats)
         self.loop = EngineLoop(engine, observer=self.metrics.observe)
         self.tokenizer = load_tokenizer(engine.model_files.folder)  # its own: the engine thread uses the engine's
@@ -80,43 +74,21 @@ class Server:
         self.created = int(time.time())
 
     # ---- request checks ------------------------------------------------------------
+    def count_refusal(self, e: APIError) -> None:
+        """Count an APIError answered to a client (a 4xx it was told to count) in /metrics."""
+        if e.count and 400 <= e.status < 500:
+            self.metrics.reject("unauthorized" if e.status == 401 else e.reason)
+
     def tenant_salt(self, request: Request) -> str | None:
         """The prefix-cache salt of the caller. Raises APIError 401 on a missing/wrong key."""
-        if not self.config.api_keys:
+        key = self.guards.api_key(request)
+        if key is None or not self.config.isolate_prefix_cache:
             return None
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        key_b = key.strip().encode("latin-1")  # the header's bytes (a UTF-8 key arrives as UTF-8 bytes)
-        ok = scheme.lower() == "bearer" and key_b and any(
-            hmac.compare_digest(key_b, k.encode()) for k in self.config.api_keys)
-        if not ok:
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-        if not self.config.isolate_prefix_cache:
-            return None
-        return "key:" + hashlib.sha256(key_b).hexdigest()[:32]
+        return "key:" + hashlib.sha256(key).hexdigest()[:32]
 
     async def read_json(self, request: Request) -> dict:
-        """The body as a JSON object. Raises APIError 415 (not uncompressed JSON), 413 (over
-        ``max_body_bytes``) or 400 (not a JSON object)."""
-        _require_json(request.headers)
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", code="invalid_json")
-        return body
+        """The body as a JSON object (:meth:`Guards.read_json`: 415, 413, 400)."""
+        return await self.guards.read_json(request)
 
     def model_name(self, requested: str | None) -> str:
         names = self.config.served_model_names
@@ -132,23 +104,37 @@ class Server:
     # ---- endpoints -----------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         salt = self.tenant_salt(request)
-        req = parse_completion(await self.read_json(request))
-        model = self.model_name(req.model)
-        prompts = await self.prompts.completion(req.prompts)
+        body = await self.read_json(request)
+        with self.releasing(body):
+            req = parse_completion(body)
+            model = self.model_name(req.model)
+            prompts = await self.prompts.completion(req.prompts)
+            self._check_params(req)
         return await self._generate(request, req, prompts, model, salt)
 
     async def chat(self, request: Request) -> Response:
         salt = self.tenant_salt(request)
-        req = parse_chat(await self.read_json(request))
-        model = self.model_name(req.model)
-        return await self._generate(request, req, [await self.prompts.chat(req.messages)], model, salt)
+        body = await self.read_json(request)
+        with self.releasing(body):
+            req = parse_chat(body)
+            model = self.model_name(req.model)
+            prompts = [await self.prompts.chat(req.messages)]
+            self._check_params(req)
+        return await self._generate(request, req, prompts, model, salt)
+
+    @contextlib.contextmanager
+    def releasing(self, body: dict):
+        """A decode leg (``kv_transfer_params.do_remote_prefill``) refused here, before the
+        engine saw it: the producer's pages it would have pulled are released at once
+        (otherwise they stay leased for ``kv_lease_s``); the refusal goes on as it was."""
+        try:
+            yield
+        except BaseException:
+            for params in decode_leg_transfers(body):
+                self.loop.release_transfer(params)
+            raise
 
     async def _generate(self, request, req, prompts, model, salt) -> Response:
-        bad_id = next((t for t in req.params.stop_token_ids if t >= self.vocab_size), None)
-        if bad_id is not None:
-            raise APIError(400, f"stop token id {brief(bad_id)} is outside the vocabulary [0, {self.vocab_size})",
-                           param="stop_token_ids", code="invalid_value", reason="out_of_vocabulary")
-        self._check_budget(req.params.kv_budget_tokens)
         if req.cache_salt:
             salt = f"{salt or ''}|user:{req.cache_salt}"
         tt = TokenIdText(self.tokenizer) if req.return_tokens_as_token_ids else self.token_text
@@ -156,6 +142,14 @@ class Server:
         if req.stream:
             return generate.AbortingStream(self.loop, job)
         return await generate.respond(self.loop, job, request)
+
+    def _check_params(self, req) -> None:
+        """What only this engine can check of a parsed request (400 naming the field)."""
+        bad_id = next((t for t in req.params.stop_token_ids if t >= self.vocab_size), None)
+        if bad_id is not None:
+            raise APIError(400, f"stop token id {brief(bad_id)} is outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids", code="invalid_value", reason="out_of_vocabulary")
+        self._check_budget(req.params.kv_budget_tokens)
 
     def _check_budget(self, budget: int | None) -> None:
         """A request's ``kv_budget_tokens`` must suit this engine (else 400 naming the field)."""
@@ -204,25 +198,18 @@ class Server:
                 "max_model_len": self.max_model_len}
 
 
-def _require_json(headers) -> None:
-    """Raises APIError 415 unless the body is declared ``application/json`` and not encoded
-    (400 if either header is repeated: which one counts would be the parser's guess):
-    a browser page can send ``text/plain`` cross-site without a CORS preflight, never JSON."""
-    for name in ("content-type", "content-encoding"):
-        if len(headers.getlist(name)) > 1:
-            raise APIError(400, f"the request has more than one {name} header", code="duplicate_header")
-    media = headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media != "application/json":
-        raise APIError(415, f"the body must be sent with 'Content-Type: application/json', not "
-                       f"{media or 'none'!r}", code="unsupported_media_type")
-    encoding = headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
-                       code="unsupported_media_type")
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+def decode_leg_transfers(body: dict) -> list[dict]:
+    """The ``kv_transfer_params`` a decode leg's body would pull with, one per prompt (several
+    prompts get ids ``T.0``, ``T.1``, ...: :func:`pagedkv.server.generate.start`); [] for any
+    other body."""
+    kv = body.get("kv_transfer_params")
+    if not isinstance(kv, dict) or not kv.get("do_remote_prefill") or not isinstance(kv.get("transfer_id"), str):
+        return []
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+    if not several:
+        return [kv]
+    return [{**kv, "transfer_id": f"{kv['transfer_id']}.{i}"} for i in range(len(prompt))]
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -260,70 +247,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    _add_error_handlers(app, server)
-    app.add_middleware(CatchAll)  # innermost: an escaped exception is logged once
-    if not config.api_keys:
-        app.add_middleware(HostGuard, allowed_hosts=config.allowed_hosts,
-                           on_refuse=lambda: server.metrics.reject("unauthorized"))
+    install_error_handlers(app, on_api_error=server.count_refusal)
+    server.guards.install(app, on_refuse=lambda: server.metrics.reject("unauthorized"))
     return app
-
-
-class ErrorJSON(JSONResponse):
-    """An error body as ASCII JSON, so a message quoting request text (even a lone
-    surrogate) always encodes."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-class CatchAll:
-    """ASGI middleware: an exception that escapes a route becomes a 500 JSON body (or, once
-    a response has started, ends it), logged once. Starlette's own last-resort handler
-    re-raises after answering, so the server logged every such traceback twice. A request
-    cancelled by uvicorn's hard stop at shutdown (its engine work outlived the drain) gets a
-    503 JSON body if nothing was sent yet, else its response just ends; one log line, no
-    traceback, no uvicorn plain-text 500."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def tracking_send(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-        try:
-            await self.app(scope, receive, tracking_send)
-        except asyncio.CancelledError:
-            log.warning("%s %s cancelled by the shutdown's hard stop", scope.get("method"), scope.get("path"))
-            if not started:
-                body = APIError(503, "the server is shutting down", type="server_error", code="shutting_down").body()
-                with contextlib.suppress(Exception):
-                    await ErrorJSON(body, status_code=503)(scope, receive, send)
-        except Exception as e:  # noqa: BLE001 - the last resort: answer, log once, go on
-            log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=e)
-            if not started:
-                body = APIError(500, "internal server error", type="server_error").body()
-                await ErrorJSON(body, status_code=500)(scope, receive, send)
-
-
-def _add_error_handlers(app: FastAPI, server: Server) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> Response:
-        if e.count and 400 <= e.status < 500:
-            server.metrics.reject("unauthorized" if e.status == 401 else e.reason)
-        return ErrorJSON(e.body(), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return ErrorJSON(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
-                         headers=getattr(e, "headers", None))
-
-    @app.exception_handler(ClientDisconnect)
-    async def gone(request: Request, e: ClientDisconnect) -> Response:
-        return Response(status_code=499)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
-import os
 import signal
 import socket
 import sys
@@ -42,6 +40,7 @@ abort the rest, exit 0.
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` on an ``argparse`` subparsers object; ``func`` returns an exit code."""
     from pagedkv.cli_common import add_engine_args
+    from pagedkv.server.guards import add_guard_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
                               description="Serve the engine over the OpenAI API: /v1/completions, "
@@ -51,26 +50,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     g.add_argument("--port", type=int, default=8000, help="TCP port; 0 = any free one (default: %(default)s)")
-    g.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also $PAGEDKV_API_KEY)")
-    g.add_argument("--allowed-hosts", default="",
-                   help="without an API key, Host names accepted besides localhost, 127.0.0.1 and [::1], "
-                   "comma-separated ('*' = any); browser requests from other origins get 403")
     g.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
                    help="model name(s) clients use, as in vLLM; the first is reported (default: --model)")
-    g.add_argument("--max-body-bytes", default="1MiB", help="largest request body, e.g. 4MiB (default: %(default)s)")
     g.add_argument("--shared-prefix-cache", action="store_true",
                    help="share prefix-cache blocks across API keys (default: one cache per key, so one "
                    "tenant's timings cannot reveal another's prompts)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
                    "aborted (default: %(default)s)")
-    g.add_argument("--limit-concurrency", type=int, default=1024,
-                   help="most open connections (and requests) at once; past it, new requests get 503; "
-                   "0 = no limit (default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). On a small, shared CPU, 1 "
                    "makes batched decoding much faster: the per-sequence attention ops are tiny")
+    add_guard_args(p.add_argument_group("security and limits (as pagedkv proxy's)"))
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request (default: on)")
@@ -89,32 +80,26 @@ def run_serve(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from pagedkv.cli_common import engine_kwargs
-    from pagedkv.config.engine import EngineConfig, parse_size
+    from pagedkv.config.engine import EngineConfig
+    from pagedkv.server.guards import guard_config, is_loopback
 
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     if a.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {a.shutdown_timeout}")
-    if a.limit_concurrency < 0:
-        raise ValueError(f"--limit-concurrency must be >= 0, got {a.limit_concurrency}")
-    max_body = parse_size(a.max_body_bytes)
-    keys = list(a.api_key or []) + ([os.environ["PAGEDKV_API_KEY"]] if os.environ.get("PAGEDKV_API_KEY") else [])
-    if any(not k.strip() for k in keys):
-        raise ValueError("an API key must not be empty")
-    allowed_hosts = parse_allowed_hosts(a.allowed_hosts)
+    guards = guard_config(a)
     names = list(dict.fromkeys(a.served_model_name or [a.model]))  # repeated names listed once
     if any(not n.strip() for n in names):
         raise ValueError("--served-model-name takes non-empty names")
     sock = bind_socket(a.host, a.port)
     host, port = sock.getsockname()[:2]
-    if not keys and not _is_loopback(a.host):
+    if not guards.api_keys and not is_loopback(a.host):
         print(f"warning: listening on {a.host} without --api-key: anyone who can reach it can use it "
               "(requests must name a loopback host or one in --allowed-hosts)", file=sys.stderr)
 
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.model.weight_formats import describe
     from pagedkv.server.app import ServerConfig, build_app
-    from pagedkv.server.http_limits import HTTPLimits
 
     if a.torch_threads is not None:
         if a.torch_threads < 1:
@@ -127,16 +112,15 @@ def _serve(a: argparse.Namespace) -> int:
     from pagedkv.kernels.cpu.ops import prepare_kernel
 
     prepare_kernel()  # a first build (~15 s) happens now, not inside a request's engine step
-    app = build_app(engine, ServerConfig(names, keys, max_body, not a.shared_prefix_cache, allowed_hosts))
+    app = build_app(engine, ServerConfig(names, guards, not a.shared_prefix_cache))
     freeze_long_lived()
     s = engine.stats()
     shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv: serving {names[0]} on http://{shown}:{port} ({s.num_blocks} KV blocks of "
           f"{s.block_size} tokens = {s.num_blocks * s.block_size} tokens, {s.kv_cache_bytes / 2**20:.0f} MiB; "
           f"max_model_len {engine.max_model_len}; weights {a.weight_dtype}: {describe(engine.model)}"
-          f"{_tiers(s)}{_spec(engine)}; auth {'on' if keys else 'off'})", file=sys.stderr, flush=True)
-    limits = HTTPLimits(limit_concurrency=a.limit_concurrency or None)
-    uvicorn_server(app, a.shutdown_timeout, limits, log_level=a.log_level,
+          f"{_tiers(s)}{_spec(engine)}; auth {'on' if guards.api_keys else 'off'})", file=sys.stderr, flush=True)
+    uvicorn_server(app, a.shutdown_timeout, guards.limits, log_level=a.log_level,
                    access_log=a.access_log).run(sockets=[sock])
     return 0
 
@@ -164,21 +148,11 @@ def uvicorn_server(app, drain_s: float, limits, **config):
     config = uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=drain_s + HARD_STOP_MARGIN_S,
                             **limits.uvicorn_kwargs(), **config)
     server = getattr(app.state, "server", None)
-    if server is None:  # an app without an engine (the proxy): uvicorn's own shutdown
-        return uvicorn.Server(config)
-    loop = server.loop
-    return graceful_server(config, loop.abort_all, drain_s, on_begin=loop.begin_drain)
-
-
-def parse_allowed_hosts(text: str) -> list[str]:
-    """``'a.lan, 10.0.0.5,[fe80::1]'`` -> the names. Raises ValueError naming a bad one."""
-    from pagedkv.server.host_guard import host_name
-
-    names = [h.strip() for h in text.split(",") if h.strip()]
-    bad = [h for h in names if h != "*" and host_name(h) is None]
-    if bad or (text.strip() and not names):
-        raise ValueError(f"--allowed-hosts takes comma-separated host names, got {text!r}")
-    return names
+    if server is not None:
+        return graceful_server(config, server.loop.abort_all, drain_s, on_begin=server.loop.begin_drain)
+    if hasattr(app.state, "abort_all"):  # the proxy: no engine, its own in-flight legs
+        return graceful_server(config, app.state.abort_all, drain_s, on_begin=app.state.begin_drain)
+    return uvicorn.Server(config)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -193,15 +167,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def graceful_server(config, abort_all, drain_s: float, on_begin=lambda: None):

@@ -150,6 +150,12 @@ class EngineLoop:
         """Abort every request in the engine (each stream ends with finish_reason 'abort')."""
         self._cmds.put(("abort_all",))
 
+    def release_transfer(self, kv_transfer_params: dict) -> None:
+        """A decode leg refused before it reached the engine (a bad body, an unknown model):
+        the producer's pages it would have pulled are released now (:meth:`LLMEngine.release_kv_transfer`).
+        Never blocks."""
+        self._cmds.put(("release", kv_transfer_params))
+
     def begin_drain(self, max_step_tokens: int = 256) -> None:
         """Shutdown began: cap each step at ``max_step_tokens`` (prefill chunks get shorter;
         decodes go on), so the abort at the drain's end waits for one short step, not for
@@ -210,10 +216,11 @@ class EngineLoop:
         elif cmd[0] == "abort_all":
             self._abort_all()
         elif cmd[0] == "drain":
-            sched = self.engine.scheduler
-            sched.cap_step_tokens(cmd[1])
+            self.engine.scheduler.cap_step_tokens(cmd[1])
         elif cmd[0] == "abort":
             self._deliver([o for rid in cmd[1] if (o := self.engine.abort_request(rid)) is not None])
+        elif cmd[0] == "release":
+            self.engine.release_kv_transfer(cmd[1])
 
     def _add(self, cmd: _Add) -> None:
         if self.error is not None:

@@ -42,8 +42,10 @@ class HTTPLimits:
     def uvicorn_kwargs(self) -> dict:
         """What ``uvicorn.Config`` takes to enforce these limits."""
         protocol = type("LimitedH11Protocol", (DeadlineH11Protocol,), {"limits": self})
+        # uvicorn answers 503 once connections >= its limit, the asking one counted: one more
+        # lets limit_concurrency connections be served, as the flag says
         return {"http": protocol, "timeout_keep_alive": self.timeout_keep_alive_s,
-                "limit_concurrency": self.limit_concurrency}
+                "limit_concurrency": None if self.limit_concurrency is None else self.limit_concurrency + 1}
 
 
 class DeadlineH11Protocol(H11Protocol):

@@ -170,6 +170,12 @@ def _transfer_metrics(t: dict | None):
     for outcome in ("ok", "failed"):
         pulls.add_metric(role + [outcome], t["pulls_" + outcome])
     yield pulls
+    if "leases_reclaimed" in t:  # producer
+        m = CounterMetricFamily("pagedkv_kv_transfer_leases_reclaimed", "leases ended early because a waiting "
+                                "request needed their pages (their decode legs compute those prompts)",
+                                labels=["role"])
+        m.add_metric(role, float(t["leases_reclaimed"]))
+        yield m
     outcomes = {"sent": "pushes", "given_up": "pushes_given_up", "received": "pushes_received",
                 "late": "pushes_late", "dropped": "pushes_dropped", "hit": "push_hits", "miss": "push_misses"}
     if any(key in t for key in outcomes.values()):  # kv_send_type PUT_ASYNC (producer), any consumer

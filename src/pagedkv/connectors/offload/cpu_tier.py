@@ -86,7 +86,9 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         self._step = 0
         self._matched: dict[str, tuple[int, list, list]] = {}  # request -> (first block, CPU, disk entries)
         self._loads: list[tuple[TierEntry, int]] = []
-        self._disk_loads: list[tuple[TierEntry, bytes, int]] = []  # (entry, hash, device page)
+        self._disk_loads: list[tuple[TierEntry, bytes, int, str, int]] = []  # (entry, hash, page, request, block)
+        self._disk_loaded: dict[int, list[tuple[bytes, str, int]]] = {}  # step -> its disk loads (hash, request, block)
+        self._step_saves: dict[int, list[str]] = {}  # step -> requests it planned saves for
         self._pinned: dict[int, tuple[list, list, list]] = {}  # step -> (CPU, disk) entries, swaps its loads read
         self._swap_ins: list[tuple[int, int]] = []
         self._swapped_in: list = []  # swap records copied back this step
@@ -127,7 +129,7 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         if on_disk:
             self.disk.index.pin(on_disk)
             for k, e in enumerate(on_disk, start=first + len(found)):
-                self._disk_loads.append((e, hashes[k], block_ids[0][k]))
+                self._disk_loads.append((e, hashes[k], block_ids[0][k], rid, k))
                 self.disk.index.touch(hashes[k], hit=True)
         self.stats.hit_tokens += len(found) * self.bs
         self.stats.disk_hit_tokens += len(on_disk) * self.bs
@@ -158,7 +160,9 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         self._step += 1
         meta = OffloadMeta(self._step)
         meta.loads = [(e.slot, page) for e, page in self._loads]
-        meta.disk_loads = [(h, e.token_ids, page) for e, h, page in self._disk_loads]
+        meta.disk_loads = [(h, e.token_ids, page) for e, h, page, *_ in self._disk_loads]
+        if self._disk_loads:
+            self._disk_loaded[self._step] = [(h, rid, k) for _, h, _, rid, k in self._disk_loads]
         meta.swap_outs, meta.swap_ins, self.swap.outs = self.swap.outs, self._swap_ins, []
         self._pinned[self._step] = ([e for e, _ in self._loads], [e for e, *_ in self._disk_loads], self._swapped_in)
         self._loads, self._disk_loads, self._swap_ins, self._swapped_in = [], [], [], []
@@ -171,6 +175,7 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         c = out.scheduled_cached_reqs
         for rid, start in zip(c.req_ids, c.num_computed_tokens):
             self._plan_saves(meta, rid, start, start + out.num_scheduled_tokens[rid])
+        self._step_saves[self._step] = list(out.num_scheduled_tokens)
         return meta
 
     def _plan_saves(self, meta: OffloadMeta, rid: str, start: int, end: int) -> None:
@@ -179,8 +184,9 @@ class CPUOffloadScheduler(KVConnectorScheduler):
             return
         hashes, table = self.kv_manager.block_hashes(req), self.kv_manager.get_block_ids(rid)[0]
         # from where the last plan stopped: blocks a speculative step's accepted drafts
-        # completed became full (and hashed) only after that step's plan was made
-        first, last = min(start // self.bs, self._planned.get(rid, start // self.bs)), min(end // self.bs, len(hashes))
+        # completed became full (and hashed) only after that step's plan was made; from the
+        # head after a step whose saves were dropped (blocks the tier has are only touched)
+        first, last = min(start // self.bs, self._planned.get(rid, 0)), min(end // self.bs, len(hashes))
         self._planned[rid] = max(last, self._planned.get(rid, 0))
         for k in range(first, last):
             if hashes[k] in self.index.entries:
@@ -199,13 +205,14 @@ class CPUOffloadScheduler(KVConnectorScheduler):
             return
         step, ok, counts, disk = output
         self._ready += self.index.complete(step, failed=not ok)
+        self._saves_done(step, ok)
         self.swap.confirm(step)  # its copies out ran first thing in the step
         self._release_pins(step)
         if self.disk is not None:
             written, failed, corrupt = disk
             self.disk.finish_writes(self.index, written, failed)
             self.disk.drop_corrupt(corrupt)
-            self.stats.disk_hit_tokens -= len(corrupt) * self.bs  # counted at allocation; never loaded
+            self.stats.disk_hit_tokens -= self._discarded_disk_blocks(step, corrupt) * self.bs
         self._count(counts)
 
     def step_failed(self, scheduler_output) -> None:
@@ -215,8 +222,28 @@ class CPUOffloadScheduler(KVConnectorScheduler):
         if meta is None:
             return
         self.index.complete(meta.step, failed=True)
+        self._saves_done(meta.step, False)
+        self._disk_loaded.pop(meta.step, None)
         self.swap.confirm(meta.step + 1)  # drops the swaps that step was to copy out
         self._release_pins(meta.step)
+
+    def _saves_done(self, step: int, ok: bool) -> None:
+        """A step's saves were kept (``ok``) or dropped: then its requests plan their saves
+        from the head again (a rolled-back request recomputes past blocks the tier never got:
+        planning from where it stopped would leave a gap that refuses the rest of the chain)."""
+        for rid in self._step_saves.pop(step, ()):
+            if not ok:
+                self._planned.pop(rid, None)
+
+    def _discarded_disk_blocks(self, step: int, corrupt) -> int:
+        """Disk blocks ``step`` loaded that its requests did not use: a corrupt record and every
+        block after it in the same request (it rolls back to the first bad one and computes them)."""
+        loaded, bad = self._disk_loaded.pop(step, []), set(corrupt)
+        first_bad: dict[str, int] = {}
+        for h, rid, k in loaded:
+            if h in bad:
+                first_bad[rid] = min(k, first_bad.get(rid, k))
+        return sum(1 for _, rid, k in loaded if rid in first_bad and k >= first_bad[rid])
 
     def _release_pins(self, step: int) -> None:
         """Unpin what the loads of steps up to ``step`` read, and free their swap records."""

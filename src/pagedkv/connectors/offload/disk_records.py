@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import struct
 import warnings
 from pathlib import Path
@@ -63,7 +64,7 @@ def read_header(data: bytes) -> tuple[dict, int]:
         raise RecordError(f"not a version-{VERSION} record")
     try:
         return json.loads(data[_HEAD.size:_HEAD.size + n]), _HEAD.size + n
-    except ValueError:
+    except (ValueError, RecursionError, MemoryError):  # (a header nested 10^5 deep is a bad record too)
         raise RecordError("unreadable header") from None
 
 
@@ -185,6 +186,8 @@ class DiskDirectory:
         out = []
         for f in sorted(self.path.glob("*" + SUFFIX)):
             try:
+                if not stat.S_ISREG(f.lstat().st_mode):  # a pipe would block the start, a link lead elsewhere
+                    raise RecordError("not a regular file")
                 with open(f, "rb") as fh:
                     head = fh.read(_HEAD.size)
                     n = _HEAD.unpack(head)[2] if len(head) == _HEAD.size else 0
@@ -217,8 +220,9 @@ class DiskDirectory:
             return False
 
     def read(self, block_hash: bytes) -> bytes | None:
+        f = self.file(block_hash)
         try:
-            return self.file(block_hash).read_bytes()
+            return f.read_bytes() if stat.S_ISREG(f.lstat().st_mode) else None
         except OSError:
             return None
 

@@ -12,19 +12,31 @@ posted without waiting (:meth:`isend_raw`, :meth:`irecv_raw`, then :meth:`wait`;
 :mod:`~pagedkv.connectors.pd.chunks`).
 
 The link is *ready* once the handshake has passed: peers whose pages would mean something
-else (:func:`~pagedkv.connectors.pd.pages.fingerprint`) are refused. The consumer sends a
+else (:func:`~pagedkv.connectors.pd.pages.fingerprint`) are refused, and with a shared
+secret (``kv_secret`` or ``$PAGEDKV_KV_SECRET``) each end proves it holds it before any page
+moves: the producer puts a fresh nonce in the store for each generation, the consumer
+answers with ``HMAC-SHA256(secret, "consumer:" nonce ":" fingerprint)`` and its own nonce,
+which the producer answers in turn; a peer without it is refused with one log line. The consumer sends a
 heartbeat every ``PING_S`` seconds; a producer that hears nothing for ``SILENT_S`` seconds
 (a consumer that hung or lost its network) drops the link. A link that fails (a peer that
 dies closes its sockets) is rebuilt in the background: the producer opens the next
-generation, the consumer retries every second. Trusted networks only, as vLLM's connectors:
-the port accepts any consumer.
+generation, the consumer retries every second. The producer's store listens on ``kv_ip``
+only (a socket bound there, handed to torch). Without a secret any process that reaches the
+port can join as the consumer (a warning says so at start); the pages are never encrypted.
+The secret keeps pages from a peer that does not hold it; it does not make the store port a
+public one: a process that reaches it can still disturb the handshake (the producer restores
+the generation key it finds changed, and reads a hello's size before its proof but takes at
+most ``HELLO_BYTES``), so ``kv_ip`` should be reachable only from the pair's hosts.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -42,6 +54,8 @@ JOIN_S = 5.0     # the producer waits this long for a consumer that said it join
 JOIN_POLL_S = 0.1  # how often the producer looks for a consumer's join
 CONNECT_S = 3.0  # a consumer's attempt to reach the producer's store
 FOREIGN_RETRY_S = 30.0  # a consumer's retry when kv_port answers as something else (each try logs torch's stacks)
+MAX_META_BYTES = 16 << 20  # a message's JSON part at most (a pull's chunk plan for a long prompt is far less)
+HELLO_BYTES = 64 << 10     # a hello's JSON at most, and no data: checked before the peer has proved anything
 
 
 class LinkError(RuntimeError):
@@ -80,6 +94,10 @@ class KVLink:
         """Start the background thread; a producer first opens its store, so a port in use
         fails here (ValueError), not silently later."""
         self._store_obj = None
+        if self.rank == 0 and self.cfg.secret is None:
+            log.warning("KV link on %s:%d has no shared secret (kv_secret or $PAGEDKV_KV_SECRET): any process "
+                        "that reaches the port can pull the KV of this instance's prompts", self.cfg.kv_ip,
+                        self.cfg.kv_port)
         if self.rank == 0:
             try:
                 self._store_obj = self._store()
@@ -165,14 +183,23 @@ class KVLink:
                 raise self._lost(e) from None
 
     def recv(self, tag: int, timeout: datetime.timedelta | None = None, pg=None,
-             deadline: float | None = None, alloc=None) -> tuple[dict, torch.Tensor | None]:
+             deadline: float | None = None, alloc=None, max_meta: int = MAX_META_BYTES,
+             max_data: int | None = None) -> tuple[dict, torch.Tensor | None]:
         """Receive one message on ``tag``, each part within ``timeout`` (default
         ``kv_timeout_s``) and all by ``deadline`` (``time.monotonic()``) if given; its data
-        into ``alloc(nbytes)`` (default: a new tensor)."""
+        into ``alloc(nbytes)`` (default: a new tensor). A header announcing more than
+        ``max_meta`` JSON bytes or ``max_data`` data bytes drops the link (LinkError) before
+        anything is allocated."""
         pg, timeout = pg or self._pg(), timeout or self.timeout
         head = torch.zeros(2, dtype=torch.int64)
         self._wait(pg.recv([head], 1 - self.rank, tag), timeout, deadline)
-        body = torch.empty(int(head[0]), dtype=torch.uint8)
+        n_meta, n_data = int(head[0]), int(head[1])
+        if not 0 < n_meta <= max_meta or not 0 <= n_data <= (n_data if max_data is None else max_data):
+            reason = f"a message announced {n_meta} JSON bytes and {n_data} data bytes"
+            if pg is self.pg:  # the stream is out of step: this generation is over
+                self.reset(reason)
+            raise LinkError(f"the peer sent a malformed message: {reason}")
+        body = torch.empty(n_meta, dtype=torch.uint8)
         self._wait(pg.recv([body], 1 - self.rank, tag), timeout, deadline)
         data = None
         if int(head[1]):
@@ -238,13 +265,43 @@ class KVLink:
         if self.rank == 1:  # a producer not up yet: a plain connect fails quietly, where torch's store
             socket.create_connection((self.cfg.kv_ip, self.cfg.kv_port), timeout=wait).close()  # logs C++ stacks
         try:
-            return dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, self.rank == 0,
+            if self.rank == 0:
+                return self._listening_store(datetime.timedelta(seconds=wait))
+            return dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, False,
                                  timeout=datetime.timedelta(seconds=wait), wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - torch raises several kinds
             if self.rank == 0:
                 raise
             raise ForeignPort(f"{self.cfg.kv_ip}:{self.cfg.kv_port} answers, but not as a pagedkv prefill "
                               f"instance's KV store (another service on kv_port?): {str(e).splitlines()[0]}") from None
+
+    def _listening_store(self, timeout: datetime.timedelta):
+        """The producer's store, listening on ``kv_ip`` only: a socket bound there is handed
+        to torch (whose own listens on every interface); a torch that does not take one
+        listens as it does, with a warning."""
+        family, kind, proto, _, addr = socket.getaddrinfo(self.cfg.kv_ip, self.cfg.kv_port,
+                                                         type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(64)
+            store = dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, True, timeout=timeout,
+                                  wait_for_workers=False, master_listen_fd=sock.fileno())
+        except TypeError:  # (a torch without master_listen_fd)
+            sock.close()
+            log.warning("KV link: this torch cannot listen on kv_ip only; the store listens on every interface")
+            return dist.TCPStore(self.cfg.kv_ip, self.cfg.kv_port, None, True, timeout=timeout,
+                                 wait_for_workers=False)
+        except BaseException:
+            sock.close()
+            raise
+        self._listen_sock = sock  # the store serves on its descriptor: keep it open
+        return store
+
+    def _proof(self, role: str, nonce: str) -> str:
+        """``role``'s proof that it holds the shared secret, for ``nonce`` (hex digest)."""
+        return hmac.new(self.cfg.secret, f"{role}:{nonce}:{self.fingerprint}".encode(), hashlib.sha256).hexdigest()
 
     def _connect(self, store) -> bool:
         """Build this generation's group and shake hands; False when no consumer came. The
@@ -253,12 +310,19 @@ class KVLink:
         timeouts every few seconds)."""
         if self.rank == 0:
             self.generation += 1
+            self._nonce = secrets.token_hex(16)
+            store.set(f"nonce-{self.generation}", self._nonce)
             store.set("generation", str(self.generation))
+            polls = 0
             while not store.check([f"join-{self.generation}"]):
                 if self._stop.wait(JOIN_POLL_S):
                     return False
+                polls += 1
+                if polls % 10 == 0 and store.get("generation") != str(self.generation).encode():
+                    store.set("generation", str(self.generation))  # another process wrote it: consumers would hang
         else:
             self.generation = int(store.get("generation"))
+            self._nonce = store.get(f"nonce-{self.generation}").decode()
             store.set(f"join-{self.generation}", "1")
         self._late = []
         prefix = dist.PrefixStore(f"kv-link-{self.generation}", store)
@@ -269,27 +333,8 @@ class KVLink:
             if self.rank == 0:
                 return False  # nobody joined: the next generation
             raise
-        if self.rank == 1:  # the handshake: the same pages on both ends, or no link
-            self._send_parts(HELLO_TAG, self._message({"op": "hello", "fingerprint": self.fingerprint,
-                                                       "layout": self.layout}), pg)
-            meta, _ = self.recv(HELLO_TAG, pg=pg)
-            self.peer_pushes = bool(meta.get("push"))
-            if not meta.get("ok"):
-                self.refused = ("the prefill instance's KV pages differ from this instance's ("
-                                + (", ".join(meta.get("differ") or []) or "static scales") + "): no KV is transferred")
-                log.error("KV link refused: %s", self.refused)
-                return False
-        else:
-            meta, _ = self.recv(HELLO_TAG, datetime.timedelta(seconds=SILENT_S), pg=pg)
-            ok = meta.get("op") == "hello" and meta.get("fingerprint") == self.fingerprint
-            theirs = meta.get("layout") or {}
-            differ = sorted(k for k in set(theirs) | set(self.layout) if theirs.get(k) != self.layout.get(k))
-            self._send_parts(HELLO_TAG, self._message({"ok": ok, "differ": differ,
-                                                       "push": self.cfg.kv_send_type == "PUT_ASYNC"}), pg)
-            if not ok:
-                log.error("KV link: a consumer with other KV pages connected (%s); refused",
-                          ", ".join(differ) or "static scales")
-                return False
+        if not (self._hello_consumer(pg) if self.rank == 1 else self._hello_producer(pg)):
+            return False
         self.pg = pg
         self.ready.set()
         log.warning("KV link up: %s (generation %d)%s", "consumer connected" if self.rank == 0 else
@@ -297,6 +342,63 @@ class KVLink:
                     "; the prefill instance pushes KV layer by layer (PUT_ASYNC)" if (
                         self.peer_pushes if self.rank == 1 else self.cfg.kv_send_type == "PUT_ASYNC") else "")
         return True
+
+    def _hello_consumer(self, pg) -> bool:
+        """The consumer's half of the handshake: the same pages on both ends and, with a
+        secret, a producer that proves it holds it; else the link is refused for good."""
+        cnonce = secrets.token_hex(16)
+        hello = {"op": "hello", "fingerprint": self.fingerprint, "layout": self.layout, "nonce": cnonce}
+        if self.cfg.secret is not None:
+            hello["proof"] = self._proof("consumer", self._nonce)
+        self._send_parts(HELLO_TAG, self._message(hello), pg)
+        meta, _ = self.recv(HELLO_TAG, pg=pg, max_meta=HELLO_BYTES, max_data=0)
+        self.peer_pushes = bool(meta.get("push"))
+        if meta.get("auth") is False:
+            self.refused = ("the prefill instance requires the link's shared secret (kv_secret or "
+                            "$PAGEDKV_KV_SECRET), which this instance does not hold" if self.cfg.secret is None else
+                            "the prefill instance refused this instance's shared secret: the two hold different "
+                            "secrets (kv_secret or $PAGEDKV_KV_SECRET)")
+        elif meta.get("auth") == "none":
+            self.refused = ("the prefill instance holds no shared secret, and this instance requires one: set the "
+                            "same kv_secret or $PAGEDKV_KV_SECRET on both")
+        elif self.cfg.secret is not None and not hmac.compare_digest(str(meta.get("proof", "")),
+                                                                      self._proof("producer", cnonce)):
+            self.refused = "the prefill instance does not hold this link's shared secret: no KV is transferred"
+        elif not meta.get("ok"):
+            self.refused = ("the prefill instance's KV pages differ from this instance's ("
+                            + (", ".join(meta.get("differ") or []) or "static scales") + "): no KV is transferred")
+        if self.refused is not None:
+            log.error("KV link refused: %s", self.refused)
+            return False
+        return True
+
+    def _hello_producer(self, pg) -> bool:
+        """The producer's half: a consumer without the secret (when one is set) or with other
+        pages is refused with one log line, and the next generation opens."""
+        meta, _ = self.recv(HELLO_TAG, datetime.timedelta(seconds=SILENT_S), pg=pg, max_meta=HELLO_BYTES,
+                            max_data=0)
+        if self.cfg.secret is not None and not hmac.compare_digest(str(meta.get("proof", "")),
+                                                                    self._proof("consumer", self._nonce)):
+            self._send_parts(HELLO_TAG, self._message({"ok": False, "auth": False}), pg)
+            log.error("KV link: refused a peer that does not hold this instance's shared secret (kv_secret or "
+                      "$PAGEDKV_KV_SECRET)")
+            return False
+        if self.cfg.secret is None and "proof" in meta:  # it will not take a producer that cannot prove one
+            self._send_parts(HELLO_TAG, self._message({"ok": False, "auth": "none"}), pg)
+            log.error("KV link: refused a consumer that requires a shared secret, which this instance does not "
+                      "hold (set the same kv_secret or $PAGEDKV_KV_SECRET on both)")
+            return False
+        ok = meta.get("op") == "hello" and meta.get("fingerprint") == self.fingerprint
+        theirs = meta.get("layout") or {}
+        differ = sorted(k for k in set(theirs) | set(self.layout) if theirs.get(k) != self.layout.get(k))
+        answer = {"ok": ok, "differ": differ, "push": self.cfg.kv_send_type == "PUT_ASYNC"}
+        if self.cfg.secret is not None:
+            answer["proof"] = self._proof("producer", str(meta.get("nonce", "")))
+        self._send_parts(HELLO_TAG, self._message(answer), pg)
+        if not ok:
+            log.error("KV link: a consumer with other KV pages connected (%s); refused",
+                      ", ".join(differ) or "static scales")
+        return ok
 
     @staticmethod
     def _message(meta: dict, data: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -5,7 +5,11 @@ A request whose ``kv_transfer_params`` say ``do_remote_decode`` (with the proxy'
 by a lease of ``kv_lease_s`` seconds. The consumer pulls them over the :class:`KVLink`
 (the lease's token ids must match its prompt's) and then releases them; a lease that ends
 unreleased, a lost link, or a request aborted here frees them too. So every page comes back
-within ``kv_lease_s`` (plus one step) whatever the consumer does.
+within ``kv_lease_s`` (plus one step) whatever the consumer does. A lease is a promise of
+speed, not of memory: when a waiting request cannot get pages, leases older than
+``RECLAIM_AFTER_S`` end early, oldest first (their consumers compute those prompts
+themselves), so a request of many prompts, whose decode leg starts only after its last
+prefill, cannot hold the pool until its own leases expire.
 
 With ``kv_send_type`` ``PUT_ASYNC`` the pages are also pushed layer by layer while the prompt
 computes (:mod:`~pagedkv.connectors.pd.push`); the lease and the pull stay as they are, the
@@ -14,6 +18,7 @@ fallback for whatever the consumer did not get that way.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,7 +30,9 @@ from pagedkv.connectors.pd.kv_link import KVLink, LinkError
 from pagedkv.connectors.pd.pages import PageLayout, tokens_hash
 from pagedkv.connectors.pd.push import LayerPages, PushSender
 
+log = logging.getLogger("pagedkv.kv_transfer")
 IDLE_WAIT_S = 0.05  # an idle engine step waits this long for a lease to end (no busy loop)
+RECLAIM_AFTER_S = 0.5  # a lease this old ends early when a waiting request needs its pages
 
 
 @dataclass
@@ -45,6 +52,26 @@ class LeaseTable:
     leases: dict[str, Lease] = field(default_factory=dict)
     ended: list[str] = field(default_factory=list)  # request ids whose pages may be freed
     lock: threading.Condition = field(default_factory=threading.Condition)
+    reclaimed: int = 0  # leases ended early for a waiting request's pages
+
+    def reclaim(self, num_blocks: int, min_age_s: float = RECLAIM_AFTER_S) -> int:
+        """End leases at least ``min_age_s`` old, oldest first, until they held about
+        ``num_blocks`` pages; returns how many ended. None while ended leases' pages wait to
+        be freed (the scheduler sees them next step, then asks again if still short)."""
+        with self.lock:
+            if self.ended:
+                return 0
+            latest = time.monotonic() + self.lease_s - min_age_s  # expiry of a lease min_age_s old
+            old = sorted((x.expires, tid) for tid, x in self.leases.items() if not x.busy and x.expires <= latest)
+            freed = ended = 0
+            for _, tid in old:
+                if freed >= num_blocks:
+                    break
+                freed += len(self.leases[tid].block_ids)
+                self.end(tid)
+                ended += 1
+            self.reclaimed += ended
+            return ended
 
     def add(self, transfer_id: str, lease: Lease) -> bool:
         with self.lock:
@@ -110,6 +137,11 @@ class ProducerScheduler(KVConnectorScheduler):
         lease = Lease(request.request_id, list(block_ids[0]), list(request.all_token_ids[:n]),
                       time.monotonic() + self.leases.lease_s, p.get("fault"))
         return self.leases.add(str(p["transfer_id"]), lease)
+
+    def reclaim(self, num_blocks: int) -> None:
+        if self.leases.reclaim(num_blocks):
+            log.info("KV leases ended early for a waiting request's pages (%d so far): their decode legs compute "
+                     "those prompts", self.leases.reclaimed)
 
     def build_connector_meta(self, scheduler_output) -> object | None:
         meta = {"idle": not scheduler_output.num_scheduled_tokens}
@@ -194,7 +226,8 @@ class ProducerWorker(KVConnectorWorker):
         seconds, and transfers that stopped pushing."""
         with self.leases.lock:
             held = len(self.leases.leases)
-        out = {"role": "producer", "link_up": self.link.ready.is_set(), "leases": held, **self.counts}
+        out = {"role": "producer", "link_up": self.link.ready.is_set(), "leases": held,
+               "leases_reclaimed": self.leases.reclaimed, **self.counts}
         if self.pusher is not None:  # blocks, bytes and seconds count the pushes too
             pushed = dict(self.pusher.counts)
             out.update(pushed, blocks=out["blocks"] + pushed["push_blocks"], bytes=out["bytes"] + pushed["push_bytes"],
