@@ -12,6 +12,9 @@ os.environ.setdefault("PAGEDKV_BATCH_INVARIANT", "1")  # tests assert bit-identi
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():  # the Triton kernels run interpreted on CPU tensors (set before they are imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512,
                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)

@@ -63,7 +63,9 @@ def test_help_comes_from_the_docstring():
     docs = attribute_docs(EngineConfig)
     assert set(docs) == {f.name for f in dataclasses.fields(EngineConfig)}
     actions = _engine_actions(["generate"])
-    assert "ignored when --num-blocks is set (default: %(default)s)" in actions["--kv-cache-memory"].help
+    assert "ignored when --num-blocks is set (default: 4GiB on the CPU" in actions["--kv-cache-memory"].help
+    assert "%(default)s" not in actions["--kv-cache-memory"].help  # None: the docstring says what happens
+    assert actions["--block-size"].help.endswith("(default: %(default)s)")
     assert actions["--enable-prefix-caching"].help.endswith("(default: on)")
     assert "default" not in actions["--num-blocks"].help       # None: no default to show
     assert "%(default)s" not in actions["--max-model-len"].help  # the docstring says it

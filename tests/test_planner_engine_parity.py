@@ -41,3 +41,22 @@ def test_hybrid_pages_only_where_the_engine_keeps_two_groups():
     assert abs(hybrid - 2 * tier) <= 1
     draft = plan(**kw, speculative_config={"model": "gemma-2-9b", "num_speculative_tokens": 2}).num_blocks
     assert abs(tier - 2 * draft) <= 1  # whole-layer pages holding both models' KV
+
+
+@pytest.mark.parametrize("peak,non_torch,util", [(2 * 2**30, 600 * 2**20, 0.9), (123_456_789, 0, 0.5)])
+def test_plan_with_activation_peak_equals_the_gpu_engines_sizing(tiny_llm_factory, tiny_model_dir, peak, non_torch,
+                                                                  util):
+    """The GPU engine sizes its pool from one profiling step (:mod:`pagedkv.worker.memory`);
+    ``plan(activation_peak=peak + non_torch)`` on the same device and weights gives the same
+    pages. The device is the planner's H100 entry; the step's figures are set, not measured."""
+    from pagedkv.kv.spec import pool_num_blocks
+    from pagedkv.planner.hardware import get_device
+    from pagedkv.worker.memory import MemoryProfile
+
+    result = plan(model=str(tiny_model_dir), gpu="h100-sxm", gpu_memory_utilization=util,
+                  activation_peak=peak + non_torch)
+    profile = MemoryProfile(get_device("h100-sxm").memory_bytes, result.weight_bytes, peak, non_torch)
+    spec = tiny_llm_factory(dtype="bfloat16").engine.parts.kv_spec  # a GPU engine computes in bf16
+    assert result.cache_budget_bytes == profile.kv_budget(util)
+    assert result.num_blocks == pool_num_blocks((spec,), profile.kv_budget(util))
+    assert result.num_blocks < plan(model=str(tiny_model_dir), gpu="h100-sxm", gpu_memory_utilization=util).num_blocks

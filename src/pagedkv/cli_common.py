@@ -22,6 +22,8 @@ import typing
 
 from pagedkv.config.engine import (
     ACTIVATION_DTYPES,
+    DEVICES,
+    DTYPES,
     KV_ALLOCATORS,
     KV_CACHE_DTYPES,
     KV_CACHE_SCALES,
@@ -43,6 +45,8 @@ FLAG_OPTIONS: dict[str, dict | None] = {
     "scheduling_policy": {"choices": SCHEDULING_POLICIES},
     "weight_dtype": {"choices": WEIGHT_DTYPES},
     "activation_dtype": {"choices": ACTIVATION_DTYPES},
+    "device": {"choices": DEVICES},
+    "dtype": {"choices": DTYPES},
     "kv_eviction": {"choices": KV_EVICTIONS},
     "streaming_positions": {"choices": STREAMING_POSITIONS},
     "kv_offload_policy": {"choices": KV_OFFLOAD_POLICIES},
@@ -97,13 +101,19 @@ def engine_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(EngineConfig) if FLAG_OPTIONS.get(f.name, {}) is not None]
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Add the ``engine`` flag group to ``p`` (see the module docstring)."""
+def add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """Add the ``engine`` flag group to ``p`` (see the module docstring); ``defaults``: this
+    command's own default for some fields (its help says it instead of the docstring's)."""
     g = p.add_argument_group("engine")
+    defaults = defaults or {}
     docs, hints = attribute_docs(EngineConfig), typing.get_type_hints(EngineConfig)
     names = {f.name for f in engine_fields()}
     for f in engine_fields():
         kw = dict(default=f.default, help=help_text(docs[f.name], names, f.default)) | FLAG_OPTIONS.get(f.name, {})
+        if f.name in defaults:  # the docstring's "(default: ...)" is the engine's, not this command's
+            text = kw["help"]
+            kw.update(default=defaults[f.name], help=text[:text.rfind(" (default")] if " (default" in text else text)
+            kw["help"] += " (default: %(default)s)"
         if hints[f.name] is bool:
             kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         elif _argparse_type(hints[f.name]) is not None:

@@ -1,12 +1,17 @@
-"""paged_attention: the fused CPU kernel where it is available, else the pure-torch reference.
+"""paged_attention: the fused CPU kernel where it is available, the Triton kernel on a GPU,
+else the pure-torch reference.
 
-``PAGEDKV_ATTENTION`` (read at each call) picks the implementation:
+Queries on a GPU always go to the Triton kernel (:mod:`pagedkv.kernels.triton.paged_attention`;
+the reference where it does not take the inputs). On the CPU, ``PAGEDKV_ATTENTION`` (read at
+each call) picks the implementation:
 
 - unset or ``auto``: the kernel; if it cannot be built here (no C++ compiler, no ninja) one
   warning is issued and the reference is used for the rest of the process. Inputs the kernel
   does not cover (see ``kernel_supports``, e.g. CUDA tensors) go to the reference silently.
 - ``kernel``: the kernel or an error (``KernelBuildError``, ``ValueError``).
 - ``reference``: always the reference; nothing is compiled.
+- ``triton``: the Triton kernel, interpreted on the CPU (``TRITON_INTERPRET=1`` must be set
+  before it is first imported): the GPU's path, for tests; slow.
 
 Both give the same results within float rounding (tests/test_attention_kernel.py), and each
 is deterministic per query row (see ``csrc/paged_attention_kernel.cpp``). Through a whole
@@ -48,6 +53,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         KernelBuildError: ``kernel`` forced where it cannot be built.
     """
     mode = attention_mode()
+    if q.is_cuda or mode == "triton" or meta.kernel_args is not None:
+        return _triton(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q, softcap)
     if mode == "reference":
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q,
                                          softcap)
@@ -65,3 +72,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sq = None if sink_q is None or not sinks else sink_q.contiguous()
     return op(q.contiguous(), k_cache, v_cache, seq_info, tables, scale, -1, k_scale, v_scale, window, sinks, sq,
               softcap)
+
+
+def _triton(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q, softcap) -> torch.Tensor:
+    from pagedkv.kernels.triton.paged_attention import paged_attention_triton, supports
+
+    if not supports(q, k_cache, v_cache):
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q,
+                                         softcap)
+    return paged_attention_triton(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks, sink_q, softcap)

@@ -25,11 +25,34 @@ class SeqAttention:
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
 
 
+@dataclass(frozen=True)
+class KernelArgs:
+    """A step's sequences already laid out on the device for the Triton kernel, so a launch
+    needs nothing from the host (CUDA graphs: :mod:`pagedkv.worker.cuda_graphs`). Shapes are
+    fixed for a batch-size bucket; padding sequences have ``query_len`` 0.
+
+    Attributes:
+        seq_info: ``[S, 5]`` int64, as :attr:`AttentionMetadata.packed`'s.
+        tables: ``[S * max_pages]`` int64, sequence ``i``'s table at ``i * max_pages``.
+        tile_seq, tile_first: ``[S]`` int64: one program per sequence, from its first row.
+        max_pages: pages a sequence may read at most.
+        num_splits: flash-decoding splits (a power of two).
+    """
+    seq_info: torch.Tensor
+    tables: torch.Tensor
+    tile_seq: torch.Tensor
+    tile_first: torch.Tensor
+    max_pages: int
+    num_splits: int = 1
+
+
 @dataclass
 class AttentionMetadata:
-    """Where a step's tokens write (``slot_mapping`` ``[T]`` int64) and what each sequence reads."""
+    """Where a step's tokens write (``slot_mapping`` ``[T]`` int64) and what each sequence
+    reads; ``kernel_args``: the same laid out on the device (decode steps under CUDA graphs)."""
     slot_mapping: torch.Tensor
     seqs: list[SeqAttention]
+    kernel_args: KernelArgs | None = None
 
     @cached_property
     def packed(self) -> tuple[torch.Tensor, torch.Tensor]:

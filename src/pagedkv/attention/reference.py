@@ -39,6 +39,7 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     tokens; quantized pages are multiplied by their ``scale`` (``[num_blocks, block_size,
     kv_heads]`` per token and head, ``[kv_heads, head_dim]`` per channel, ``[kv_heads]`` per
     head, or ``[1]``)."""
+    block_table = block_table.to(cache.device)  # (tables are built on the host)
     if cache.element_size() == 1:  # int8/fp8: index_select has no fp8 kernel on CPU; move bytes
         pages = cache.view(torch.uint8).index_select(0, block_table).view(cache.dtype)
     else:
@@ -75,17 +76,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     scores = torch.bmm(by_kv_head(q), k.permute(1, 2, 0)) * scale    # [Hkv, G*n, L]
     if sink_q is not None and sinks and window:  # sinks before a row's window: scored by its sink query
         s = min(sinks, length)
-        rows = torch.arange(length - n, length).unsqueeze(1)
-        before = (torch.arange(s).unsqueeze(0) <= rows - window).repeat(group, 1)  # [G*n, s]
+        rows = torch.arange(length - n, length, device=q.device).unsqueeze(1)
+        before = (torch.arange(s, device=q.device).unsqueeze(0) <= rows - window).repeat(group, 1)  # [G*n, s]
         sink_scores = torch.bmm(by_kv_head(sink_q), k[:s].permute(1, 2, 0)) * scale
         scores[..., :s] = torch.where(before, sink_scores, scores[..., :s])
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     if n > 1 or (window and length > window):
-        rows = torch.arange(length - n, length).unsqueeze(1)  # position of each query row
-        hidden = torch.arange(length).unsqueeze(0) > rows     # [n, L]: the future
+        rows = torch.arange(length - n, length, device=q.device).unsqueeze(1)  # position of each query row
+        hidden = torch.arange(length, device=q.device).unsqueeze(0) > rows     # [n, L]: the future
         if window:
-            col = torch.arange(length).unsqueeze(0)
+            col = torch.arange(length, device=q.device).unsqueeze(0)
             hidden |= (col <= rows - window) & (col >= sinks)  # before the window, not a sink
         scores = scores.view(kv_heads, group, n, length).masked_fill(hidden, float("-inf"))
         scores = scores.view(kv_heads, group * n, length)
@@ -107,5 +108,6 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         rows = slice(s.query_start, s.query_start + s.query_len)
         k = gather_pages(k_cache, s.block_table, s.context_len, k_scale)
         v = gather_pages(v_cache, s.block_table, s.context_len, v_scale)
-        out[rows] = attend(q[rows], k, v, scale, window, sinks, None if sink_q is None else sink_q[rows], softcap)
+        out[rows] = attend(q[rows].float(), k, v, scale, window, sinks,  # (fp32 products, any q dtype)
+                           None if sink_q is None else sink_q[rows].float(), softcap).to(out.dtype)
     return out

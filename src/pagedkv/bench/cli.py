@@ -106,9 +106,7 @@ def _add_common(c: argparse.ArgumentParser, name: str) -> None:
         r.add_argument("--replay-conversations", type=int, default=16, help="hh-rlhf conversations to replay; 0 = skip")
         r.add_argument("--replay-turns", type=int, default=4, help="most turns per conversation")
         r.add_argument("--replay-max-tokens", type=int, default=32, help="reply tokens per turn")
-    add_engine_args(c)
-    if name == "capacity":
-        c.set_defaults(kv_cache_memory="128MiB")
+    add_engine_args(c, {"kv_cache_memory": "128MiB"} if name == "capacity" else None)
 
 
 def settings_from_args(a: argparse.Namespace):

@@ -24,6 +24,9 @@ KV_OFFLOAD_POLICIES = ("lru", "lfu")
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # see pagedkv.core.preemption
 WEIGHT_DTYPES = ("auto", "float32", "int8", "int4")  # see pagedkv.model.weight_formats
 ACTIVATION_DTYPES = ("float32", "int8")  # see pagedkv.model.w8a8
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # vLLM's --dtype: the compute dtype
+CPU_KV_CACHE_MEMORY = 4 * 2**30  # the CPU's default KV budget: 4 GiB, like vLLM's CPU backend
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -79,7 +82,18 @@ class EngineConfig:
             as fast as float32 activations, batches and prefill faster; greedy text can differ
             from float32's; :mod:`pagedkv.model.ggml_a8`). float32 weights refuse it.
         kv_cache_memory: KV cache budget, e.g. 512MiB or 2GB (KiB/MiB/GiB are powers of 2,
-            KB/MB/GB of 10); ignored when ``num_blocks`` is set.
+            KB/MB/GB of 10); ignored when ``num_blocks`` is set (default: 4GiB on the CPU, like
+            vLLM's CPU backend; on a GPU what gpu_memory_utilization leaves after the weights and
+            a profiled step's activations).
+        device: where the model, its KV cache and every step run: auto (cuda when torch sees a
+            GPU, else cpu), cpu or cuda.
+        dtype: the compute dtype, vLLM's --dtype: auto (float32 on the CPU, where bf16 products
+            are ~200x slower; bfloat16 on a GPU), float32, bfloat16 or float16. The KV pages
+            default to it (kv_cache_dtype auto).
+        gpu_memory_utilization: on a GPU, the fraction of its memory the engine may use for
+            weights, activations and KV pages (as vLLM's): the KV cache gets what is left after
+            the weights and the peak of one profiled step of max_num_batched_tokens.
+        enforce_eager: on a GPU, run every step eagerly (no CUDA graphs for decode steps).
         num_blocks: exact number of KV pages, overriding ``kv_cache_memory``. A page is a
             block of every layer, or, for a model mixing window and full layers (Gemma 2/3),
             of one KV group's layers (a fraction of them: see ``stats().kv_bytes_per_token``
@@ -172,7 +186,11 @@ class EngineConfig:
     kv_cache_scale: str = "per-token-head"
     weight_dtype: str = "auto"
     activation_dtype: str = "float32"
-    kv_cache_memory: int | str = "4GiB"  # 4 GiB, like vLLM's CPU backend
+    kv_cache_memory: int | str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     num_blocks: int | None = None
     kv_offload_memory: int | str | None = None
     kv_offload_policy: str = "lru"
@@ -199,7 +217,9 @@ class EngineConfig:
     kv_transfer_config: dict | str | None = None
 
     def __post_init__(self) -> None:
-        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        self._check_device()
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_size(self.kv_offload_memory)
         if self.kv_offload_disk_size is not None:
@@ -253,6 +273,16 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+
+    def _check_device(self) -> None:
+        """``device``, ``dtype`` and ``gpu_memory_utilization`` (raises ValueError naming the flag)."""
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
 
     def _check_eviction(self) -> None:
         """The KV eviction fields (raises ValueError naming the flag); fills defaults."""

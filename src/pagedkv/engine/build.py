@@ -17,6 +17,8 @@ per engine. Under tensor parallelism the other ranks build their runner with
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from pagedkv.config.engine import EngineConfig
@@ -31,6 +33,8 @@ from pagedkv.distributed.executor import TPExecutor
 from pagedkv.distributed.group import TPGroup
 from pagedkv.engine.parts import EngineParts, build_parts, check_fits_in_ram
 from pagedkv.kernels.cpu.ops import copy_pages
+from pagedkv.kv.groups import FullAttentionSpec
+from pagedkv.worker.cuda_graphs import DecodeGraphs
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.spec_decode.draft_model import DraftModelProposer
 from pagedkv.worker.spec_decode.ngram import NgramProposer
@@ -83,11 +87,32 @@ def build_engine_core(config: EngineConfig, parts: EngineParts, connector: KVCon
                                 connector.scheduler if connector else None,
                                 model_preemption_cost(config.preemption_mode, parts.model))
     runner = ModelRunner(parts.model, parts.kv_cache, parts.kv_manager.kv_groups,
-                         torch.Generator().manual_seed(config.seed), connector.worker if connector else None,
-                         make_proposer(config, parts), eviction_policy(config))
+                         torch.Generator(parts.model.device).manual_seed(config.seed),
+                         connector.worker if connector else None,
+                         make_proposer(config, parts), eviction_policy(config), graphs=build_graphs(config, parts))
     if tp is not None:  # the other ranks run the same step; rank 0 samples
         runner = tp.attach(runner)
     return EngineCore(scheduler, runner, debug_invariants=config.debug_invariants)
+
+
+def build_graphs(config: EngineConfig, parts: EngineParts) -> DecodeGraphs | None:
+    """CUDA graphs of decode steps (:mod:`pagedkv.worker.cuda_graphs`) on a GPU, unless
+    ``enforce_eager``; captured now, at engine start. None where they do not apply (the CPU,
+    several KV groups, streaming sinks) or where capture fails (with a warning: steps then
+    run eagerly)."""
+    model = parts.model
+    groups = parts.kv_manager.kv_groups
+    if (model.device.type != "cuda" or config.enforce_eager or len(groups) != 1
+            or not isinstance(groups[0].spec, FullAttentionSpec) or model.streaming_cache_len is not None):
+        return None
+    graphs = DecodeGraphs(model, parts.kv_cache, config.block_size, config.max_num_seqs, parts.max_model_len)
+    try:
+        graphs.capture_all()
+    except Exception as e:  # noqa: BLE001 - eager steps are correct, only slower
+        warnings.warn(f"pagedkv: CUDA graph capture failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                      "decode steps run eagerly (--enforce-eager silences this)", RuntimeWarning, stacklevel=2)
+        return None
+    return graphs
 
 
 def build_tp_worker_runner(config: EngineConfig, group: TPGroup) -> ModelRunner:

@@ -13,7 +13,7 @@ import os
 import warnings
 from dataclasses import dataclass, replace
 
-from pagedkv.config.engine import EngineConfig
+from pagedkv.config.engine import CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedkv.core.kv_layout import kv_groups
 from pagedkv.core.limits import cache_max_model_len, check_streaming, resolve_max_model_len
 from pagedkv.kv.groups import SlidingWindowSpec, shared_page_slots, windows_free_pages
@@ -25,9 +25,9 @@ from pagedkv.model.llama import LlamaModel
 from pagedkv.model.load import engine_calibration_ids, load_model
 from pagedkv.model.loader import ModelFiles, load_tokenizer, resolve_model
 from pagedkv.model.partition import local_config, partition
+from pagedkv.worker.device import check_features, compute_dtype, resolve_device
 from pagedkv.worker.kv_scales import calibrate_static_scales
-
-COMPUTE_DTYPE = "float32"  # bf16 matmuls are ~200x slower on these CPUs
+from pagedkv.worker.memory import MemoryProfile, profile_step
 
 #: Part of every block hash: bump when the KV a model writes for the same tokens changes
 #: (RoPE, attention, quantization code), so no tier serves pages the running code would not write.
@@ -46,7 +46,8 @@ class DraftParts:
 class EngineParts:
     """What :func:`build_parts` makes: the model and its tokenizer, the KV spec (bytes per
     token and page), the KV manager (pool, block tables: bookkeeping only) and the KV cache
-    (the page tensors), and the length limits they settle."""
+    (the page tensors), and the length limits they settle; on a GPU sized by ``memory``
+    (:mod:`pagedkv.worker.memory`) unless a budget or block count was given."""
     files: ModelFiles
     model: LlamaModel
     tokenizer: object
@@ -56,6 +57,7 @@ class EngineParts:
     max_model_len: int
     eos_token_ids: frozenset[int]
     draft: DraftParts | None = None
+    memory: MemoryProfile | None = None
 
 
 def check_fits_in_ram(kv_bytes: int) -> None:
@@ -70,17 +72,18 @@ def check_fits_in_ram(kv_bytes: int) -> None:
                          f"{ram / 2**30:.1f} GiB of memory")
 
 
-def kv_dtype(config: EngineConfig) -> str:
-    return COMPUTE_DTYPE if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+def kv_dtype(config: EngineConfig, compute: str = "float32") -> str:
+    """The KV pages' dtype: ``kv_cache_dtype``, or the compute dtype's name for ``auto``."""
+    return compute if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
 
 
-def cache_keys(config: EngineConfig, files: ModelFiles, kv_spec: KVCacheSpec,
-               draft: DraftParts | None) -> tuple[tuple[str, str], ...]:
+def cache_keys(config: EngineConfig, files: ModelFiles, kv_spec: KVCacheSpec, draft: DraftParts | None,
+               compute: str = "float32") -> tuple[tuple[str, str], ...]:
     """The tagged fields every block hash of this engine carries: whatever changes the KV a
     model writes for the same tokens (format version, model and weights, dtypes, block size,
     scales, streaming's window, a draft's weights), so no cache or tier shares pages across them."""
     keys = (("kv_format", KV_FORMAT_VERSION), ("model", str(files.folder.name)), ("weights", files.weights_version),
-            ("kv_dtype", kv_dtype(config)), ("block_size", str(config.block_size)),
+            ("kv_dtype", kv_spec.dtype), ("block_size", str(config.block_size)),
             ("kv_scale", config.kv_cache_scale if kv_spec.is_quantized else "none"),
             ("weight_dtype", config.weight_dtype), ("activation_dtype", config.activation_dtype))
     if config.kv_eviction == "streaming":  # a token's KV depends on what the tokens before it saw
@@ -88,6 +91,8 @@ def cache_keys(config: EngineConfig, files: ModelFiles, kv_spec: KVCacheSpec,
                                  f"{config.streaming_positions}"),)
     if draft is not None:  # pages hold the draft's KV too: never share them with other drafts
         keys += (("draft", str(draft.files.folder.name)), ("draft_weights", draft.files.weights_version))
+    if compute != "float32":  # another compute dtype writes other KV for the same tokens
+        keys += (("compute_dtype", compute),)
     return keys
 
 
@@ -99,14 +104,18 @@ def build_parts(config: EngineConfig, tp=None) -> EngineParts:
     rank calls this in the same order: the calibrations run collectives."""
     files = resolve_model(config.model)
     cfg = files.config
+    device = resolve_device(config)
+    dtype = compute_dtype(config, device)
+    check_features(config, device, dtype)
+    compute = str(dtype).removeprefix("torch.")
     check_streaming(config, cfg)
     max_len = resolve_max_model_len(cfg, config.max_model_len, config.kv_eviction == "streaming")
-    dtype = kv_dtype(config)
-    kv_spec = cfg.kv_spec(dtype, config.block_size, config.tensor_parallel_size, config.kv_cache_scale)
+    kvd = kv_dtype(config, compute)
+    kv_spec = cfg.kv_spec(kvd, config.block_size, config.tensor_parallel_size, config.kv_cache_scale)
     part = partition(cfg, tp.rank, tp.world) if tp is not None else None
-    own = local_config(cfg, part).kv_spec(dtype, config.block_size, 1, config.kv_cache_scale) if part else kv_spec
+    own = local_config(cfg, part).kv_spec(kvd, config.block_size, 1, config.kv_cache_scale) if part else kv_spec
     tokenizer = load_tokenizer(files.folder)
-    draft = build_draft(config, cfg, tokenizer, dtype)
+    draft = build_draft(config, cfg, tokenizer, kvd, device.type, compute)
     if draft is not None:  # the draft runs at every position: the shorter limit holds
         max_len = min(max_len, draft_max_model_len(draft, config.max_model_len))
     groups = kv_groups(config, cfg, draft is not None)
@@ -122,14 +131,23 @@ def build_parts(config: EngineConfig, tp=None) -> EngineParts:
     if draft is not None:  # the draft reads the target's one table: its pages hold every layer too
         draft = replace(draft, kv_spec=replace(draft.kv_spec, page_layers=0, page_windows=False))
     specs = (kv_spec,) if draft is None else (kv_spec, draft.kv_spec)
-    num_blocks = config.num_blocks or pool_num_blocks(specs, config.kv_cache_memory)
-    check_fits_in_ram(pool_cache_bytes(specs, num_blocks))
+    load = lambda: load_model(config, files, tokenizer, part, tp.all_reduce if tp is not None else None,  # noqa: E731
+                              device.type, compute)
+    model, memory = None, None
+    budget = config.kv_cache_memory or (CPU_KV_CACHE_MEMORY if device.type == "cpu" else None)
+    if config.num_blocks is None and budget is None:  # a GPU: what is left after the weights and one step
+        model = load()
+        memory = profile_step(model, own, config.max_num_batched_tokens, config.max_num_seqs)
+        budget = memory.kv_budget(config.gpu_memory_utilization)
+    num_blocks = config.num_blocks or pool_num_blocks(specs, budget)
+    if device.type == "cpu":
+        check_fits_in_ram(pool_cache_bytes(specs, num_blocks))
     kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                cache_keys(config, files, kv_spec, draft), groups)
+                                cache_keys(config, files, kv_spec, draft, compute), groups)
     max_len = cache_max_model_len(config, kv_manager, max_len)
-    model = load_model(config, files, tokenizer, part, tp.all_reduce if tp is not None else None)
-    kv_cache = KVCacheStorage(own, kv_manager.pool.num_pages, draft_spec=draft.kv_spec if draft else None,
-                              layer_slots=slots)  # page 0: null page
+    model = model or load()
+    kv_cache = KVCacheStorage(own, kv_manager.pool.num_pages, device=str(device),
+                              draft_spec=draft.kv_spec if draft else None, layer_slots=slots)  # page 0: null page
     if kv_spec.is_quantized and kv_spec.scale_granularity != "per-token-head":
         # the model's own length limit, not the cache's: scales must not depend on the cache size
         calibrate_static_scales(model, kv_cache, engine_calibration_ids(tokenizer, cfg))
@@ -137,7 +155,7 @@ def build_parts(config: EngineConfig, tp=None) -> EngineParts:
             calibrate_static_scales(draft.model, kv_cache.draft_view(),
                                     engine_calibration_ids(tokenizer, draft.files.config))
     return EngineParts(files, model, tokenizer, kv_spec, kv_manager, kv_cache, max_len,
-                       eos_token_ids(cfg, tokenizer), draft)
+                       eos_token_ids(cfg, tokenizer), draft, memory)
 
 
 def eos_token_ids(cfg: ModelConfig, tokenizer) -> frozenset[int]:
@@ -159,9 +177,11 @@ def draft_max_model_len(draft: DraftParts, requested: int | None) -> int:
                          f"({draft.files.name}; speculative decoding runs the draft at every position)") from None
 
 
-def build_draft(config: EngineConfig, target: ModelConfig, tokenizer, dtype: str) -> DraftParts | None:
+def build_draft(config: EngineConfig, target: ModelConfig, tokenizer, dtype: str, device: str = "cpu",
+                compute: str = "float32") -> DraftParts | None:
     """The draft model of a ``draft_model`` speculative config (else None), loaded like the
-    target (weight dtype, numerics).
+    target (weight dtype, numerics; on ``device`` in the ``compute`` dtype); ``dtype``: its
+    KV pages'.
 
     Raises:
         FileNotFoundError: the draft is not found or has no tokenizer.
@@ -183,4 +203,4 @@ def build_draft(config: EngineConfig, target: ModelConfig, tokenizer, dtype: str
         raise ValueError(f"draft model {sc.model!r} has a different tokenizer from the target's "
                          "(same size, other tokens): a draft must use the target's tokenizer")
     kv_spec = dcfg.kv_spec(dtype, config.block_size, scale_granularity=config.kv_cache_scale)
-    return DraftParts(files, load_model(config, files, tokenizer), kv_spec)
+    return DraftParts(files, load_model(config, files, tokenizer, device=device, dtype=compute), kv_spec)

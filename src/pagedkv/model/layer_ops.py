@@ -17,16 +17,16 @@ from pagedkv.model.int8_weights import Int8Weight
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich, 2019):
     the kernel library's one-call op (``csrc/layer_ops.cpp``), else torch's."""
-    op = layer_op("rms_norm")
-    if op is not None and x.dtype == torch.float32 and x.is_contiguous():
+    op = layer_op("rms_norm") if x.is_cpu and x.dtype == torch.float32 else None
+    if op is not None and x.is_contiguous():
         return op(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``[T, 2I]`` (gate first) -> ``[T, I]`` (SwiGLU)."""
-    op = layer_op("silu_and_mul")
-    if op is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+    op = layer_op("silu_and_mul") if gate_up.is_cpu and gate_up.dtype == torch.float32 else None
+    if op is not None and gate_up.is_contiguous():
         return op(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

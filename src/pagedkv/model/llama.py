@@ -49,6 +49,8 @@ class ModelSettings:
         fused_layers, fused_stack: allow the kernel library's one-call decoder layer, and then
             its one-call stack of every layer, where they compute exactly what the op-by-op
             path computes (:meth:`LlamaModel.forward_path`).
+        device, dtype: where the weights live and the dtype they compute in (float weights
+            only, other than on the CPU in float32: :mod:`pagedkv.worker.device`).
     """
     weight_dtype: str = "float32"
     batch_invariant: bool = False
@@ -58,6 +60,8 @@ class ModelSettings:
     streaming_cache_positions: bool = False
     fused_layers: bool = True
     fused_stack: bool = True
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def layer_window(self, window: int | None) -> tuple[int, int]:
         """``(window, sinks)`` of a layer whose own sliding window is ``window`` (None: full)."""
@@ -124,10 +128,31 @@ class LlamaModel:
             self.lm_head = lm_head_for(self.lm_head, (quantized or {}).get(EMBED), tied, weight_dtype)
         self._fusable: bool | None = None
         self._pages_checked, self._pages_ok = None, False  # the pages fused_op last looked at
+        self.device, self.dtype = torch.device(settings.device), getattr(torch, settings.dtype)
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            self._place()
 
     @property
     def batch_invariant(self) -> bool:
         return self.settings.batch_invariant
+
+    def _place(self) -> None:
+        """Every weight on the model's device in its dtype (float weights only), the RoPE
+        tables on the device in float32 (rotations are computed in float32, then cast)."""
+        if self.settings.weight_dtype != "float32":
+            raise ValueError(f"weights on {self.device.type} in {self.settings.dtype} must be float "
+                             f"(weight_dtype float32 or auto), got {self.settings.weight_dtype!r}")
+        move = lambda w: None if w is None else w.to(self.device, self.dtype)  # noqa: E731
+        tied = self.lm_head is self.embed
+        self.embed, self.norm = move(self.embed), move(self.norm)
+        self.lm_head = self.embed if tied else move(self.lm_head)
+        for layer in self.layers:
+            for name in ("in_norm", "post_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm", "qkv", "qkv_bias",
+                         "o", "gate_up", "down"):
+                setattr(layer, name, move(getattr(layer, name)))
+        for rope in self._ropes:
+            rope.cos, rope.sin, rope.inv = (rope.cos.to(self.device), rope.sin.to(self.device),
+                                            rope.inv.to(self.device))
 
     def _quantize_int8(self) -> None:
         """Every linear weight (the LM head too, apart from the embedding table it may share,
@@ -148,9 +173,11 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheStorage,
                 meta: AttentionMetadata | Sequence[AttentionMetadata], kv_hooks=None,
-                observer=None) -> torch.Tensor:
+                observer=None, graph_safe: bool = False) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; ``input_ids``/``positions`` ``[T]``;
-        ``observer``: see :meth:`LlamaLayer.forward` (it takes the per-op path).
+        ``observer``: see :meth:`LlamaLayer.forward` (it takes the per-op path); ``graph_safe``:
+        read nothing back to the host (a CUDA graph's capture: no positions past the RoPE
+        table, no streaming sinks).
 
         ``meta``: one attention metadata for every layer, or one per layer (layers of
         different KV cache groups read different block tables). ``kv_hooks`` (a KV
@@ -159,7 +186,8 @@ class LlamaModel:
         """
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         x = self.embed_rows(input_ids)
-        per_rope = {id(r): (r.cos_sin(positions), self.sink_cos_sin(positions, r)) for r in self._ropes}
+        per_rope = {id(r): (r.cos_sin(positions, checked=not graph_safe),
+                            None if graph_safe else self.sink_cos_sin(positions, r)) for r in self._ropes}
         path, op = self.forward_path(kv_cache, metas, kv_hooks, observer)
         if path == "stack":  # every layer's RoPE is the same one here
             return self.final_norm(self._forward_stack(op, x, *per_rope[id(self.layer_ropes[0])], kv_cache, metas[0]))
@@ -266,8 +294,8 @@ class LlamaModel:
         per-op path would: the kernel library loads and ``PAGEDKV_ATTENTION`` uses it, every
         layer has GGML or int8 weights and no bias, and the pages are unquantized (fp32/fp16/bf16) in
         a shape the attention kernel covers. Else None (and with ``fused_layers`` off)."""
-        if not self.fused_layers:
-            return None
+        if not self.fused_layers or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None  # (the library's ops are float32 CPU ops)
         op = layer_op("decoder_layer")
         if op is None:
             return None
@@ -294,7 +322,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, vocab]`` fp32 logits for ``[n, hidden]`` states (soft-capped where the config
         says: Gemma 2's ``final_logit_softcapping``)."""
-        logits = self.linear(hidden, self.lm_head)
+        logits = self.linear(hidden, self.lm_head).float()
         cap = self.cfg.final_logit_softcapping
         return logits if not cap else torch.tanh(logits / cap) * cap
 

@@ -130,7 +130,7 @@ class LlamaLayer:
         if self.q_norm is not None:
             qk = torch.cat([rms_norm(qk[:, :H].contiguous(), self.q_norm, cfg.rms_norm_eps),
                             rms_norm(qk[:, H:].contiguous(), self.k_norm, cfg.rms_norm_eps)], dim=1)
-        qk = rope.rotate_(qk, cos, sin)
+        qk = rope.rotate_(qk, cos, sin).to(qkv.dtype)  # (rotated in float32 where x is not: cast back)
         return qk[:, :H], qk[:, H:], qkv[:, self.q_size + self.kv_size:].view(T, Hkv, D)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

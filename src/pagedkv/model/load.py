@@ -6,6 +6,9 @@ at construction (:class:`~pagedkv.model.llama.ModelSettings`).
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
+
+import torch
 
 from pagedkv.config.engine import EngineConfig
 from pagedkv.data import calibration_ids
@@ -34,21 +37,28 @@ def engine_calibration_ids(tokenizer, cfg: ModelConfig) -> list[int]:
 
 
 def load_model(config: EngineConfig, files: ModelFiles, tokenizer, part: Partition | None = None,
-               all_reduce=None) -> LlamaModel:
+               all_reduce=None, device: str = "cpu", dtype: str = "float32") -> LlamaModel:
     """The decoder in ``files`` with the engine's weight and activation dtypes and numerics
     (``tokenizer`` makes the W8A8 calibration text); with ``part``, one tensor-parallel
-    rank's share, its row-parallel outputs summed by ``all_reduce``."""
-    blocks = (read_blocks(files.gguf_path, files.folder) if config.weight_dtype in ("auto", "int4") and files.gguf_path
-              else {})
+    rank's share, its row-parallel outputs summed by ``all_reduce``. On a GPU or in a compute
+    ``dtype`` other than float32 the weights are float, in ``dtype``, on ``device`` (a GGUF's
+    blocks dequantized: :mod:`pagedkv.worker.device`)."""
+    float_weights = device != "cpu" or dtype != "float32"
+    blocks = (read_blocks(files.gguf_path, files.folder)
+              if config.weight_dtype in ("auto", "int4") and files.gguf_path and not float_weights else {})
     kept = {k: v for k, v in blocks.items() if k != EMBED}  # used as stored: no fp32 copy is loaded
-    state = load_state_dict(files.folder, skip=set(kept)) | kept
+    state = load_state_dict(files.folder, skip=set(kept), dtype=getattr(torch, dtype) if float_weights
+                            else torch.float32) | kept
     check_weights(files.config, state)
     model_cfg = files.config
     if part is not None:
         state, model_cfg = shard_state(state, model_cfg, part), local_config(model_cfg, part)
         blocks = {k: state.get(k, v) if k != EMBED else v for k, v in blocks.items()}  # the shares, as kept
     w8a8 = config.activation_dtype == "int8" and config.weight_dtype == "int8"
-    model = LlamaModel(model_cfg, state, model_settings(config, all_reduce, w8a8), quantized=blocks)
+    settings = model_settings(config, all_reduce, w8a8)
+    if float_weights:
+        settings = replace(settings, weight_dtype="float32", device=device, dtype=dtype)
+    model = LlamaModel(model_cfg, state, settings, quantized=blocks)
     if w8a8:  # calibrated on the fp32 model, then quantized (pagedkv.model.w8a8)
         quantize_w8a8(model, engine_calibration_ids(tokenizer, files.config))
     elif config.activation_dtype == "int8":  # GGML blocks times int8 activations (pagedkv.model.ggml_a8)

@@ -84,22 +84,33 @@ def _packaged_gguf(name: str) -> Path:
     return path
 
 
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16  # a safetensors file's fingerprint: 16 slices of 64 KiB, 1 MiB read
+
+
 def _folder_version(folder: Path) -> str:
-    """Cheap identity of a folder's weights: names, sizes and mtimes of its safetensors, and
-    its config.json's bytes (the same weights under another config compute other KV)."""
+    """Cheap identity of a folder's weights: names, sizes, mtimes and :data:`SAMPLES` slices
+    of the content of its safetensors (two checkpoints copied with their timestamps kept
+    still differ in their bytes), and its config.json's bytes (the same weights under another
+    config compute other KV)."""
     h = hashlib.sha256()
     for f in sorted(folder.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        with open(f, "rb") as fh:
+            for i in range(SAMPLES):
+                fh.seek(st.st_size * i // SAMPLES)
+                h.update(fh.read(SAMPLE_BYTES))
     config = folder / "config.json"
     if config.exists():
         h.update(config.read_bytes())
     return h.hexdigest()
 
 
-def load_state_dict(folder: Path, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+def load_state_dict(folder: Path, skip: set[str] = frozenset(),
+                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The ``*.safetensors`` tensors of the folder (the model's: not ``ggml_blocks.safetensors``),
-    as fp32 CPU tensors, leaving out the names in ``skip`` (never read).
+    as CPU tensors in ``dtype`` (each converted as it is read: a bf16 checkpoint loaded in
+    bf16 never holds an fp32 copy), leaving out the names in ``skip`` (never read).
 
     Raises:
         FileNotFoundError: if the folder holds no safetensors file.
@@ -115,7 +126,7 @@ def load_state_dict(folder: Path, skip: set[str] = frozenset()) -> dict[str, tor
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
                     if k not in skip:
-                        state[k] = sf.get_tensor(k).float()
+                        state[k] = sf.get_tensor(k).to(dtype)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"cannot read weights {f}: {e}") from None
     return state

@@ -54,12 +54,14 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos(), emb.sin()
         self.max_positions = max_positions
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of ``positions`` ``[T]``, each ``[T, 1, head_dim]`` (look up once per
         forward; every layer rotates with the same tables). Positions past the table (a
         streaming sequence longer than the model's positions) are computed row by row in
-        float64, so a row's values never depend on the other rows."""
-        if positions.numel() and int(positions.max()) >= self.max_positions:
+        float64, so a row's values never depend on the other rows; ``checked`` False skips
+        that test (it reads a value back to the host: not inside a CUDA graph, whose
+        positions stay below the table's length)."""
+        if checked and positions.numel() and int(positions.max()) >= self.max_positions:
             return self._past_table(positions)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
@@ -81,7 +83,7 @@ class RotaryEmbedding:
         contiguous; bit-identical to :meth:`rotate`), else :meth:`rotate`; returns the result."""
         from pagedkv.kernels.cpu.ops import layer_op
 
-        op = layer_op("rope_rotate_")
+        op = layer_op("rope_rotate_") if x.is_cpu and x.dtype == torch.float32 else None
         if (op is not None and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3
                 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()):
             op(x, cos, sin)

@@ -61,6 +61,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tp", default="1", help="tensor-parallel devices (default: 1)")
     p.add_argument("--gpu-memory-utilization", default="0.9",
                    help="fraction of device memory for weights + KV cache (default: 0.9)")
+    p.add_argument("--activation-peak", help="bytes per device beside the weights that the GPU engine's "
+                                             "profiling step takes (activation peak + memory torch does not "
+                                             "manage; the engine logs both), e.g. 1.2GiB: num_blocks is then the "
+                                             "GPU engine's")
     p.add_argument("--kv-heads", help="override the KV head count: the MHA/GQA/MQA variant")
     p.add_argument("--block-size", default="16", help="token slots per KV page (default: 16)")
     p.add_argument("--kv-cache-memory", help="KV budget per device, e.g. 256MiB or 20GB (replaces "
@@ -113,7 +117,7 @@ def _plan_kwargs(args) -> dict:
                 kv_heads=None if args.kv_heads is None else _int(args.kv_heads, "--kv-heads"),
                 kv_cache_memory=args.kv_cache_memory, kv_scale_granularity=args.kv_scale,
                 kv_offload_memory=args.kv_offload_memory, kv_offload_disk_size=args.kv_offload_disk_size,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config, activation_peak=args.activation_peak)
 
 
 def _split(text: str | None) -> list[str] | None:

@@ -54,6 +54,7 @@ class _Inputs:
     budget: int | None         # --kv-cache-memory in bytes, or None
     draft: ModelConfig | None = None   # the draft model of draft_model speculation
     draft_weight_bytes: int = 0
+    reserved: int = 0          # --activation-peak: bytes beside the weights a profiled step takes
 
     def specs(self, tp: int | None = None) -> tuple[KVCacheSpec, ...]:
         """The per-device KV specs sharing one pool (target, then draft) at ``tp`` (default: the plan's)."""
@@ -106,7 +107,7 @@ def _min_tp(c: _Inputs, need: int) -> int | None:
         except ValueError:
             continue  # this degree does not split the KV heads
         budget = (c.budget if c.budget is not None
-                  else int(c.dev.memory_bytes * c.util) - math.ceil(c.all_weight_bytes / tp))
+                  else int(c.dev.memory_bytes * c.util) - math.ceil(c.all_weight_bytes / tp) - c.reserved)
         if (_requests_fitting(specs, budget, c.seq_len) >= need) if need else _budget_blocks(specs, budget) >= 1:
             return tp
     return None
@@ -146,7 +147,7 @@ def _capacity(c: _Inputs) -> dict:
         return {}
     usable = int(c.dev.memory_bytes * c.util) if c.dev else None
     weights_dev = math.ceil(c.all_weight_bytes / c.tp)
-    budget = c.budget if c.budget is not None else usable - weights_dev
+    budget = c.budget if c.budget is not None else usable - weights_dev - c.reserved
     max_req = _requests_fitting(c.specs(), budget, c.seq_len) if budget > 0 else 0
     blocks = _budget_blocks(c.specs(), budget)
     out = dict(cache_budget_bytes=budget, num_blocks=blocks,
@@ -257,7 +258,7 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
          gpu_memory_utilization: float = 0.9, kv_heads: int | None = None, block_size: int = 16,
          kv_cache_memory: int | str | None = None, kv_scale_granularity: str = "per-token-head",
          kv_offload_memory: int | str | None = None, kv_offload_disk_size: int | str | None = None,
-         speculative_config: dict | str | None = None) -> PlanResult:
+         speculative_config: dict | str | None = None, activation_peak: int | str | None = None) -> PlanResult:
     """Plan ``batch`` requests of ``seq_len`` tokens of ``model`` on ``tp`` × ``gpu``.
 
     Args:
@@ -275,12 +276,18 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
             text), sized in blocks with their per-block load time.
         speculative_config: the engine's (dict or JSON text); a ``draft_model`` adds the
             draft's weights and its KV to every page, as the engine allocates them.
+        activation_peak: bytes per device beside the weights that the engine's profiling step
+            takes (its activation peak plus the memory torch does not manage, as the GPU
+            engine logs them: :mod:`pagedkv.worker.memory`), subtracted from ``usable − weights``
+            so that ``num_blocks`` is the GPU engine's.
 
     Raises:
         ValueError: on an unknown model, GPU or dtype, a malformed config.json, or a bad number.
     """
     c = _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, gpu_memory_utilization,
                  kv_heads, block_size, kv_cache_memory, kv_scale_granularity, speculative_config)
+    if activation_peak is not None:
+        c = replace(c, reserved=parse_size(activation_peak) if activation_peak not in (0, "0") else 0)
     one_group = reads_whole_tables(c.draft is not None,
                                    kv_offload_memory is not None or kv_offload_disk_size is not None)
     c = replace(c, spec=whole_pages(c.spec, one_group), whole=whole_pages(c.whole, one_group))

@@ -111,7 +111,8 @@ def _serve(a: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
     from pagedkv.kernels.cpu.ops import prepare_kernel
 
-    prepare_kernel()  # a first build (~15 s) happens now, not inside a request's engine step
+    if engine.model.device.type == "cpu":
+        prepare_kernel()  # a first build (~15 s) happens now, not inside a request's engine step
     app = build_app(engine, ServerConfig(names, guards, not a.shared_prefix_cache))
     freeze_long_lived()
     s = engine.stats()

@@ -56,8 +56,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s = p.add_argument_group("simulation")
     s.add_argument("--gpu", default="cpu", help="catalog GPU (pagedkv plan --list-gpus) or cpu (default: cpu)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default: 1)")
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of device memory for weights + KV cache (default: 0.9)")
     s.add_argument("--workload", default=None, choices=DATASETS + SYNTHETIC,
                    help="requests: a bundled dataset or a synthetic length distribution (default: arena-hard)")
     s.add_argument("--trace", help="a JSONL trace instead of --workload (arrival, prompt_len, output_len)")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from pagedkv.bench.driver import EngineRun, drive
 from pagedkv.bench.workloads import BenchRequest, with_poisson_arrivals, workload_summary
-from pagedkv.config.engine import WEIGHT_DTYPES, EngineConfig
+from pagedkv.config.engine import CPU_KV_CACHE_MEMORY, WEIGHT_DTYPES, EngineConfig
 from pagedkv.core.kv_eviction import eviction_policy
 from pagedkv.core.kv_layout import kv_groups
 from pagedkv.kv.groups import shared_page_slots
@@ -137,7 +137,7 @@ def sim_setup(model: str, gpu: str, tp: int = 1, config: EngineConfig | None = N
             warnings.warn(why, UserWarning, stacklevel=3)
         efficiency = load_efficiency(efficiency)  # a name or a path; anything else: ValueError
     if dev.is_cpu and kv_cache_memory is None:
-        kv_cache_memory = config.kv_cache_memory  # the engine's own default budget
+        kv_cache_memory = config.kv_cache_memory or CPU_KV_CACHE_MEMORY  # the engine's own default budget
     sc = config.speculative_config
     draft_model = sc if sc is not None and sc.method == "draft_model" else None
     # a draft model: the planner takes its weights off the budget and sizes pages holding both models' KV

@@ -54,20 +54,20 @@ class AttentionScorer:
         for rid, o in self.observed.items():
             k = gather_pages(pages.k, o.block_table, o.length, pages.k_scale).float()  # [L, Hkv, D]
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)                  # GQA: [L, H, D]
-            mass = torch.zeros(q.shape[1], o.length)
+            mass = torch.zeros(q.shape[1], o.length, device=q.device)
             for r0 in range(0, o.num_rows, ROWS_PER_PASS):
                 r1 = min(o.num_rows, r0 + ROWS_PER_PASS)
                 mass += self._mass(q[o.row + r0:o.row + r1].float(), k, o.length - o.num_rows + r0)
             if o.pool:
                 mass = F.max_pool1d(mass.unsqueeze(0), POOL_KERNEL, stride=1, padding=POOL_KERNEL // 2)[0]
-            self.scores[rid] += mass.sum(dim=0).double()
+            self.scores[rid] += mass.sum(dim=0).double().cpu()
 
     def _mass(self, qo: torch.Tensor, k: torch.Tensor, first: int) -> torch.Tensor:
         """Attention probabilities of rows ``qo`` ``[r, H, D]`` at cache indices ``first..``
         over keys ``k`` ``[L, H, D]`` (causal), summed over the rows: ``[H, L]``."""
         logits = torch.einsum("whd,lhd->hwl", qo, k) * self.scale
-        rows = torch.arange(first, first + qo.shape[0]).unsqueeze(1)
-        logits.masked_fill_(torch.arange(k.shape[0]).unsqueeze(0) > rows, float("-inf"))
+        rows = torch.arange(first, first + qo.shape[0], device=qo.device).unsqueeze(1)
+        logits.masked_fill_(torch.arange(k.shape[0], device=qo.device).unsqueeze(0) > rows, float("-inf"))
         return torch.softmax(logits, dim=-1).sum(dim=1)
 
 

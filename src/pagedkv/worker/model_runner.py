@@ -22,7 +22,7 @@ from pagedkv.core.kv_eviction import KVEvictionPolicy
 from pagedkv.core.runner_io import ModelRunnerOutput, SampledTokens, SchedulerOutput
 from pagedkv.core.sampling_params import SamplingParams
 from pagedkv.kv.groups import KVCacheGroup
-from pagedkv.kv.slots import slot_mapping
+from pagedkv.kv.slots import slot, slot_mapping
 from pagedkv.kv_cache.storage import KVCacheStorage
 from pagedkv.model.llama import LlamaModel
 from pagedkv.worker.eviction_scores import AttentionScorer, Observed, select_tokens
@@ -59,12 +59,16 @@ class ModelRunner:
             at a request's eviction point, answers with the cache indices to keep.
         driver: False for a tensor-parallel worker (rank >= 1): it runs the forward (its
             share of every layer) and answers with an empty output; rank 0 samples.
+        graphs: captured decode forwards (:class:`~pagedkv.worker.cuda_graphs.DecodeGraphs`)
+            that steps of decodes only replay, or None (every step eager).
     """
 
     def __init__(self, model: LlamaModel, storage: KVCacheStorage, kv_groups: tuple[KVCacheGroup, ...],
                  generator: torch.Generator, connector=None, proposer=None,
-                 eviction: KVEvictionPolicy | None = None, driver: bool = True) -> None:
+                 eviction: KVEvictionPolicy | None = None, driver: bool = True, graphs=None) -> None:
         self.model, self.storage, self.generator, self.connector = model, storage, generator, connector
+        self.graphs = graphs
+        self.device = model.device  # where step tensors are made
         self.driver = driver
         self.proposer, self.eviction = proposer, eviction
         self.block_size = kv_groups[0].spec.block_size
@@ -104,7 +108,7 @@ class ModelRunner:
             if not new.resumed:
                 self.generators.pop(new.req_id, None)
             if new.sampling_params.seed is not None and new.req_id not in self.generators:
-                self.generators[new.req_id] = torch.Generator().manual_seed(new.sampling_params.seed)
+                self.generators[new.req_id] = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
         c = out.scheduled_cached_reqs
         for rid, toks, blocks, computed, kept, keep in zip(c.req_ids, c.new_token_ids, c.new_block_ids,
                                                            c.num_computed_tokens, c.kept_blocks, c.compacted):
@@ -151,9 +155,10 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             if start + n == len(st.token_ids) + len(drafts):  # the last token and each draft: d + 1 rows
                 sample_rows.extend(range(len(ids) - 1 - len(drafts), len(ids)))
-        metas = [AttentionMetadata(torch.tensor(s, dtype=torch.int64), q) for s, q in zip(slots, seqs)]
-        return (torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                metas, sample_rows)
+        dev = self.device
+        metas = [AttentionMetadata(torch.tensor(s, dtype=torch.int64, device=dev), q) for s, q in zip(slots, seqs)]
+        return (torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), metas, sample_rows)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the step; returns the sampled tokens of each request whose chunk reached
@@ -165,10 +170,14 @@ class ModelRunner:
         if not out.num_scheduled_tokens:  # nothing to compute; a connector may still report
             self._finish_connector(out, result)
             return result
-        ids, positions, metas, rows = self.prepare(out)
         scorer = self._scorer(out)
-        hidden = self.model.forward(ids, positions, self.storage, [metas[g] for g in self.layer_group], hooks,
-                                    observer=scorer)
+        decodes = self._graph_batch(out) if self.graphs is not None and hooks is None and scorer is None else None
+        if decodes is not None:  # every request one token: the bucket's CUDA graph
+            hidden, rows = self.graphs.run(*decodes), list(range(len(decodes[0])))
+        else:
+            ids, positions, metas, rows = self.prepare(out)
+            hidden = self.model.forward(ids, positions, self.storage, [metas[g] for g in self.layer_group], hooks,
+                                        observer=scorer)
         if not self.driver:
             return result
         if scorer is not None:
@@ -187,6 +196,24 @@ class ModelRunner:
         self._finish_connector(out, result)
         result.execute_seconds = time.perf_counter() - t0
         return result
+
+    def _graph_batch(self, out: SchedulerOutput) -> tuple[list, list, list, list] | None:
+        """``(ids, positions, slots, tables)`` of a step of decodes only that a graph bucket
+        holds (one group's tables: graphs are built for one KV group), else None."""
+        if out.scheduled_spec_decode_tokens or len(out.req_ids) > self.graphs.buckets[-1]:
+            return None
+        ids, positions, slots, tables, bs = [], [], [], [], self.block_size
+        for rid in out.req_ids:
+            st = self.requests[rid]
+            pos = st.num_computed_tokens
+            if out.num_scheduled_tokens[rid] != 1 or pos != len(st.token_ids) - 1 or st.num_evicted_tokens:
+                return None
+            table = st.block_ids[0]
+            ids.append(st.token_ids[pos])
+            positions.append(pos)
+            slots.append(slot(table, pos, bs))
+            tables.append(table)
+        return ids, positions, slots, tables
 
     def _scorer(self, out: SchedulerOutput) -> AttentionScorer | None:
         """A scorer for this step's observed queries: under SnapKV, the window of a chunk that

@@ -30,7 +30,7 @@ def prompt_logprobs(model, hidden: torch.Tensor, chunks: Iterable) -> dict[str, 
         if k is None or start >= last:
             continue
         logp = torch.log_softmax(model.logits(hidden[row:row + last - start]), dim=-1)
-        targets = torch.tensor(st.token_ids[start + 1:last + 1])
+        targets = torch.tensor(st.token_ids[start + 1:last + 1], device=logp.device)
         values = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
         top = None
         if k:

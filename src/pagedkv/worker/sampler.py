@@ -44,7 +44,7 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
     blocks = logits.view(n, -1, ARGMAX_BLOCK)                    # [n, V / B, B]
     best_block = torch.argmax(blocks.amax(-1), dim=-1)           # [n]
-    inside = blocks[torch.arange(n), best_block]                 # [n, B]
+    inside = blocks[torch.arange(n, device=logits.device), best_block]  # [n, B]
     return best_block * ARGMAX_BLOCK + torch.argmax(inside, dim=-1)
 
 
@@ -56,7 +56,7 @@ def greedy_picks(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     logits are contiguous, else torch."""
     from pagedkv.kernels.cpu.ops import layer_op
 
-    op = layer_op("greedy_argmax")
+    op = layer_op("greedy_argmax") if logits.is_cpu else None
     if op is not None and logits.is_contiguous() and logits.dtype == torch.float32 and logits.shape[-1] > 0:
         best, finite = op(logits)
         return best.tolist(), finite.tolist()

@@ -7,6 +7,8 @@ attention, the one-call decoder layer, RMSNorm, SwiGLU, RoPE, page copies):
   warning is issued and the torch composites are used for the rest of the process;
 - ``kernel``: the library or an error (``KernelBuildError``, ``ValueError``);
 - ``reference``: always torch; nothing is compiled.
+- ``triton``: attention through the Triton kernel (:mod:`pagedkv.kernels.triton`), on the CPU
+  under ``TRITON_INTERPRET=1`` too, and torch for the rest: what a GPU runs, testable here.
 
 The library itself is built and loaded by :mod:`pagedkv.kernels.cpu.library`; attention
 chooses between it and the reference in :mod:`pagedkv.attention.dispatch`.
@@ -22,7 +24,7 @@ import torch
 from pagedkv.kernels.cpu import library as _library
 from pagedkv.kernels.cpu.library import KernelBuildError, load_kernel
 
-MODES = ("auto", "kernel", "reference")
+MODES = ("auto", "kernel", "reference", "triton")
 _warned: list[str] = []
 _modes: dict[str | None, str] = {}
 _ops: dict[tuple, tuple] = {}  # (PAGEDKV_ATTENTION, name) -> (the kernel state it came from, op or None)
@@ -59,7 +61,7 @@ def prepare_kernel() -> bool:
         KernelBuildError: ``kernel`` forced where it cannot be built.
     """
     mode = attention_mode()
-    return mode != "reference" and library_or_none(mode) is not None
+    return mode not in ("reference", "triton") and library_or_none(mode) is not None
 
 
 def library_or_none(mode: str):
@@ -86,7 +88,7 @@ def layer_op(name: str):
     if hit is not None and hit[0] is kernel_state():  # resolved before, with this kernel state
         return hit[1]
     mode = attention_mode()
-    op = None if mode == "reference" or library_or_none(mode) is None else getattr(torch.ops.pagedkv, name)
+    op = None if mode in ("reference", "triton") or library_or_none(mode) is None else getattr(torch.ops.pagedkv, name)
     _ops[key] = (kernel_state(), op)
     return op
 
@@ -98,7 +100,8 @@ def copy_pages(dst: list[torch.Tensor], dst_pages: torch.Tensor, src: list[torch
     else torch's gather and scatter (:func:`torch_copy_pages`).
     ``parallel``: use torch's threads at any size (a copy on the thread that runs the model,
     between forwards); else only for copies of 8 MiB or more (a save beside a forward)."""
-    op = layer_op("copy_blocks")
+    on_cpu = all(t.is_cpu for t in dst + src)
+    op = layer_op("copy_blocks") if on_cpu else None
     if op is not None and all(t.is_contiguous() for t in dst + src):
         op(dst, src, dst_pages, src_pages, parallel)
     else:

@@ -120,16 +120,16 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, seqs: list[tuple[list[int], int, list[int]]], hooks=None) -> torch.Tensor:
         """One draft forward over ``(token ids, first position, block table)`` per sequence."""
-        ids, positions, slots, attn, bs = [], [], [], [], self.block_size
+        ids, positions, slots, attn, bs, dev = [], [], [], [], self.block_size, self.model.device
         for toks, start, table in seqs:
             end = start + len(toks)
             attn.append(SeqAttention(len(ids), len(toks), end, torch.tensor(table, dtype=torch.int64)))
             slots.extend(slot_mapping(table, range(start, end), bs))
             ids.extend(toks)
             positions.extend(range(start, end))
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), attn)
-        return self.model.forward(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                                  self.kv_cache, meta, hooks)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), attn)
+        return self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev),
+                                  torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta, hooks)
 
     def _propose(self, requests: RequestView, hidden: torch.Tensor, items: dict) -> dict[str, list[int]]:
         """Drafts of the requests in ``items`` from the catch-up rows ``hidden`` (their order)."""

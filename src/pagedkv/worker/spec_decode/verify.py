@@ -64,7 +64,7 @@ def _rejection(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     for i, x in enumerate(drafts):
         p = target_probs(logits[i], params)
         q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        if float(torch.rand((), generator=generator)) * q_x < float(p[x]):  # u < p(x) / q(x)
+        if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[x]):  # u < p(x) / q(x)
             out.append(x)
             continue
         if draft_probs is None:
