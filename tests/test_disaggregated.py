@@ -385,9 +385,9 @@ def test_a_message_header_is_checked_before_anything_is_allocated(header, limits
 def test_leases_give_way_to_a_waiting_prefill(tiny_model_dir, reference):
     """Issue 51: prompts whose leases fill the producer's pool (their decode legs not sent
     yet, as for a request of many prompts) do not hold a new prefill leg for ``kv_lease_s``:
-    leases older than RECLAIM_AFTER_S end early, and those prompts' decode legs compute
-    them, correctly."""
-    from pagedkv.connectors.pd.producer import RECLAIM_AFTER_S
+    with nothing else running, leases older than RECLAIM_IDLE_S end early, and those
+    prompts' decode legs compute them, correctly."""
+    from pagedkv.connectors.pd.producer import RECLAIM_IDLE_S
 
     p, d = make_pair(tiny_model_dir, prefix_caching=False, producer_kw={"kv_lease_s": 60}, num_blocks=12)
     try:
@@ -398,7 +398,7 @@ def test_leases_give_way_to_a_waiting_prefill(tiny_model_dir, reference):
         t = time.monotonic()
         late = prompt_of(60, base=6000)
         prefill(p, late, "late")  # needs 4 pages: only 3 free until a lease ends
-        assert RECLAIM_AFTER_S <= time.monotonic() - t < RECLAIM_AFTER_S + 5  # not kv_lease_s
+        assert time.monotonic() - t < RECLAIM_IDLE_S + 3  # not kv_lease_s
         stats = p.stats().kv_transfer
         assert stats["leases_reclaimed"] == 1 and stats["leases"] == 3  # the oldest gave way; the late one's
         for prompt, tid in held + [(late, "late")]:  # reclaimed or not: the same tokens
@@ -408,3 +408,22 @@ def test_leases_give_way_to_a_waiting_prefill(tiny_model_dir, reference):
         assert all_free(p, d)
     finally:
         close(p, d)
+
+
+def test_a_lease_gives_way_only_once_old_enough():
+    """While other requests run, a lease younger than RECLAIM_AFTER_S keeps its pages (its
+    decode leg's pull is likely on its way); with nothing running, one RECLAIM_IDLE_S old
+    goes; oldest first, only as many as the pages asked for, none while ended ones wait to
+    be freed."""
+    from pagedkv.connectors.pd.producer import RECLAIM_AFTER_S, RECLAIM_IDLE_S, Lease, LeaseTable
+
+    table = LeaseTable(lease_s=60.0)
+    now = time.monotonic()
+    for i, age in enumerate((0.2, 0.3, 5.0)):  # expires = start + lease_s
+        table.add(f"t{i}", Lease(f"r{i}", [10 * i, 10 * i + 1], [1, 2], now - age + 60.0))
+    assert table.reclaim(2, RECLAIM_AFTER_S) == 1 and set(table.leases) == {"t0", "t1"}  # only the 5 s one
+    assert table.reclaim(2, RECLAIM_IDLE_S) == 0  # its pages are not freed yet
+    assert table.take_ended(0) == {"r2"}
+    assert table.reclaim(2, RECLAIM_AFTER_S) == 0  # the rest are young
+    assert table.reclaim(1, RECLAIM_IDLE_S) == 1 and set(table.leases) == {"t0"}  # the older of the two
+    assert table.reclaimed == 2

@@ -394,3 +394,32 @@ def test_two_checkpoints_that_share_names_sizes_and_times_are_other_weights(tmp_
         folders.append(folder)
     a, b = (resolve_model(str(f)) for f in folders)
     assert a.folder.name == b.folder.name and a.weights_version != b.weights_version
+
+
+def test_a_directory_named_like_a_record_costs_that_record_only(tiny_llm_factory, tmp_path):
+    """Issue 51's second break-it pass: a directory in a record's place stopped every disk
+    write for the engine's life (os.replace onto it failed, read as a full disk); a record
+    whose header claims gigabytes was read whole at start. Now that one block is skipped,
+    the others are written, and the giant header is refused unread."""
+    import struct
+
+    first = _tiered(tiny_llm_factory, tmp_path)
+    _run(first, _prompt(40))
+    first.close()
+    del first
+    _restart()
+    victim = sorted(tmp_path.glob("*.kvb"))[0]
+    victim.unlink()
+    victim.mkdir()
+    (victim / "keep").write_bytes(b"x")  # not empty: it cannot be removed
+    with open(tmp_path / ("6" * 64 + ".kvb"), "wb") as f:
+        f.write(b"PKVB" + struct.pack("<II", 1, 0xFFFFFFFF))
+        f.truncate(64 << 20)  # sparse: a header length of 4 GiB over a 64 MiB file
+    llm = _tiered(tiny_llm_factory, tmp_path)
+    with pytest.warns(RuntimeWarning, match="non-file in the way"):
+        _run(llm, _prompt(40))
+    _run(llm, list(range(3000, 3040)))  # another prompt: its blocks reach the disk
+    llm.close()
+    stats = llm.engine.stats().kv_offload
+    assert stats["disk_blocks_written"] >= 2 and stats["disk_corrupt_records"] >= 2
+    assert victim.is_dir() and not (tmp_path / ("6" * 64 + ".kvb")).exists()

@@ -108,10 +108,11 @@ class KVConnectorScheduler:
         """A request carrying ``kv_transfer_params`` was refused before it was queued: give up
         what it would have read (e.g. tell the producer to end its lease at the next step)."""
 
-    def reclaim(self, num_blocks: int) -> None:
+    def reclaim(self, num_blocks: int, idle: bool = False) -> None:
         """The scheduler cannot place a waiting request for want of about ``num_blocks``
-        pages: give back pages this side keeps by choice (e.g. a producer's leases), if any;
-        they are freed with the worker's next ``finished_sending``."""
+        pages (``idle``: and nothing else runs, so waiting gains nothing): give back pages
+        this side keeps by choice (e.g. a producer's leases), if any; they are freed with
+        the worker's next ``finished_sending``."""
 
     def has_pending_releases(self) -> bool:
         """Whether this side holds messages for the worker (e.g. lease releases) that a step

@@ -225,7 +225,7 @@ class Scheduler:
                               or self.kv_manager.allocate_slots(req, n + external, hit)):
                 if n > 0 and self.connector is not None:  # out of pages: ask for what the connector keeps
                     need = -(-(n + external) // self.kv_manager.block_size) - self.kv_manager.pool.num_available
-                    self.connector.reclaim(max(1, need))
+                    self.connector.reclaim(max(1, need), idle=not self.running)
                 break
             self.waiting.popleft()
             if self.connector is not None:

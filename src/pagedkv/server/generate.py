@@ -213,7 +213,7 @@ async def _events(job: Job) -> AsyncIterator[str]:
         latest = await job.sink.get_batch()  # a slow client gets fewer, larger deltas
         for tag, out in latest.items():
             if isinstance(out, BaseException):
-                yield _sse(APIError(500, "the engine failed", type="server_error").body())
+                yield _sse(APIError(503, "the engine failed", type="server_error", code="engine_unavailable").body())
                 yield "data: [DONE]\n\n"
                 return
             if states[tag].last is not None and states[tag].last.finished:

@@ -18,6 +18,7 @@ rebuilt from the records' headers at start (chains prefix-closed; orphans remove
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -32,6 +33,7 @@ import torch
 MAGIC, VERSION = b"PKVB", 1
 SUFFIX = ".kvb"
 _HEAD = struct.Struct("<4sII")  # magic, version, header length
+MAX_HEADER_BYTES = 1 << 20  # a header holds a block's token ids and layout: a few KB
 
 
 class RecordError(ValueError):
@@ -191,6 +193,8 @@ class DiskDirectory:
                 with open(f, "rb") as fh:
                     head = fh.read(_HEAD.size)
                     n = _HEAD.unpack(head)[2] if len(head) == _HEAD.size else 0
+                    if n > MAX_HEADER_BYTES:  # (a real one is a few KB: never read gigabytes for it)
+                        raise RecordError("header length out of range")
                     header, _ = read_header(head + fh.read(n))
                 check_header(header)
                 if header["hash"] + SUFFIX != f.name:
@@ -212,6 +216,10 @@ class DiskDirectory:
                 f.write(record)  # owner-only: records hold prompt token ids
             os.replace(tmp, target)
             return True
+        except (IsADirectoryError, NotADirectoryError) as e:  # something else holds that one name: skip it
+            _quiet_unlink(tmp)
+            self.corrupt(target, f"a non-file in the way ({e.strerror})", remove=False)
+            return False
         except OSError as e:
             _quiet_unlink(tmp)
             self.writable = False
@@ -229,10 +237,15 @@ class DiskDirectory:
     def remove(self, block_hash: bytes) -> None:
         _quiet_unlink(self.file(block_hash))
 
-    def corrupt(self, f: Path, why: str) -> None:
-        """Count and remove a record that failed a check; log each reason once."""
+    def corrupt(self, f: Path, why: str, remove: bool = True) -> None:
+        """Count and remove a record that failed a check (an empty directory too); log each
+        reason once."""
         self.num_corrupt += 1
-        _quiet_unlink(f)
+        if remove:
+            _quiet_unlink(f)
+            if f.is_dir() and not f.is_symlink():
+                with contextlib.suppress(OSError):
+                    f.rmdir()
         if why not in self._warned:
             self._warned.add(why)
             warnings.warn(f"pagedkv: KV disk tier: {why} in {f.name}: treated as a miss", RuntimeWarning, stacklevel=2)

@@ -7,9 +7,10 @@ by a lease of ``kv_lease_s`` seconds. The consumer pulls them over the :class:`K
 unreleased, a lost link, or a request aborted here frees them too. So every page comes back
 within ``kv_lease_s`` (plus one step) whatever the consumer does. A lease is a promise of
 speed, not of memory: when a waiting request cannot get pages, leases older than
-``RECLAIM_AFTER_S`` end early, oldest first (their consumers compute those prompts
-themselves), so a request of many prompts, whose decode leg starts only after its last
-prefill, cannot hold the pool until its own leases expire.
+``RECLAIM_AFTER_S`` end early, oldest first (``RECLAIM_IDLE_S`` when nothing else runs:
+then waiting only idles the engine; their consumers compute those prompts themselves), so
+a request of many prompts, whose decode leg starts only after its last prefill, cannot
+hold the pool until its own leases expire.
 
 With ``kv_send_type`` ``PUT_ASYNC`` the pages are also pushed layer by layer while the prompt
 computes (:mod:`~pagedkv.connectors.pd.push`); the lease and the pull stay as they are, the
@@ -33,6 +34,7 @@ from pagedkv.connectors.pd.push import LayerPages, PushSender
 log = logging.getLogger("pagedkv.kv_transfer")
 IDLE_WAIT_S = 0.05  # an idle engine step waits this long for a lease to end (no busy loop)
 RECLAIM_AFTER_S = 0.5  # a lease this old ends early when a waiting request needs its pages
+RECLAIM_IDLE_S = 0.05  # ... and this old when nothing else runs (a decode leg's pull comes within ms)
 
 
 @dataclass
@@ -138,8 +140,8 @@ class ProducerScheduler(KVConnectorScheduler):
                       time.monotonic() + self.leases.lease_s, p.get("fault"))
         return self.leases.add(str(p["transfer_id"]), lease)
 
-    def reclaim(self, num_blocks: int) -> None:
-        if self.leases.reclaim(num_blocks):
+    def reclaim(self, num_blocks: int, idle: bool = False) -> None:
+        if self.leases.reclaim(num_blocks, RECLAIM_IDLE_S if idle else RECLAIM_AFTER_S):
             log.info("KV leases ended early for a waiting request's pages (%d so far): their decode legs compute "
                      "those prompts", self.leases.reclaimed)
 
