@@ -23,8 +23,9 @@ In order, each section on its own (a failure is recorded and the next one runs):
 
 Writes ``gpu_check.json`` (everything) and ``gpu_check.txt`` (the table printed last) to
 ``--out`` (default: ``$OUT`` when set, else ``benchmarks/results``). ``--quick`` runs tiny
-shapes, on the CPU where there is no GPU (Triton interpreted): it checks the script, not a
-device. Needs torch, Triton, transformers, tokenizers and safetensors; run from the
+shapes, on the CPU where there is no GPU (Triton interpreted), and writes
+``gpu_check_quick.json``/``.txt`` instead: it checks the script, not a device (its times
+mean nothing). Needs torch, Triton, transformers, tokenizers and safetensors; run from the
 repository root without installing pagedkv::
 
     PYTHONPATH=src python3 benchmarks/gpu_check.py --commit $(git rev-parse --short HEAD)
@@ -137,11 +138,14 @@ def _has(tool: str) -> bool:
 
 def summary(out: dict) -> str:
     """The short table printed last (the device tool returns the output's end)."""
-    lines = [f"pagedkv gpu_check {out.get('commit', '')} {out.get('env', {}).get('gpu', out.get('device'))}"]
+    lines = [f"pagedkv gpu_check {out.get('commit', '')} {out.get('env', {}).get('gpu', out.get('device'))}"
+             + (" --quick: tiny shapes, the script checked, not a device (times mean nothing)" if out.get("quick")
+                else "")]
     c = out.get("ceilings", {})
     if "copy_bytes_per_s" in c:
-        lines.append(f"ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-                     f"{c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+        lines.append(f"ceilings: copy {c['copy_bytes_per_s'] / 1e9:,.1f} GB/s, GEMV read "
+                     f"{c['gemv_read_bytes_per_s'] / 1e9:,.1f} GB/s, bf16 matmul {c['matmul_flops_per_s'] / 1e12:,.3g} "
+                     "TFLOP/s")
     for r in out.get("kernels", []) if isinstance(out.get("kernels"), list) else []:
         lines.append(f"kernel {r['case']:<30} rel_err {r['rel_err']:.2e} (< {r['tolerance']:g}) "
                      f"{'ok' if r['ok'] else 'FAIL'}")

@@ -155,7 +155,7 @@ def _capacity(c: _Inputs) -> dict:
                                   // c.spec.num_layers),
                max_concurrent_requests=max_req, batch_fits=max_req >= c.batch)
     if c.dev:
-        out.update(device_memory_bytes=c.dev.memory_bytes, usable_memory_bytes=usable,
+        out.update(device_memory_bytes=c.dev.memory_bytes, usable_memory_bytes=usable, activation_peak_bytes=c.reserved,
                    weights_fit=usable - weights_dev >= pool_cache_bytes(c.specs(), 1),
                    min_tp_for_weights=_min_tp(c, 0), min_tp_for_batch=_min_tp(c, c.batch))
     return out

@@ -78,6 +78,8 @@ def _capacity(r: PlanResult) -> list[str]:
         lines += [_row("device memory", fmt_bytes(r.device_memory_bytes)),
                   _row(f"usable (x {r.gpu_memory_utilization:.2f})", fmt_bytes(r.usable_memory_bytes)),
                   _row("weights fit", "yes" if r.weights_fit else "NO")]
+        if r.activation_peak_bytes:  # --activation-peak: the engine's profiled step, taken off the budget too
+            lines.append(_row("activation peak (given)", fmt_bytes(r.activation_peak_bytes)))
     lines += [_row("KV cache budget", fmt_bytes(max(r.cache_budget_bytes, 0))),
               _row(f"blocks of {r.block_size} tokens", f"{r.num_blocks:,} ({r.max_cached_tokens:,} tokens"
                    + (" if every layer kept every token; a block holds one KV group's layers, window and "

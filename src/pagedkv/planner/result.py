@@ -47,7 +47,8 @@ class PlanResult:
     ``weight_bytes_per_device``.
 
     Capacity (per device): ``device_memory_bytes``, ``usable_memory_bytes``
-    (× gpu_memory_utilization), ``cache_budget_bytes`` (usable − weights, or
+    (× gpu_memory_utilization), ``activation_peak_bytes`` (``--activation-peak``, 0 if
+    not given), ``cache_budget_bytes`` (usable − weights − activation peak, or
     ``--kv-cache-memory``), ``num_blocks`` (the engine's pool for that budget:
     ``KVCacheSpec.num_blocks_for``), ``max_cached_tokens`` (tokens of every layer those
     blocks hold: num_blocks × block_size, times layers per block / layers where a block holds
@@ -115,6 +116,7 @@ class PlanResult:
     windows_free_pages: bool = True
     device_memory_bytes: int | None = None
     usable_memory_bytes: int | None = None
+    activation_peak_bytes: int = 0
     cache_budget_bytes: int | None = None
     num_blocks: int | None = None
     max_cached_tokens: int | None = None
