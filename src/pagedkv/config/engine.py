@@ -176,7 +176,7 @@ class EngineConfig:
             (seconds), ``kv_load_failure_policy`` recompute|fail, ``kv_send_type`` GET (pull
             after the prefill) | PUT_ASYNC (the producer pushes each layer's pages during it)
             and ``kv_buffer_size`` (the consumer's bytes for pushes, default 1e9) (default: off). Put ``pagedkv
-            proxy`` in front of the two servers; README, "Disaggregated prefill and decode".
+            proxy`` in front of the two servers; docs/disaggregated.md.
     Raises:
         ValueError: on an out-of-range value, naming the field.
     """

@@ -112,7 +112,7 @@ def _serve(a: argparse.Namespace) -> int:
     from pagedkv.kernels.cpu.ops import prepare_kernel
 
     if engine.model.device.type == "cpu":
-        prepare_kernel()  # a first build (~15 s) happens now, not inside a request's engine step
+        prepare_kernel()  # a first build (about a minute) happens now, not inside a request's engine step
     app = build_app(engine, ServerConfig(names, guards, not a.shared_prefix_cache))
     freeze_long_lived()
     s = engine.stats()

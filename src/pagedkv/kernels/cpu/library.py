@@ -2,7 +2,7 @@
 weight-only int8 linear layer (``torch.ops.pagedkv.int8_linear``), one library.
 
 The C++ sources in ``csrc/`` are compiled once by ``torch.utils.cpp_extension.load``
-(ninja; ``-O3 -march=native -fopenmp``; about 15 s) into
+(ninja; ``-O3 -march=native -fopenmp``; about a minute on 2 idle cores, once per source version) into
 ``$XDG_CACHE_HOME/pagedkv/torch_extensions/<tag>`` (``~/.cache`` when unset), and the
 library registers ``torch.ops.pagedkv.paged_attention``. The tag names the torch and Python
 versions, a hash of the CPU's model and flags (``-march=native`` code need not run on
