@@ -13,7 +13,7 @@ pages of 16 tokens):
 Medians of ``--rounds`` calls. An AVX2-only CPU runs the ``x86-64-v3`` code as its native
 build, so this shows, on an AVX-512 machine, how the kernel's AVX2 paths compare.
 
-    python benchmarks/bench_attention_isa.py --march native,x86-64-v3 --rounds 7
+    python benchmarks/lab/bench_attention_isa.py --march native,x86-64-v3 --rounds 7
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 // What software prefetching can do for reads of scattered KV pages, one thread: 12 KiB K and
 // V pages (a SmolLM2 page of 16 fp32 tokens, 3 KV heads of 64) read once each, in address order
 // or shuffled, with a few FMAs a cache line, under each prefetch scheme. Prints GB/s (1e9
-// bytes) of K + V read. Cited in BENCHMARKS ("Huge pages, and where batch-64 decode attention
-// loses its read rate"). Needs AVX-512 (AVX-512F loads and FMAs):
+// bytes) of K + V read. Cited in BENCHMARKS.md's history ("Huge pages, and where batch-64 decode
+// attention loses its read rate": git show ef5bb62:BENCHMARKS.md). Needs AVX-512 (AVX-512F loads and FMAs):
 //
-//   g++ -O2 -march=native -o /tmp/page_prefetch benchmarks/page_prefetch.cpp
+//   g++ -O2 -march=native -o /tmp/page_prefetch benchmarks/lab/page_prefetch.cpp
 //   /tmp/page_prefetch 4 2     # FMAs per line, pages ahead for the far prefetches
 //
 // Columns: seq-none (address order, no prefetch), then shuffled pages with no prefetch,

@@ -7,9 +7,9 @@ sequence's context, GB = 1e9 bytes). With ``--layers 1`` the one pool is read ov
 so a pool under the L3 size comes from cache: the kernel's own rate. Run it with
 ``OMP_NUM_THREADS=1`` for one core's rates.
 
-    python benchmarks/bench_attention_reads.py                          # 64 x 200 tokens, 30 layers
-    OMP_NUM_THREADS=1 python benchmarks/bench_attention_reads.py --layers 1 --order address
-    python benchmarks/bench_attention_reads.py --huge-pages             # pools on 2 MiB pages
+    python benchmarks/lab/bench_attention_reads.py                          # 64 x 200 tokens, 30 layers
+    OMP_NUM_THREADS=1 python benchmarks/lab/bench_attention_reads.py --layers 1 --order address
+    python benchmarks/lab/bench_attention_reads.py --huge-pages             # pools on 2 MiB pages
 
 ``--order shuffled`` hands out pages at random (block tables after much churn), ``address``
 in address order (a freshly prefilled batch). ``--huge-pages`` allocates each pool with

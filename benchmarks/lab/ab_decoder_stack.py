@@ -5,7 +5,7 @@ One engine (default model, ``--activation-dtype``), one request past its prefill
 of ``--steps`` decode steps alternate the two paths ``--rounds`` times; prints the median
 step of each (milliseconds) and that the two paths give the same tokens and log-probs.
 
-    python benchmarks/ab_decoder_stack.py [--activation-dtype int8] [--rounds 10] [--steps 20]
+    python benchmarks/lab/ab_decoder_stack.py [--activation-dtype int8] [--rounds 10] [--steps 20]
 """
 
 from __future__ import annotations
