@@ -94,3 +94,19 @@ def test_contiguous_allocator_reserves_prompt_plus_max_tokens(tiny_llm_factory):
     paged.step()
     assert len(paged.kv_manager.block_tables["req-0"]) == 2
     assert paged.kv_manager.slot_usage({"req-0": 20}) == (32, 20)
+
+
+def test_a_streaming_request_too_big_for_the_step_budget_is_told_so(tiny_llm_factory):
+    """A long prompt under streaming eviction holds its window plus one step's tokens; with
+    the default 2,048-token step it cannot fit a small cache, and the error says which flag
+    makes it fit (a new user could not tell); with a smaller step it runs, within the cache."""
+    from pagedkv import SamplingParams
+
+    kw = dict(kv_eviction="streaming", kv_window_tokens=32, num_sink_tokens=4, num_blocks=8, max_model_len=1024)
+    prompt = [{"prompt_token_ids": list(range(200, 500))}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"lower --max-num-batched-tokens, now \d+, needs fewer"):
+        tiny_llm_factory(**kw).generate(prompt, params)
+    llm = tiny_llm_factory(**kw, max_num_batched_tokens=32)
+    assert len(llm.generate(prompt, params)[0].token_ids) == 8
+    assert llm.stats().peak_blocks_used <= 8

@@ -125,3 +125,10 @@ def test_a_budget_that_holds_no_block_is_flagged(capsys):
     rc, out, _ = run(capsys, "--model", "smollm2-135m-instruct", "--kv-cache-memory", "1MiB")
     assert rc == 0 and "holds no KV block beside the reserved null page: the engine refuses it" in out
     assert "--tp up to 64" not in out  # no --gpu: no TP search was made
+
+
+def test_weights_that_do_not_fit_get_one_hint_not_a_budget_one(capsys):
+    """A new user planning Llama-3-70B on one H100 was told to raise --kv-cache-memory too,
+    which cannot help: the weights note says what does (--tp 2)."""
+    rc, out, _ = run(capsys, "--model", "llama-3-70b", "--gpu", "h100-sxm", "--seq-len", "8192")
+    assert rc == 0 and "fits with --tp 2" in out and "holds no KV block" not in out

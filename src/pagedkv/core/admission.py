@@ -69,6 +69,9 @@ def resolve_max_tokens(kv: KVCacheManager, max_model_len: int, step_tokens: int,
                          f"exceeds {limit}")
     blocks = request_peak_blocks(kv, total, num_prompt, step_tokens, policy, params)
     if blocks > pool:
+        smaller_steps = request_peak_blocks(kv, total, num_prompt, kv.block_size, policy, params) <= pool
+        hint = (" (a request holds its window plus one step's tokens: a lower --max-num-batched-tokens, "
+                f"now {step_tokens}, needs fewer)" if smaller_steps else "")
         raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {blocks} "
-                         f"KV blocks of {kv.block_size} tokens, but the whole cache has {pool}")
+                         f"KV blocks of {kv.block_size} tokens, but the whole cache has {pool}{hint}")
     return max_tokens

@@ -81,9 +81,9 @@ def _fit_notes(r) -> list[str]:
         out.append(f"weights do not fit: {per} per device > {usable} usable; {hint}")
     elif r.batch_fits is False and r.max_concurrent_requests is not None:
         out.append(_batch_note(r))
-    if r.num_blocks == 0:
+    if r.num_blocks == 0 and r.weights_fit is not False:  # (weights that do not fit: the note above says why)
         out.append("the cache budget holds no KV block beside the reserved null page: the engine refuses it "
-                   "(raise --kv-cache-memory)")
+                   "(raise --kv-cache-memory, or --tp or --gpu-memory-utilization)")
     if r.cache_budget_bytes is not None and r.usable_memory_bytes is not None and \
             r.cache_budget_bytes + r.weight_bytes_per_device > r.usable_memory_bytes:
         out.append("--kv-cache-memory plus the weights exceed the usable device memory")
