@@ -82,6 +82,20 @@ def split_markdown(text: str) -> tuple[str, list[str]]:
     return "\n".join(prose), blocks
 
 
+def fenced_blocks(text: str) -> list[tuple[int, str, str]]:
+    """(index of the opening fence line, info string, body) of each closed fenced block, by
+    the same rules as ``split_markdown`` (tests/test_doc_examples.py reads the markers before them)."""
+    lines, out, fence, start, info = text.splitlines(), [], None, 0, ""
+    for i, line in enumerate(lines):
+        m = FENCE.match(line)
+        if fence is None and m:
+            fence, start, info = m.group(2), i, m.group(3).strip()
+        elif fence is not None and m and m.group(2).startswith(fence[0] * len(fence)) and not m.group(3).strip():
+            out.append((start, info, "\n".join(lines[start + 1:i])))
+            fence = None
+    return out
+
+
 def inline_code(prose: str) -> list[str]:
     """Code spans of the prose (a span may wrap onto the next line, not across a blank line)."""
     return [m.group(2) for m in INLINE_CODE.finditer(prose) if "\n\n" not in m.group(2)]
@@ -121,6 +135,12 @@ def test_slugs_follow_github():
         == "int8-activations-for-the-ggufs-own-blocks-llamacpps-scheme"
     assert github_slug("A short request behind long prompts: `--scheduling-policy` (issue 19 item 9)") \
         == "a-short-request-behind-long-prompts---scheduling-policy-issue-19-item-9"
+
+
+@pytest.mark.parametrize("path", LINKED_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_fenced_blocks_agree_with_split_markdown(path):
+    text = path.read_text(encoding="utf-8")
+    assert [body for _, _, body in fenced_blocks(text)] == split_markdown(text)[1]
 
 
 # --- links -----------------------------------------------------------------------------------
