@@ -19,7 +19,11 @@ In order, each section on its own (a failure is recorded and the next one runs):
 7. ``engine_speed``: a Llama-3-8B-shaped model (bf16, made on the device): single-stream
    decode with CUDA graphs and eagerly, 64 and 256 requests' decode steps, an 8K prompt's
    TTFT, each against its roofline; HF ``generate`` (static cache) beside it; the planner's
-   ``num_blocks`` against the engine's: ``gpu_check_speed``.
+   ``num_blocks`` against the engine's: ``gpu_check_speed``;
+8. ``tiers`` (issue 54): the CPU tier and swap with the cache in GPU memory: outputs equal
+   to device prefix hits and to no preemption, block loads against a pinned copy, decode
+   steps with saves against none, a returning turn's TTFT against recompute:
+   ``gpu_check_tiers``.
 
 Writes ``gpu_check.json`` (everything) and ``gpu_check.txt`` (the table printed last) to
 ``--out`` (default: ``$OUT`` when set, else ``benchmarks/results``). ``--quick`` runs tiny
@@ -47,7 +51,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-SECTIONS = ("env", "ceilings", "kernels", "sanitize", "engine", "kernel_speed", "engine_speed")
+SECTIONS = ("env", "ceilings", "kernels", "sanitize", "engine", "kernel_speed", "engine_speed", "tiers")
 
 
 def env_info(device: str) -> dict:
@@ -99,6 +103,7 @@ def run_sections(args, device: str, out: dict, save) -> None:
     from gpu_check_engine import check_engine
     from gpu_check_kernels import check_kernels, time_kernels
     from gpu_check_speed import time_engine
+    from gpu_check_tiers import check_tiers
     from gpu_step_profile import ceilings
 
     work = Path(tempfile.mkdtemp(prefix="pagedkv-gpu-check-"))
@@ -111,6 +116,7 @@ def run_sections(args, device: str, out: dict, save) -> None:
         "kernel_speed": lambda: time_kernels(device, args.quick, out["ceilings"], 5 if args.quick else 50),
         "engine_speed": lambda: time_engine(work, device, args.quick, out["ceilings"],
                                             out.get("env", {}).get("gpu", "")),
+        "tiers": lambda: check_tiers(work, device, args.quick, out.get("env", {}).get("gpu", "")),
     }
     start = time.perf_counter()
     for name in args.sections:
@@ -154,7 +160,7 @@ def summary(out: dict) -> str:
         lines.append(f"speed {r['kind']:<7} b{r['batch']:<3} ctx {r['context']:<6} {r['page_dtype']:<9} "
                      f"{r['seconds'] * 1e6:8.1f} us = {ratio:.2f} of ceiling; sdpa contiguous "
                      f"{r['sdpa_contiguous_bf16_seconds'] * 1e6:8.1f} us")
-    for name in ("sanitize", "engine", "engine_speed"):
+    for name in ("sanitize", "engine", "engine_speed", "tiers"):
         if name in out:
             body = {k: v for k, v in out[name].items() if k != "traceback"}
             lines.append(f"{name}: {json.dumps(_rounded(body), default=str)[:2500]}")

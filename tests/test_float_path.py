@@ -82,7 +82,6 @@ def test_device_and_dtype_settings():
 
 @pytest.mark.parametrize("kw,match", [({"weight_dtype": "int8"}, "weight_dtype int8"),
                                       ({"activation_dtype": "int8"}, "activation_dtype int8"),
-                                      ({"kv_offload_memory": "1MiB"}, "KV tier"),
                                       ({"tensor_parallel_size": 2}, "tensor_parallel_size")])
 def test_what_the_float_path_does_not_run_yet_is_refused(kw, match):
     with pytest.raises(ValueError, match=match):

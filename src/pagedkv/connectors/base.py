@@ -156,6 +156,11 @@ class KVConnectorWorker:
     def save_kv_layer(self, layer: int, storage, attn_metadata) -> None:
         """``layer``'s KV for this step is written to ``storage``: start saving it."""
 
+    def needs_layer_hooks(self) -> bool:
+        """Whether this step's forward must call ``wait_for_layer_load`` / ``save_kv_layer``
+        (no: the runner may replay a captured CUDA graph, which calls neither)."""
+        return True
+
     def wait_for_save(self) -> None:
         """Block until every save started this step is done."""
 

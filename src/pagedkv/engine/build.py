@@ -24,6 +24,7 @@ import torch
 from pagedkv.config.engine import EngineConfig
 from pagedkv.connectors.base import KVConnector
 from pagedkv.connectors.offload.cpu_tier import cpu_offload_connector
+from pagedkv.connectors.offload.streams import streams_for
 from pagedkv.connectors.pd.factory import transfer_connector
 from pagedkv.core.build import build_scheduler
 from pagedkv.core.engine_core import EngineCore
@@ -35,6 +36,7 @@ from pagedkv.engine.parts import EngineParts, build_parts, check_fits_in_ram
 from pagedkv.kernels.cpu.ops import copy_pages
 from pagedkv.kv.groups import FullAttentionSpec
 from pagedkv.worker.cuda_graphs import DecodeGraphs
+from pagedkv.worker.device import float_path
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.spec_decode.draft_model import DraftModelProposer
 from pagedkv.worker.spec_decode.ngram import NgramProposer
@@ -54,10 +56,12 @@ def build_connector(config: EngineConfig, parts: EngineParts, given: KVConnector
         return given
     if given is not None:
         raise ValueError("kv_offload_memory and a kv_connector cannot be combined (one connector per engine)")
-    check_fits_in_ram(parts.kv_cache.nbytes + config.kv_offload_memory)  # cache + tier
+    device = parts.kv_cache.k[0].device
+    check_fits_in_ram((parts.kv_cache.nbytes if device.type == "cpu" else 0) + config.kv_offload_memory)
+    streams = streams_for(device) if float_path(device, parts.model.dtype) else None
     return cpu_offload_connector(parts.kv_manager, parts.kv_cache, config.kv_offload_memory,
                                  config.kv_offload_policy, config.kv_offload_dir, config.kv_offload_disk_size,
-                                 copy_pages)
+                                 copy_pages, streams)
 
 
 def model_preemption_cost(mode: str, model) -> PreemptionCost:

@@ -78,7 +78,8 @@ class KVCacheStorage:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str = "cpu",
-                 draft_spec: KVCacheSpec | None = None, layer_slots: tuple[int, ...] | None = None) -> None:
+                 draft_spec: KVCacheSpec | None = None, layer_slots: tuple[int, ...] | None = None,
+                 pin_memory: bool = False) -> None:
         if spec.dtype not in TORCH_DTYPES:
             raise ValueError(f"KV storage for dtype {spec.dtype!r} is not implemented")
         self.spec, self.num_blocks, self.draft_spec = spec, num_blocks, draft_spec
@@ -88,8 +89,9 @@ class KVCacheStorage:
         self.layer_slots = _check_slots(layer_slots, spec, draft_spec)
         dtype = TORCH_DTYPES[spec.dtype]
         shapes = [(num_blocks, s.block_size, s.num_kv_heads, s.head_dim) for s in self.layer_specs]
-        k = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes[:self._num_slots]]
-        v = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes[:self._num_slots]]
+        pin = {"pin_memory": True} if pin_memory else {}
+        k = [torch.empty(shape, dtype=dtype, device=device, **pin) for shape in shapes[:self._num_slots]]
+        v = [torch.empty(shape, dtype=dtype, device=device, **pin) for shape in shapes[:self._num_slots]]
         for t in k + v:
             t[0].zero_()
         self.k, self.v = self._by_layer(k), self._by_layer(v)
@@ -98,8 +100,8 @@ class KVCacheStorage:
         self._calibrated = [False] * len(shapes)
         if spec.is_quantized:
             kg, vg = quant.key_value_granularities(spec.scale_granularity)
-            self.k_scale = self._scales(kg, shapes, device)
-            self.v_scale = self._scales(vg, shapes, device)
+            self.k_scale = self._scales(kg, shapes, device, pin_memory)
+            self.v_scale = self._scales(vg, shapes, device, pin_memory)
 
     @property
     def _num_slots(self) -> int:
@@ -109,11 +111,12 @@ class KVCacheStorage:
         """Each layer's tensor: its own, or its slot's (shared with the other groups' layer)."""
         return per_slot if self.layer_slots is None else [per_slot[s] for s in self.layer_slots]
 
-    def _scales(self, gran: str, shapes: list, device: str) -> list[torch.Tensor]:
-        """Scale tensors per layer: per-token ones live with the pages (shared like them),
-        static ones are each layer's own."""
+    def _scales(self, gran: str, shapes: list, device: str, pin_memory: bool = False) -> list[torch.Tensor]:
+        """Scale tensors per layer: per-token ones live with the pages (shared like them, pinned
+        with them), static ones are each layer's own."""
         if gran == "per-token-head":
-            return self._by_layer([self._scale_tensor(gran, shape, device) for shape in shapes[:self._num_slots]])
+            scales = [self._scale_tensor(gran, shape, device) for shape in shapes[:self._num_slots]]
+            return self._by_layer([t.pin_memory() for t in scales] if pin_memory else scales)
         return [self._scale_tensor(gran, shape, device) for shape in shapes]
 
     @property
@@ -126,9 +129,10 @@ class KVCacheStorage:
         """Bytes one page holds across every layer (both models' with a draft)."""
         return pool_page_bytes(self.specs)
 
-    def like(self, num_blocks: int, device: str = "cpu") -> "KVCacheStorage":
-        """An empty storage of the same layers with ``num_blocks`` pages (a tier's pool)."""
-        return KVCacheStorage(self.spec, num_blocks, device, self.draft_spec, self.layer_slots)
+    def like(self, num_blocks: int, device: str = "cpu", pin_memory: bool = False) -> "KVCacheStorage":
+        """An empty storage of the same layers with ``num_blocks`` pages (a tier's pool);
+        ``pin_memory``: page-locked host memory (a GPU's tier: asynchronous PCIe copies)."""
+        return KVCacheStorage(self.spec, num_blocks, device, self.draft_spec, self.layer_slots, pin_memory)
 
     def draft_view(self) -> "LayerOffsetStorage":
         """The draft model's layers as a storage of their own (layer ``i`` is layer ``N + i``).

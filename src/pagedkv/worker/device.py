@@ -8,9 +8,11 @@ layers are torch's (cuBLAS), and sampling runs on the device. A compute dtype ot
 float32 (bf16/fp16 on either device) takes the same path: float weights, the Triton or the
 reference attention, never the C++ library (its ops are float32 CPU ops).
 
-Not on a GPU yet (refused with the reason): int8/int4 weights and int8 activations (CPU
-kernels), the CPU/disk KV tiers and swap, prefill/decode transfer (the GPU's memory
-hierarchy is the next step), tensor parallelism.
+The CPU and disk KV tiers and swap run on either path: on a GPU the tier is pinned host
+memory and its copies run on their own CUDA streams
+(:mod:`pagedkv.connectors.offload.device_tier_worker`). Not on a GPU yet (refused with the
+reason): int8/int4 weights and int8 activations (CPU kernels), prefill/decode transfer,
+tensor parallelism.
 """
 
 from __future__ import annotations
@@ -61,7 +63,6 @@ def check_features(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     for clash, on in (("weight_dtype int8/int4 (CPU kernels; use auto or float32)",
                        config.weight_dtype in ("int8", "int4")),
                       ("activation_dtype int8 (CPU kernels)", config.activation_dtype == "int8"),
-                      ("a CPU/disk KV tier or swap (kv_offload_memory)", bool(config.kv_offload_memory)),
                       ("kv_transfer_config", config.kv_transfer_config is not None),
                       ("tensor_parallel_size > 1", config.tensor_parallel_size > 1)):
         if on:

@@ -171,7 +171,8 @@ class ModelRunner:
             self._finish_connector(out, result)
             return result
         scorer = self._scorer(out)
-        decodes = self._graph_batch(out) if self.graphs is not None and hooks is None and scorer is None else None
+        quiet = hooks is None or not hooks.needs_layer_hooks()  # no per-layer copies this step
+        decodes = self._graph_batch(out) if self.graphs is not None and quiet and scorer is None else None
         if decodes is not None:  # every request one token: the bucket's CUDA graph
             hidden, rows = self.graphs.run(*decodes), list(range(len(decodes[0])))
         else:

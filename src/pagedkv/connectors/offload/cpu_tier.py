@@ -20,6 +20,11 @@ block copy, whole pages (quantized pages with their per-token scales, byte for b
   tier and copied back when it resumes (:mod:`pagedkv.connectors.offload.swap`); copies out run first
   in the next step, before any page they free can be written again.
 
+With the cache in GPU memory (or on the CPU's float path) the worker side is
+:class:`~pagedkv.connectors.offload.device_tier_worker.DeviceOffloadWorker`: the same plan,
+carried out on copy and save streams ordered against the forward by events, the tier in
+pinned host memory.
+
 Requires prefix caching (the tier is keyed by the chained block hash) and one KV cache
 group. Sources: vLLM's KV connector v1 API and its CPU offloading connector (the seam's
 names); SGLang HiCache (device -> host write-through).
@@ -31,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 from pagedkv.connectors.base import KVConnector, KVConnectorScheduler, SwapPlan
 from pagedkv.connectors.offload.cpu_tier_worker import CPUOffloadWorker, OffloadMeta, probe_copy_rate
+from pagedkv.connectors.offload.device_tier_worker import DeviceOffloadWorker, probe_device_copy_rate
 from pagedkv.connectors.offload.disk_records import DiskDirectory
 from pagedkv.connectors.offload.disk_tier import RECORD_OVERHEAD, DiskIO, DiskPlan
 from pagedkv.connectors.offload.swap import SwapSpace
@@ -288,11 +294,14 @@ class CPUOffloadScheduler(KVConnectorScheduler):
 
 
 def cpu_offload_connector(kv, storage: KVCacheStorage, memory_bytes: int, policy: str, disk_dir: str | None = None,
-                          disk_bytes: int = 0, copy_pages=torch_copy_pages) -> KVConnector:
+                          disk_bytes: int = 0, copy_pages=torch_copy_pages, streams=None) -> KVConnector:
     """Both sides of a CPU tier of ``memory_bytes`` (pages laid out as the device ``storage``'s,
     a draft model's layers included; its static scales not counted twice) over the KV manager
     ``kv``, with a disk tier of ``disk_bytes`` in ``disk_dir`` behind it if given;
     ``copy_pages`` moves pages between pools (see :func:`pagedkv.kernels.cpu.ops.copy_pages`).
+    With ``streams`` (:mod:`~pagedkv.connectors.offload.streams`; a cache in GPU memory or the
+    CPU float path) the worker is :class:`~pagedkv.connectors.offload.device_tier_worker.DeviceOffloadWorker`
+    and the tier is in host memory, pinned where the cache is on a GPU.
 
     Raises:
         ValueError: prefix caching off, several KV cache groups, a size under one page, or
@@ -315,7 +324,12 @@ def cpu_offload_connector(kv, storage: KVCacheStorage, memory_bytes: int, policy
             raise ValueError(f"kv_offload_disk_size of {int(disk_bytes)} bytes holds no block record")
         directory = DiskDirectory(disk_dir)
         plan, io = DiskPlan(directory, disk_capacity, policy), DiskIO(directory)
-    tier = storage.like(capacity)
+    if streams is None:
+        tier = storage.like(capacity)
+        return KVConnector(CPUOffloadScheduler(kv, capacity, policy, page_bytes, plan,
+                                               probe_copy_rate(tier, copy_pages)),
+                           CPUOffloadWorker(tier, io, copy_pages))
+    device = storage.k[0].device
+    worker = DeviceOffloadWorker(storage.like(capacity, pin_memory=device.type == "cuda"), device, streams, io)
     return KVConnector(CPUOffloadScheduler(kv, capacity, policy, page_bytes, plan,
-                                           probe_copy_rate(tier, copy_pages)),
-                       CPUOffloadWorker(tier, io, copy_pages))
+                                           probe_device_copy_rate(worker, storage)), worker)

@@ -1,0 +1,219 @@
+"""The CPU tier's worker when the KV cache is not the C++ library's CPU pool: the cache in GPU
+memory (the tier in pinned host memory, copies over PCIe on their own CUDA streams), or the
+CPU float path (bf16/fp16 compute; the same code on :class:`~pagedkv.connectors.offload.streams.InlineStreams`).
+
+Same plan as :class:`~pagedkv.connectors.offload.cpu_tier_worker.CPUOffloadWorker`
+(:class:`~pagedkv.connectors.offload.cpu_tier_worker.OffloadMeta`), carried out as batched
+copies per layer and tensor, never one call per page of the tier's index:
+
+- **device -> tier** (saves, swap-outs): one gather of the pages on the device
+  (``index_select``) into a staging tensor, then one copy into the tier per run of
+  consecutive tier slots;
+- **tier -> device** (loads, swap-ins): one copy per run of consecutive tier slots into a
+  staging tensor on the device, then one scatter into the pages (``index_copy_``).
+
+Ordering (see :mod:`~pagedkv.connectors.offload.streams`): swap-outs gather every layer's
+pages first on the copy stream, after the event the compute stream recorded at the step's
+start (a swap-out's page may be written again from then on: the compute stream waits for
+the gathers); swap-ins, loads and disk loads follow layer by layer, each layer's last copy
+recording the event ``wait_for_layer_load`` makes the compute stream wait on (disk records
+are read and checked on the host first, into staging pages, pinned beside a GPU, whose
+copies run like loads); a layer's saves start on the save stream after the compute
+stream's event for that layer's writes. ``wait_for_save`` (after the step's sampling) waits
+for the copy and save streams' last events: nothing the step copies outlives it, so no page
+or slot is reused while a copy of it is in flight, and the forward itself never waits for
+a save.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.connectors.offload.cpu_tier_worker import CPUOffloadWorker
+from pagedkv.connectors.offload.disk_tier import DiskIO
+from pagedkv.connectors.offload.streams import Access, InlineStreams
+from pagedkv.kv_cache.storage import KVCacheStorage
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """``(first slot, first index, length)`` of each run of consecutive ``slots`` in order:
+    ``[4, 5, 6, 9, 2]`` -> ``[(4, 0, 3), (9, 3, 1), (2, 4, 1)]``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][2] == s:
+            first, at, n = runs[-1]
+            runs[-1] = (first, at, n + 1)
+        else:
+            runs.append((s, i, 1))
+    return runs
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as raw bytes with its page dimension first (fp8 has no index kernels everywhere)."""
+    return t.view(torch.uint8)
+
+
+class DeviceOffloadWorker(CPUOffloadWorker):
+    """Worker side of the CPU tier for a cache on ``device`` (see the module docstring);
+    ``streams``: :class:`~pagedkv.connectors.offload.streams.CudaStreams` on a GPU,
+    :class:`~pagedkv.connectors.offload.streams.InlineStreams` on the CPU, or a test's fake."""
+
+    def __init__(self, tier: KVCacheStorage, device: torch.device, streams=None, disk: DiskIO | None = None) -> None:
+        super().__init__(tier, disk)
+        self.device, self.streams = device, streams or InlineStreams()
+        self._load_events: dict[int, object] = {}
+        self._ends: list[object] = []      # the step's last events, waited for by wait_for_save
+        self._saved = None                 # the save stream's last event this step
+        self._timed: list[tuple[int, object, object]] = []  # (count index, start, end) to price
+        self._held: list[torch.Tensor] = []  # staging tensors alive until their copies end
+        self._staging: KVCacheStorage | None = None  # disk records on their way to the device
+
+    # ---- copies ---------------------------------------------------------------------------
+    def _to_tier(self, stream, storage: KVCacheStorage, layer: int, pairs: list[tuple[int, int]]) -> None:
+        """Copy device pages to tier slots, ``(page, slot)`` pairs, one layer, on ``stream``."""
+        pages, slots = [p for p, _ in pairs], [s for _, s in pairs]
+
+        def copy():
+            index = torch.tensor(pages, dtype=torch.int64).to(self.device, non_blocking=True)
+            for src, dst in zip(storage.page_tensors(layer), self.tier.page_tensors(layer)):
+                staged = _bytes(src).index_select(0, index)
+                for first, at, n in slot_runs(slots):
+                    _bytes(dst)[first:first + n].copy_(staged[at:at + n], non_blocking=True)
+                self._held.append(staged)
+        self.streams.launch(stream, copy, reads=_acc("device", layer, pages), writes=_acc("tier", layer, slots),
+                            nbytes=len(pairs) * self.tier.page_size_bytes // max(1, self.tier.num_layers))
+
+    def _to_device(self, stream, storage: KVCacheStorage, layer: int, pairs: list[tuple[int, int]],
+                   source: KVCacheStorage | None = None, pool: str = "tier") -> None:
+        """Copy tier slots (or ``source``'s, e.g. the disk staging) to device pages, ``(slot,
+        page)`` pairs, one layer, on ``stream``."""
+        slots, pages, source = [s for s, _ in pairs], [p for _, p in pairs], source or self.tier
+
+        def copy():
+            index = torch.tensor(pages, dtype=torch.int64).to(self.device, non_blocking=True)
+            for src, dst in zip(source.page_tensors(layer), storage.page_tensors(layer)):
+                raw = _bytes(src)
+                staged = torch.empty((len(pairs), *raw.shape[1:]), dtype=torch.uint8, device=self.device)
+                for first, at, n in slot_runs(slots):
+                    staged[at:at + n].copy_(raw[first:first + n], non_blocking=True)
+                _bytes(dst).index_copy_(0, index, staged)
+                self._held.append(staged)
+        self.streams.launch(stream, copy, reads=_acc(pool, layer, slots), writes=_acc("device", layer, pages),
+                            nbytes=len(pairs) * self.tier.page_size_bytes // max(1, self.tier.num_layers))
+
+    # ---- the step -------------------------------------------------------------------------
+    def start_load_kv(self, storage) -> None:
+        self._settle()
+        self._load_errors, meta = set(), self.metadata
+        if meta is None:
+            return
+        s, layers = self.streams, range(storage.num_layers)
+        s.wait(s.copy, s.record(s.compute))  # after what the previous step wrote
+        if meta.swap_outs:
+            start = s.record(s.copy)
+            for layer in layers:
+                self._to_tier(s.copy, storage, layer, meta.swap_outs)
+            swapped_out = s.record(s.copy)
+            self._timed.append((6, start, swapped_out))
+            s.wait(s.compute, swapped_out)  # their pages may be written from here on
+        from_disk = self._read_disk(meta) if self.disk is not None else []
+        if meta.swap_ins or meta.loads or from_disk:
+            for layer in layers:  # layer by layer: layer 0 computes while the rest load
+                for index, pairs in ((6, meta.swap_ins), (7, meta.loads)):
+                    if pairs:
+                        start = s.record(s.copy)
+                        self._to_device(s.copy, storage, layer, pairs)
+                        self._timed.append((index, start, s.record(s.copy)))
+                if from_disk:
+                    self._to_device(s.copy, storage, layer, from_disk, self._staging, "disk staging")
+                self._load_events[layer] = s.record(s.copy)
+            self._ends.append(self._load_events[layers[-1]])
+        self._counts[5] += len(meta.swap_outs) + len(meta.swap_ins)
+        self._counts[0] += len(meta.loads)
+        if self.disk is not None:
+            self.disk.write(meta.disk_writes, meta.disk_removes, self.tier)  # reads slots saved in earlier steps
+
+    def _read_disk(self, meta) -> list[tuple[int, int]]:
+        """Read this step's disk records into the staging pages (host memory, pinned beside a
+        GPU; grown as needed, reused once the last step's copies ended); returns the
+        ``(staging page, device page)`` pairs whose records passed their checks (the others'
+        device pages are this step's load errors)."""
+        if not meta.disk_loads:
+            return []
+        n = len(meta.disk_loads)
+        if self._staging is None or self._staging.num_blocks < n:
+            self._staging = self.tier.like(max(n, 2 * (self._staging.num_blocks if self._staging else 0)),
+                                           pin_memory=self.device.type == "cuda")
+        read = self.disk.bytes_read
+        bad = self.disk.load([(h, tokens, j) for j, (h, tokens, _) in enumerate(meta.disk_loads)],
+                             self._staging, self.tier)
+        self._load_errors = {meta.disk_loads[j][2] for j in bad}
+        self._counts[3] += n - len(bad)
+        self._counts[4] += self.disk.bytes_read - read
+        return [(j, page) for j, (_, _, page) in enumerate(meta.disk_loads) if j not in bad]
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        event = self._load_events.pop(layer, None)
+        if event is not None:
+            self.streams.wait(self.streams.compute, event)
+
+    def needs_layer_hooks(self) -> bool:
+        meta = self.metadata
+        return meta is not None and bool(meta.saves or meta.loads or meta.swap_ins)
+
+    def save_kv_layer(self, layer: int, storage, attn_metadata) -> None:
+        meta = self.metadata
+        if meta is None or not meta.saves:
+            return
+        s = self.streams
+        s.wait(s.save, s.record(s.compute))  # after this layer's writes
+        self._to_tier(s.save, storage, layer, meta.saves)
+        self._saved = s.record(s.save)  # the save stream's last: it covers every save before it
+
+    def wait_for_save(self) -> None:
+        self._settle()
+        meta = self.metadata
+        if meta is not None:
+            self._counts[1] += len(meta.saves)
+            self._done_step = meta.step
+
+    def _settle(self) -> None:
+        """Wait for the step's copies (and price its loads and swaps); drop the staging."""
+        ends = self._ends + [end for _, _, end in self._timed] + ([self._saved] if self._saved is not None else [])
+        for event in ends:
+            self.streams.synchronize(event)
+        for index, start, end in self._timed:
+            seconds = self.streams.elapsed(start, end)
+            self._counts[index] += seconds
+            if index == 7:
+                self._counts[2] += seconds
+        self._ends, self._timed, self._held, self._load_events, self._saved = [], [], [], {}, None
+
+    def close(self) -> None:
+        self._settle()
+        super().close()
+
+
+def _acc(pool: str, layer: int, pages: list[int]) -> list[Access]:
+    return [(pool, layer, p) for p in pages]
+
+
+def probe_device_copy_rate(worker: DeviceOffloadWorker, storage: KVCacheStorage,
+                           max_pages: int = 16) -> tuple[int, float]:
+    """``(bytes, seconds)`` of the fastest of three loads of up to ``max_pages`` tier slots
+    into device pages 1.. of ``storage`` (free at start; page 0 is the null page), timed by
+    the streams' events: the rate swap preemption is first priced at. ``(0, 0.0)`` when
+    either pool is too small."""
+    n = min(max_pages, worker.tier.num_blocks, storage.num_blocks - 1)
+    if n < 1:
+        return 0, 0.0
+    s, pairs, best = worker.streams, [(i, 1 + i) for i in range(n)], float("inf")
+    for _ in range(3):
+        start = s.record(s.copy)
+        for layer in range(storage.num_layers):
+            worker._to_device(s.copy, storage, layer, pairs)
+        end = s.record(s.copy)
+        s.synchronize(end)
+        best = min(best, s.elapsed(start, end))
+        worker._held = []
+    return n * worker.tier.page_size_bytes, best
