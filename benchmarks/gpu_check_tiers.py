@@ -11,7 +11,9 @@ the KV cache in GPU memory (pinned host tier, copies on their own CUDA streams).
 - ``decode_saves``: mean decode step time of 32 requests over 64 steps (blocks filling,
   saves running) with the tier against without, CUDA graphs on in both;
 - ``returning_turn``: 8 conversations of 2,048 tokens, a device pool that holds about two:
-  the second turn's TTFT with the tier against recompute (prefix caching on in both).
+  the second turn's TTFT with the tier against recompute (prefix caching on in both);
+- ``swap_vs_recompute``: 32 requests that outgrow the pool, under ``recompute``, ``swap`` and
+  ``auto``: throughput of each and ``auto``'s priced choices.
 
 ``--quick`` (CPU, bf16 on the float path, tiny shapes) checks the script only.
 """
@@ -162,6 +164,35 @@ def returning_turn(folder: Path, device: str, dtype: str, quick: bool) -> dict:
     return res
 
 
+def swap_vs_recompute(folder: Path, device: str, dtype: str, quick: bool) -> dict:
+    """A capacity-bound load (more KV than the pool holds) under each preemption mode:
+    output tokens/s, preemptions by how they were done, and ``auto``'s priced choices
+    (the predicted seconds of a swap's round trip and of a recompute, by kept tokens)."""
+    vocab = TINY["vocab_size"] if quick else LLAMA8B["vocab_size"]
+    n, ctx, n_out, blocks = (8, 40, 24, 14) if quick else (32, 1024, 256, 1200)
+    batch = prompts(n, [ctx // 2, ctx], vocab, 41)
+    params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+    res = {}
+    for mode in ("recompute", "swap", "auto"):
+        engine = llm(folder, device, dtype=dtype, num_blocks=blocks, kv_cache_memory=None, max_num_seqs=n,
+                     kv_offload_memory="8GiB" if not quick else "16MiB", preemption_mode=mode)
+        engine.generate(batch[:2], SamplingParams(max_tokens=4))  # warm-up (and a first measured rate)
+        t = time.perf_counter()
+        outs = engine.generate(batch, params)
+        seconds = time.perf_counter() - t
+        core = engine.engine.core
+        res[mode] = {"output_tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds,
+                     "preemptions": dict(core.scheduler.preemptions_by_mode)}
+        if mode == "auto" and core.scheduler.preemption is not None:
+            res[mode]["decisions"] = [(d.kept_tokens, d.mode, d.swap_s, d.recompute_s)
+                                      for d in list(core.scheduler.preemption.decisions)[:16]]
+        del engine, core, outs
+        free()
+    best = max(("recompute", "swap"), key=lambda m: res[m]["output_tokens_per_s"])
+    res["faster"], res["auto_vs_faster"] = best, res["auto"]["output_tokens_per_s"] / res[best]["output_tokens_per_s"]
+    return res
+
+
 def check_tiers(work: Path, device: str, quick: bool, gpu_name: str = "") -> dict:
     dtype = "bfloat16" if device == "cpu" else "float32"  # the float path on the CPU
     small = build_model(work / "tiers-small", TINY if quick else SMOLLM2, torch.float32, 0, device)
@@ -173,4 +204,5 @@ def check_tiers(work: Path, device: str, quick: bool, gpu_name: str = "") -> dic
     out["load_rate"] = load_rate(big, device, speed_dtype, gpu_name, quick)
     out["decode_saves"] = decode_saves(big, device, speed_dtype, quick)
     out["returning_turn"] = returning_turn(big, device, speed_dtype, quick)
+    out["swap_vs_recompute"] = swap_vs_recompute(big, device, speed_dtype, quick)
     return out

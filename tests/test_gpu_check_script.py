@@ -39,4 +39,6 @@ def test_gpu_check_quick_runs_clean_on_the_cpu(tmp_path):
     assert tiers["outputs"]["swap"]["identical_sequences"] == 8 and tiers["outputs"]["swap"]["swap_outs"] > 0
     assert tiers["load_rate"]["block_load_bytes_per_s"] > 0 and tiers["decode_saves"]["blocks_saved"] > 0
     assert tiers["returning_turn"]["tier"] > 0
+    assert tiers["swap_vs_recompute"]["swap"]["preemptions"]["swap"] > 0
+    assert tiers["swap_vs_recompute"]["recompute"]["preemptions"]["recompute"] > 0
     assert "sections with errors: none" in (tmp_path / "gpu_check_quick.txt").read_text()
