@@ -6,8 +6,9 @@ the KV cache in GPU memory (pinned host tier, copies on their own CUDA streams).
   large pool; swap preemption under a pool too small for the batch, against the same batch
   on the large pool;
 - ``load_rate``: the tier's batched block loads (:func:`probe_device_copy_rate` at 256
-  pages) against a pinned host-to-device copy of the same bytes in one piece; the
-  planner's per-block load time (its PCIe figure) against the measured one;
+  pages; the page-copy kernel, torch copies by runs, and the default way) against a pinned
+  host-to-device copy of the same bytes in one piece; the planner's per-block load time
+  (its PCIe figure) against the measured one;
 - ``decode_saves``: mean decode step time of 32 requests over 64 steps (blocks filling,
   saves running) with the tier against without, CUDA graphs on in both;
 - ``returning_turn``: 8 conversations of 2,048 tokens, a device pool that holds about two:
@@ -29,6 +30,7 @@ from gpu_check_speed import LLAMA8B, catalog_gpu
 
 from pagedkv import SamplingParams
 from pagedkv.connectors.offload.device_tier_worker import probe_device_copy_rate
+from pagedkv.connectors.offload.page_moves import kernel_move, run_move
 
 
 def pinned_h2d_bytes_per_s(device: str, nbytes: int) -> float:
@@ -94,13 +96,17 @@ def load_rate(folder: Path, device: str, dtype: str, gpu_name: str, quick: bool)
     engine = llm(folder, device, dtype=dtype, num_blocks=300 if not quick else 40, kv_cache_memory=None,
                  kv_offload_memory="1GiB" if not quick else "16MiB")
     worker, storage = engine.engine.core.runner.connector, engine.engine.kv_cache
-    nbytes, seconds = probe_device_copy_rate(worker, storage, max_pages=256 if not quick else 16)
+    default = worker._move
+    res = {}
+    for way, move in (("torch_runs", run_move), ("kernel", kernel_move), ("default", default)):
+        worker._move = move
+        nbytes, seconds = probe_device_copy_rate(worker, storage, max_pages=256 if not quick else 16)
+        res[f"{way}_bytes_per_s"] = nbytes / seconds
     ceiling = pinned_h2d_bytes_per_s(device, nbytes)
-    rate = nbytes / seconds
-    pages = nbytes // worker.tier.page_size_bytes
-    res = {"pages": pages, "page_bytes": worker.tier.page_size_bytes, "block_load_bytes_per_s": rate,
-           "pinned_h2d_bytes_per_s": ceiling, "of_pinned_h2d": rate / ceiling,
-           "measured_block_load_s": seconds / pages}
+    rate, pages = res["default_bytes_per_s"], nbytes // worker.tier.page_size_bytes
+    res.update({"default_way": default.__name__, "pages": pages, "page_bytes": worker.tier.page_size_bytes,
+                "block_load_bytes_per_s": rate, "pinned_h2d_bytes_per_s": ceiling, "of_pinned_h2d": rate / ceiling,
+                "measured_block_load_s": nbytes / rate / pages})
     if catalog_gpu(gpu_name):
         p = plan(model=str(folder), gpu=catalog_gpu(gpu_name), kv_cache_dtype=engine.engine.parts.kv_spec.dtype,
                  weight_dtype=dtype, kv_offload_memory="1GiB")

@@ -19,7 +19,8 @@ from fake_streams import FakeStreams
 
 from pagedkv import SamplingParams
 from pagedkv.connectors.offload.cpu_tier_worker import OffloadMeta
-from pagedkv.connectors.offload.device_tier_worker import DeviceOffloadWorker, slot_runs
+from pagedkv.connectors.offload.device_tier_worker import DeviceOffloadWorker
+from pagedkv.connectors.offload.page_moves import slot_runs
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv_cache.storage import KVCacheStorage
 
@@ -119,8 +120,12 @@ def _run(worker: DeviceOffloadWorker, fs: FakeStreams, storage: KVCacheStorage, 
     return tier_expect
 
 
+@pytest.mark.parametrize("way", ["torch", "kernel"])
 @pytest.mark.parametrize("seed", range(8))
-def test_copies_are_ordered_against_the_forward_and_land_the_right_bytes(seed):
+def test_copies_are_ordered_against_the_forward_and_land_the_right_bytes(seed, way, monkeypatch):
+    """Both ways of moving pages (torch copies by runs of slots; the Triton kernel, here
+    interpreted) under random schedules: no race, every byte where the plan said."""
+    monkeypatch.setenv("PAGEDKV_PAGE_COPY", way)
     fs = FakeStreams()
     storage = KVCacheStorage(SPEC, PAGES)
     worker = DeviceOffloadWorker(storage.like(SLOTS), torch.device("cpu"), fs)
@@ -230,14 +235,19 @@ def _gen(llm, ids):
     return o.token_ids, o.logprobs
 
 
+@pytest.mark.parametrize("way", ["torch", "kernel"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_on_the_float_path_a_prefix_from_the_tier_gives_the_device_hits_output(tiny_llm_factory, kv_dtype):
+def test_on_the_float_path_a_prefix_from_the_tier_gives_the_device_hits_output(tiny_llm_factory, kv_dtype, way,
+                                                                                monkeypatch):
     """bf16 compute (the GPU's path, on CPU tensors): a prompt whose prefix comes back from
     the tier gives the tokens and log-probs of the same prompt served by a device prefix hit
-    (the same blocks, the same bytes), and the tier's counters say it was loaded."""
+    (the same blocks, the same bytes), and the tier's counters say it was loaded; pages moved
+    by torch copies or by the page-copy kernel (interpreted)."""
+    monkeypatch.setenv("PAGEDKV_PAGE_COPY", way)
     ref = tiny_llm_factory(num_blocks=96, dtype="bfloat16", kv_cache_dtype=kv_dtype)
     llm = tiny_llm_factory(num_blocks=12, dtype="bfloat16", kv_offload_memory="256KiB", kv_cache_dtype=kv_dtype)
-    assert isinstance(llm.engine.runner.connector, DeviceOffloadWorker)
+    worker = llm.engine.runner.connector
+    assert isinstance(worker, DeviceOffloadWorker) and worker._move.__name__ == f"{way.replace('torch', 'run')}_move"
     for n in (17, 33, 64):
         prompt = list(range(700 + n, 700 + 2 * n))
         for model in (ref, llm):
@@ -344,3 +354,26 @@ def test_decode_steps_without_copies_replay_the_graph_with_a_tier(tiny_model_dir
     saved = connector.scheduler.get_stats()["blocks_saved"]
     assert len(runs) >= 10 and all(eager) and saved >= 5  # decodes replayed; other steps eager, with hooks
     assert len(eager) >= 4  # the prefill, and decode steps that filled a block (r2 at 32 and 48, r0 at 16, ...)
+
+
+def test_a_kernel_that_cannot_address_the_tier_gives_way_to_torch_copies(monkeypatch):
+    """Where Triton refuses the pinned tier's pointer (it cannot be accessed from the GPU),
+    the worker warns once and moves pages by torch copies from then on; the bytes land."""
+    import pagedkv.kernels.triton.page_copy as page_copy
+
+    def refuse(*a):
+        raise ValueError("Pointer argument (at 1) cannot be accessed from Triton (cpu tensor?)")
+
+    monkeypatch.setenv("PAGEDKV_PAGE_COPY", "kernel")
+    monkeypatch.setattr(page_copy, "copy_pages", refuse)
+    fs = FakeStreams()
+    storage = KVCacheStorage(SPEC, PAGES)
+    worker = DeviceOffloadWorker(storage.like(SLOTS), torch.device("cpu"), fs)
+    with pytest.warns(RuntimeWarning, match="page-copy kernel failed .*cannot be accessed"):
+        expect = _run(worker, fs, storage, _scenario(0))
+    assert worker._move.__name__ == "run_move"
+    for (layer, slot), value in expect.items():
+        assert worker.tier.page_tensors(layer)[0][slot].flatten()[0].item() == value
+    monkeypatch.setenv("PAGEDKV_PAGE_COPY", "fast")
+    with pytest.raises(ValueError, match="PAGEDKV_PAGE_COPY must be one of"):
+        DeviceOffloadWorker(storage.like(SLOTS), torch.device("cpu"), fs)

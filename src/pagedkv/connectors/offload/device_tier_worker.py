@@ -4,18 +4,15 @@ CPU float path (bf16/fp16 compute; the same code on :class:`~pagedkv.connectors.
 
 Same plan as :class:`~pagedkv.connectors.offload.cpu_tier_worker.CPUOffloadWorker`
 (:class:`~pagedkv.connectors.offload.cpu_tier_worker.OffloadMeta`), carried out as batched
-copies per layer and tensor, never one call per page of the tier's index:
+copies per layer and tensor (:mod:`~pagedkv.connectors.offload.page_moves`): on a GPU one
+Triton launch that reads or writes the pinned tier directly, whatever the slots' order;
+on the CPU (or if the kernel cannot address the tier) a gather or scatter on the cache's
+side and one transfer per run of consecutive tier slots.
 
-- **device -> tier** (saves, swap-outs): one gather of the pages on the device
-  (``index_select``) into a staging tensor, then one copy into the tier per run of
-  consecutive tier slots;
-- **tier -> device** (loads, swap-ins): one copy per run of consecutive tier slots into a
-  staging tensor on the device, then one scatter into the pages (``index_copy_``).
-
-Ordering (see :mod:`~pagedkv.connectors.offload.streams`): swap-outs gather every layer's
+Ordering (see :mod:`~pagedkv.connectors.offload.streams`): swap-outs copy every layer's
 pages first on the copy stream, after the event the compute stream recorded at the step's
-start (a swap-out's page may be written again from then on: the compute stream waits for
-the gathers); swap-ins, loads and disk loads follow layer by layer, each layer's last copy
+start (a swap-out's page may be written again once they are done: the compute stream waits
+for them); swap-ins, loads and disk loads follow layer by layer, each layer's last copy
 recording the event ``wait_for_layer_load`` makes the compute stream wait on (disk records
 are read and checked on the host first, into staging pages, pinned beside a GPU, whose
 copies run like loads); a layer's saves start on the save stream after the compute
@@ -27,30 +24,15 @@ a save.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from pagedkv.connectors.offload.cpu_tier_worker import CPUOffloadWorker
 from pagedkv.connectors.offload.disk_tier import DiskIO
+from pagedkv.connectors.offload.page_moves import choose_move, kernel_move, run_move
 from pagedkv.connectors.offload.streams import Access, InlineStreams
 from pagedkv.kv_cache.storage import KVCacheStorage
-
-
-def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """``(first slot, first index, length)`` of each run of consecutive ``slots`` in order:
-    ``[4, 5, 6, 9, 2]`` -> ``[(4, 0, 3), (9, 3, 1), (2, 4, 1)]``."""
-    runs: list[tuple[int, int, int]] = []
-    for i, s in enumerate(slots):
-        if runs and runs[-1][0] + runs[-1][2] == s:
-            first, at, n = runs[-1]
-            runs[-1] = (first, at, n + 1)
-        else:
-            runs.append((s, i, 1))
-    return runs
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as raw bytes with its page dimension first (fp8 has no index kernels everywhere)."""
-    return t.view(torch.uint8)
 
 
 class DeviceOffloadWorker(CPUOffloadWorker):
@@ -67,6 +49,7 @@ class DeviceOffloadWorker(CPUOffloadWorker):
         self._timed: list[tuple[int, object, object]] = []  # (count index, start, end) to price
         self._held: list[torch.Tensor] = []  # staging tensors alive until their copies end
         self._staging: KVCacheStorage | None = None  # disk records on their way to the device
+        self._move = choose_move(device)
 
     # ---- copies ---------------------------------------------------------------------------
     def _to_tier(self, stream, storage: KVCacheStorage, layer: int, pairs: list[tuple[int, int]]) -> None:
@@ -74,12 +57,8 @@ class DeviceOffloadWorker(CPUOffloadWorker):
         pages, slots = [p for p, _ in pairs], [s for _, s in pairs]
 
         def copy():
-            index = torch.tensor(pages, dtype=torch.int64).to(self.device, non_blocking=True)
             for src, dst in zip(storage.page_tensors(layer), self.tier.page_tensors(layer)):
-                staged = _bytes(src).index_select(0, index)
-                for first, at, n in slot_runs(slots):
-                    _bytes(dst)[first:first + n].copy_(staged[at:at + n], non_blocking=True)
-                self._held.append(staged)
+                self._held += self._moved(dst, slots, src, pages, True)
         self.streams.launch(stream, copy, reads=_acc("device", layer, pages), writes=_acc("tier", layer, slots),
                             nbytes=len(pairs) * self.tier.page_size_bytes // max(1, self.tier.num_layers))
 
@@ -90,16 +69,24 @@ class DeviceOffloadWorker(CPUOffloadWorker):
         slots, pages, source = [s for s, _ in pairs], [p for _, p in pairs], source or self.tier
 
         def copy():
-            index = torch.tensor(pages, dtype=torch.int64).to(self.device, non_blocking=True)
             for src, dst in zip(source.page_tensors(layer), storage.page_tensors(layer)):
-                raw = _bytes(src)
-                staged = torch.empty((len(pairs), *raw.shape[1:]), dtype=torch.uint8, device=self.device)
-                for first, at, n in slot_runs(slots):
-                    staged[at:at + n].copy_(raw[first:first + n], non_blocking=True)
-                _bytes(dst).index_copy_(0, index, staged)
-                self._held.append(staged)
+                self._held += self._moved(dst, pages, src, slots, False)
         self.streams.launch(stream, copy, reads=_acc(pool, layer, slots), writes=_acc("device", layer, pages),
                             nbytes=len(pairs) * self.tier.page_size_bytes // max(1, self.tier.num_layers))
+
+    def _moved(self, dst, dst_pages, src, src_pages, to_host: bool) -> list[torch.Tensor]:
+        """One tensor's pages moved by this worker's way; the kernel, refused (a tier the GPU
+        cannot address), gives way to torch's copies for good, with one warning."""
+        try:
+            return self._move(dst, dst_pages, src, src_pages, to_host)
+        except (ValueError, RuntimeError) as e:
+            if self._move is not kernel_move:
+                raise
+            warnings.warn(f"pagedkv: the KV tier's page-copy kernel failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); tier copies run as torch copies",
+                          RuntimeWarning, stacklevel=2)
+            self._move = run_move
+            return run_move(dst, dst_pages, src, src_pages, to_host)
 
     # ---- the step -------------------------------------------------------------------------
     def start_load_kv(self, storage) -> None:
