@@ -3,8 +3,9 @@ the KV cache in GPU memory (pinned host tier, copies on their own CUDA streams).
 
 - ``outputs``: fp32, a small device pool with a CPU tier: a prompt whose prefix the device
   lost comes back from the tier with the tokens and log-probs of a device prefix hit on a
-  large pool; swap preemption under a pool too small for the batch, against the same batch
-  on the large pool;
+  large pool, and, in batch-invariant mode, of the prompt computed whole (prefix caching
+  off); swap preemption under a pool too small for the batch, against the same batch on the
+  large pool;
 - ``load_rate``: the tier's batched block loads (:func:`probe_device_copy_rate` at 256
   pages; the page-copy kernel, torch copies by runs, and the default way) against a pinned
   host-to-device copy of the same bytes in one piece; the planner's per-block load time
@@ -76,6 +77,8 @@ def check_outputs(folder: Path, device: str, dtype: str, quick: bool) -> dict:
     res = {"tier_vs_device_hit_identical": f"{same} of {len(batch)}", "tier_hit_tokens": hits}
     del small
     free()
+    res["batch_invariant_tier_vs_recompute_identical"] = tier_vs_recompute(folder, device, dtype, quick, batch,
+                                                                           fillers, params)
     swap_params = SamplingParams(max_tokens=24 if quick else 64, temperature=0.0, ignore_eos=True)
     many = prompts(8, [40 if quick else 400], vocab, 13)
     want = [o.token_ids for o in big.generate(many, swap_params)]
@@ -88,6 +91,23 @@ def check_outputs(folder: Path, device: str, dtype: str, quick: bool) -> dict:
     del big, swap
     free()
     return res
+
+
+def tier_vs_recompute(folder: Path, device: str, dtype: str, quick: bool, batch, fillers, params) -> str:
+    """Batch-invariant mode: a prompt whose prefix came back from the tier against the same
+    prompt computed whole with prefix caching off (the issue's fp32 invariant)."""
+    kw = dict(dtype=dtype, kv_cache_memory=None, enforce_eager=True, batch_invariant=True)
+    ref = llm(folder, device, num_blocks=256, enable_prefix_caching=False, **kw)
+    tier = llm(folder, device, num_blocks=12 if quick else 110, kv_offload_memory="64MiB", **kw)
+    same = 0
+    for p in batch:
+        _gen(tier, p["prompt_token_ids"], params)
+        for f in fillers:
+            _gen(tier, f["prompt_token_ids"], params)
+        same += _gen(tier, p["prompt_token_ids"], params) == _gen(ref, p["prompt_token_ids"], params)
+    del ref, tier
+    free()
+    return f"{same} of {len(batch)}"
 
 
 def load_rate(folder: Path, device: str, dtype: str, gpu_name: str, quick: bool) -> dict:

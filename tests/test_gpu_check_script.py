@@ -36,6 +36,7 @@ def test_gpu_check_quick_runs_clean_on_the_cpu(tmp_path):
     assert speed["prefill"]["ttft_s"] > 0
     tiers = out["tiers"]  # the device tier worker on the float path (bf16 on CPU tensors)
     assert tiers["outputs"]["tier_vs_device_hit_identical"] == "3 of 3" and tiers["outputs"]["tier_hit_tokens"] > 0
+    assert tiers["outputs"]["batch_invariant_tier_vs_recompute_identical"] == "3 of 3"
     assert tiers["outputs"]["swap"]["identical_sequences"] == 8 and tiers["outputs"]["swap"]["swap_outs"] > 0
     assert tiers["load_rate"]["block_load_bytes_per_s"] > 0 and tiers["decode_saves"]["blocks_saved"] > 0
     assert tiers["returning_turn"]["tier"] > 0
