@@ -47,6 +47,34 @@ class _Step:
         self.save_layers = save_layers  # layers whose save hook runs (a draft model's may not)
 
 
+class _FakeDisk:
+    """Disk records by hash (a number each): ``load`` writes the record's number plus the
+    layer into its staging page, as the real disk tier writes a record's bytes."""
+
+    def __init__(self) -> None:
+        self.bytes_read, self.corrupt = 0, []
+
+    def load(self, loads, staging, tier) -> set:
+        for h, _, page in loads:
+            for layer in range(LAYERS):
+                _fill(staging, layer, [page], float(int.from_bytes(h, "big")) + layer)
+            self.bytes_read += staging.page_size_bytes
+        return set()
+
+    def write(self, writes, removes, tier) -> None:
+        pass
+
+    def finished(self):
+        return [], []
+
+    def close(self) -> None:
+        pass
+
+
+def _record(n: int) -> bytes:
+    return n.to_bytes(4, "big")
+
+
 def _scenario(seed: int, steps: int = 12) -> list[_Step]:
     """Random steps with the hazards a real schedule makes: pages swapped out and reused in
     the same step (by a load or a write), pages saved in one step and written in the next,
@@ -77,7 +105,12 @@ def _scenario(seed: int, steps: int = 12) -> list[_Step]:
         meta.saves = list(zip(writes, saves))
         filled |= set(saves) | {t for _, t in meta.swap_outs}
         written_before = writes
-        out.append(_Step(meta, writes, loaded + rng.sample(range(1, PAGES), 2), samples=not quiet))
+        unused = [p for p in list(dict.fromkeys(reuse + free)) if p not in writes and p not in loaded]
+        if unused and rng.random() < 0.4:  # disk records into fresh pages (a swapped-out one first)
+            pages = unused[:rng.randint(1, min(3, len(unused)))]
+            meta.disk_loads = [(_record(50_000 + 100 * n + i), (), p) for i, p in enumerate(pages)]
+        from_disk = [p for _, _, p in meta.disk_loads]
+        out.append(_Step(meta, writes, loaded + from_disk + rng.sample(range(1, PAGES), 2), samples=not quiet))
     return out
 
 
@@ -98,15 +131,17 @@ def _run(worker: DeviceOffloadWorker, fs: FakeStreams, storage: KVCacheStorage, 
             for layer in range(LAYERS):
                 tier_expect[(layer, s)] = storage.page_tensors(layer)[0][p].flatten()[0].item()
         worker.start_load_kv(storage)
+        hooks = worker.needs_layer_hooks()  # no: the runner may replay a CUDA graph, which calls none
         for layer in range(LAYERS):
-            worker.wait_for_layer_load(layer)
+            if hooks:
+                worker.wait_for_layer_load(layer)
             value = 1000.0 * meta.step + 100 * layer
             fs.launch(fs.compute, lambda layer=layer, value=value: _fill(storage, layer, step.writes, value),
                       reads=[("device", layer, p) for p in step.reads],
                       writes=[("device", layer, p) for p in step.writes], cost=layer_s, label=f"layer {layer}")
             for p, s in meta.saves if layer < step.save_layers else ():
                 tier_expect[(layer, s)] = value + step.writes.index(p)
-            if layer < step.save_layers:
+            if layer < step.save_layers and hooks:
                 worker.save_kv_layer(layer, storage, None)
         fs.launch(fs.compute, lambda: None, cost=head_s, label="head")
         if step.samples:
@@ -117,6 +152,10 @@ def _run(worker: DeviceOffloadWorker, fs: FakeStreams, storage: KVCacheStorage, 
         for s, p in meta.loads:
             for layer in range(LAYERS):
                 assert storage.page_tensors(layer)[0][p].flatten()[0].item() == tier_expect[(layer, s)]
+        for h, _, p in meta.disk_loads:
+            if p not in step.writes:
+                for layer in range(LAYERS):
+                    assert storage.page_tensors(layer)[0][p].flatten()[0].item() == int.from_bytes(h, "big") + layer
     return tier_expect
 
 
@@ -128,7 +167,7 @@ def test_copies_are_ordered_against_the_forward_and_land_the_right_bytes(seed, w
     monkeypatch.setenv("PAGEDKV_PAGE_COPY", way)
     fs = FakeStreams()
     storage = KVCacheStorage(SPEC, PAGES)
-    worker = DeviceOffloadWorker(storage.like(SLOTS), torch.device("cpu"), fs)
+    worker = DeviceOffloadWorker(storage.like(SLOTS), torch.device("cpu"), fs, _FakeDisk())
     expect = _run(worker, fs, storage, _scenario(seed))
     assert fs.races == []
     for (layer, slot), value in expect.items():
@@ -170,14 +209,20 @@ def test_the_step_waits_for_its_saves_when_the_last_layers_save_nothing():
     assert fs.races == []
 
 
-@pytest.mark.parametrize("broken", [_SaveBeforeWrite, _NoLoadWait, _NoStartWait])
+class _HooksForSavesOnly(DeviceOffloadWorker):
+    def needs_layer_hooks(self):  # forgets that disk loads need the layers to wait too
+        meta = self.metadata
+        return meta is not None and bool(meta.saves or meta.loads or meta.swap_ins)
+
+
+@pytest.mark.parametrize("broken", [_SaveBeforeWrite, _NoLoadWait, _NoStartWait, _HooksForSavesOnly])
 def test_the_fake_gpu_catches_a_missing_wait(broken):
     """The checker can fail: each wait, left out, shows up as a race in some scenario."""
     races = []
     for seed in range(8):
         fs = FakeStreams()
         storage = KVCacheStorage(SPEC, PAGES)
-        worker = broken(storage.like(SLOTS), torch.device("cpu"), fs)
+        worker = broken(storage.like(SLOTS), torch.device("cpu"), fs, _FakeDisk())
         try:
             _run(worker, fs, storage, _scenario(seed))
         except AssertionError:
@@ -294,7 +339,7 @@ def test_on_the_float_path_disk_records_come_back_through_the_staging_pages(tiny
     second = tiny_llm_factory(**tiered)
     assert _gen(second, prompt) == hit
     s = second.engine.stats().kv_offload
-    assert s["disk_blocks_loaded"] == 2 and s["disk_hit_tokens"] == 32
+    assert s["disk_blocks_loaded"] == 2 and s["disk_hit_tokens"] == 32 and s["load_seconds"] > 0
     second.close()
     del second
     gc.collect()
@@ -368,7 +413,7 @@ def test_a_kernel_that_cannot_address_the_tier_gives_way_to_torch_copies(monkeyp
     monkeypatch.setattr(page_copy, "copy_pages", refuse)
     fs = FakeStreams()
     storage = KVCacheStorage(SPEC, PAGES)
-    worker = DeviceOffloadWorker(storage.like(SLOTS), torch.device("cpu"), fs)
+    worker = DeviceOffloadWorker(storage.like(SLOTS), torch.device("cpu"), fs, _FakeDisk())
     with pytest.warns(RuntimeWarning, match="page-copy kernel failed .*cannot be accessed"):
         expect = _run(worker, fs, storage, _scenario(0))
     assert worker._move.__name__ == "run_move"
@@ -377,3 +422,41 @@ def test_a_kernel_that_cannot_address_the_tier_gives_way_to_torch_copies(monkeyp
     monkeypatch.setenv("PAGEDKV_PAGE_COPY", "fast")
     with pytest.raises(ValueError, match="PAGEDKV_PAGE_COPY must be one of"):
         DeviceOffloadWorker(storage.like(SLOTS), torch.device("cpu"), fs)
+
+
+def test_a_pinned_tier_locks_exactly_its_bytes_and_lets_them_go(monkeypatch):
+    """Beside a GPU the tier is host memory locked in place (cudaHostRegister), not torch's
+    pinned allocator (which rounds each block up to a power of two): every page tensor is
+    registered at its own size, unregistered when the tier goes; a refusal is a clear error."""
+    import gc
+
+    import pagedkv.kv_cache.pinned as pinned
+
+    calls = []
+
+    class FakeCudart:
+        def __init__(self, err=0):
+            self.err = err
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return self.err
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr, None))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pinned, "_cudart", lambda: FakeCudart())
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=8, dtype="int8", block_size=4)
+    tier = KVCacheStorage(spec, 37, pin_memory=True)  # int8 pages with per-token bf16 scales
+    tensors = [t for layer in range(2) for t in tier.page_tensors(layer)]
+    registered = {ptr: size for kind, ptr, size in calls if kind == "register"}
+    assert sorted(registered.items()) == sorted((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
+    assert all(tier.layer(i).k_scale.abs().min() == 1 for i in range(2))  # the scales' ones survive
+    del tier, tensors
+    gc.collect()
+    assert {ptr for kind, ptr, _ in calls if kind == "unregister"} == set(registered)
+    monkeypatch.setattr(pinned, "_cudart", lambda: FakeCudart(err=2))
+    with pytest.raises(RuntimeError, match="cannot lock .* GiB of host memory for the KV tier"):
+        KVCacheStorage(SPEC, 8, pin_memory=True)

@@ -36,9 +36,14 @@ import torch
 
 from pagedkv.kv.spec import KVCacheSpec, check_pool_specs, pool_page_bytes
 from pagedkv.kv_cache import quant
+from pagedkv.kv_cache.pinned import pinned_empty
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 **quant.STORAGE_DTYPES}
+
+
+def _empty(shape: tuple, dtype: torch.dtype, device: str, pin_memory: bool) -> torch.Tensor:
+    return pinned_empty(shape, dtype) if pin_memory else torch.empty(shape, dtype=dtype, device=device)
 
 
 def _check_slots(slots, spec: KVCacheSpec, draft_spec: KVCacheSpec | None) -> tuple[int, ...] | None:
@@ -89,9 +94,8 @@ class KVCacheStorage:
         self.layer_slots = _check_slots(layer_slots, spec, draft_spec)
         dtype = TORCH_DTYPES[spec.dtype]
         shapes = [(num_blocks, s.block_size, s.num_kv_heads, s.head_dim) for s in self.layer_specs]
-        pin = {"pin_memory": True} if pin_memory else {}
-        k = [torch.empty(shape, dtype=dtype, device=device, **pin) for shape in shapes[:self._num_slots]]
-        v = [torch.empty(shape, dtype=dtype, device=device, **pin) for shape in shapes[:self._num_slots]]
+        k = [_empty(shape, dtype, device, pin_memory) for shape in shapes[:self._num_slots]]
+        v = [_empty(shape, dtype, device, pin_memory) for shape in shapes[:self._num_slots]]
         for t in k + v:
             t[0].zero_()
         self.k, self.v = self._by_layer(k), self._by_layer(v)
@@ -116,7 +120,7 @@ class KVCacheStorage:
         with them), static ones are each layer's own."""
         if gran == "per-token-head":
             scales = [self._scale_tensor(gran, shape, device) for shape in shapes[:self._num_slots]]
-            return self._by_layer([t.pin_memory() for t in scales] if pin_memory else scales)
+            return self._by_layer([pinned_empty(t.shape, t.dtype).copy_(t) for t in scales] if pin_memory else scales)
         return [self._scale_tensor(gran, shape, device) for shape in shapes]
 
     @property
@@ -131,7 +135,8 @@ class KVCacheStorage:
 
     def like(self, num_blocks: int, device: str = "cpu", pin_memory: bool = False) -> "KVCacheStorage":
         """An empty storage of the same layers with ``num_blocks`` pages (a tier's pool);
-        ``pin_memory``: page-locked host memory (a GPU's tier: asynchronous PCIe copies)."""
+        ``pin_memory``: page-locked host memory of exactly its size (a GPU's tier:
+        asynchronous PCIe copies; :mod:`~pagedkv.kv_cache.pinned`)."""
         return KVCacheStorage(self.spec, num_blocks, device, self.draft_spec, self.layer_slots, pin_memory)
 
     def draft_view(self) -> "LayerOffsetStorage":

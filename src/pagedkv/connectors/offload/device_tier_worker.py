@@ -24,13 +24,14 @@ a save.
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
 
 from pagedkv.connectors.offload.cpu_tier_worker import CPUOffloadWorker
 from pagedkv.connectors.offload.disk_tier import DiskIO
-from pagedkv.connectors.offload.page_moves import choose_move, kernel_move, run_move
+from pagedkv.connectors.offload.page_moves import Pages, choose_move, kernel_move, run_move
 from pagedkv.connectors.offload.streams import Access, InlineStreams
 from pagedkv.kv_cache.storage import KVCacheStorage
 
@@ -50,6 +51,7 @@ class DeviceOffloadWorker(CPUOffloadWorker):
         self._held: list[torch.Tensor] = []  # staging tensors alive until their copies end
         self._staging: KVCacheStorage | None = None  # disk records on their way to the device
         self._move = choose_move(device)
+        self._indices: dict[tuple[int, int], tuple[list, Pages]] = {}  # this step's, by (pairs, side)
 
     # ---- copies ---------------------------------------------------------------------------
     def _to_tier(self, stream, storage: KVCacheStorage, layer: int, pairs: list[tuple[int, int]]) -> None:
@@ -57,8 +59,9 @@ class DeviceOffloadWorker(CPUOffloadWorker):
         pages, slots = [p for p, _ in pairs], [s for _, s in pairs]
 
         def copy():
+            src_pages, dst_slots = self._pages(pairs, 0), self._pages(pairs, 1)
             for src, dst in zip(storage.page_tensors(layer), self.tier.page_tensors(layer)):
-                self._held += self._moved(dst, slots, src, pages, True)
+                self._held += self._moved(dst, dst_slots, src, src_pages, True)
         self.streams.launch(stream, copy, reads=_acc("device", layer, pages), writes=_acc("tier", layer, slots),
                             nbytes=len(pairs) * self.tier.page_size_bytes // max(1, self.tier.num_layers))
 
@@ -69,10 +72,19 @@ class DeviceOffloadWorker(CPUOffloadWorker):
         slots, pages, source = [s for s, _ in pairs], [p for _, p in pairs], source or self.tier
 
         def copy():
+            src_slots, dst_pages = self._pages(pairs, 0), self._pages(pairs, 1)
             for src, dst in zip(source.page_tensors(layer), storage.page_tensors(layer)):
-                self._held += self._moved(dst, pages, src, slots, False)
+                self._held += self._moved(dst, dst_pages, src, src_slots, False)
         self.streams.launch(stream, copy, reads=_acc(pool, layer, slots), writes=_acc("device", layer, pages),
                             nbytes=len(pairs) * self.tier.page_size_bytes // max(1, self.tier.num_layers))
+
+    def _pages(self, pairs: list[tuple[int, int]], side: int) -> Pages:
+        """Side ``side`` of a step's ``pairs`` as :class:`Pages`: uploaded on the first layer's
+        copy (on its stream, which alone reads it), kept until the step's copies end."""
+        key = (id(pairs), side)
+        if key not in self._indices:
+            self._indices[key] = (pairs, Pages.of([pair[side] for pair in pairs], self.device))
+        return self._indices[key][1]
 
     def _moved(self, dst, dst_pages, src, src_pages, to_host: bool) -> list[torch.Tensor]:
         """One tensor's pages moved by this worker's way; the kernel, refused (a tier the GPU
@@ -112,7 +124,9 @@ class DeviceOffloadWorker(CPUOffloadWorker):
                         self._to_device(s.copy, storage, layer, pairs)
                         self._timed.append((index, start, s.record(s.copy)))
                 if from_disk:
+                    start = s.record(s.copy)
                     self._to_device(s.copy, storage, layer, from_disk, self._staging, "disk staging")
+                    self._timed.append((2, start, s.record(s.copy)))
                 self._load_events[layer] = s.record(s.copy)
             self._ends.append(self._load_events[layers[-1]])
         self._counts[5] += len(meta.swap_outs) + len(meta.swap_ins)
@@ -127,7 +141,7 @@ class DeviceOffloadWorker(CPUOffloadWorker):
         device pages are this step's load errors)."""
         if not meta.disk_loads:
             return []
-        n = len(meta.disk_loads)
+        n, t = len(meta.disk_loads), time.perf_counter()
         if self._staging is None or self._staging.num_blocks < n:
             self._staging = self.tier.like(max(n, 2 * (self._staging.num_blocks if self._staging else 0)),
                                            pin_memory=self.device.type == "cuda")
@@ -137,6 +151,7 @@ class DeviceOffloadWorker(CPUOffloadWorker):
         self._load_errors = {meta.disk_loads[j][2] for j in bad}
         self._counts[3] += n - len(bad)
         self._counts[4] += self.disk.bytes_read - read
+        self._counts[2] += time.perf_counter() - t  # load seconds: the records' reads and checks, then their copies
         return [(j, page) for j, (_, _, page) in enumerate(meta.disk_loads) if j not in bad]
 
     def wait_for_layer_load(self, layer: int) -> None:
@@ -145,8 +160,10 @@ class DeviceOffloadWorker(CPUOffloadWorker):
             self.streams.wait(self.streams.compute, event)
 
     def needs_layer_hooks(self) -> bool:
+        """After ``start_load_kv``: whether any layer must wait for copies into its pages
+        (loads, swap-ins, disk records) or start saves."""
         meta = self.metadata
-        return meta is not None and bool(meta.saves or meta.loads or meta.swap_ins)
+        return bool(self._load_events) or (meta is not None and bool(meta.saves))
 
     def save_kv_layer(self, layer: int, storage, attn_metadata) -> None:
         meta = self.metadata
@@ -175,6 +192,7 @@ class DeviceOffloadWorker(CPUOffloadWorker):
             if index == 7:
                 self._counts[2] += seconds
         self._ends, self._timed, self._held, self._load_events, self._saved = [], [], [], {}, None
+        self._indices = {}
 
     def close(self) -> None:
         self._settle()
@@ -202,5 +220,5 @@ def probe_device_copy_rate(worker: DeviceOffloadWorker, storage: KVCacheStorage,
         end = s.record(s.copy)
         s.synchronize(end)
         best = min(best, s.elapsed(start, end))
-        worker._held = []
+        worker._settle()
     return n * worker.tier.page_size_bytes, best

@@ -1,8 +1,10 @@
 """How the device tier worker moves one tensor's pages between the cache and the host tier.
 
 Two ways, one signature: ``move(dst, dst_pages, src, src_pages, to_host) -> held`` copies
-``dst[dst_pages[i]] = src[src_pages[i]]`` (page lists of ints) on the current stream and
-returns the temporaries that must live until the stream has run the copy.
+``dst[dst_pages.ids[i]] = src[src_pages.ids[i]]`` on the current stream and returns the
+temporaries that must live until the stream has run the copy. Each side is a :class:`Pages`:
+the page numbers, and the same as an index tensor on the cache's device, uploaded once a
+step from pinned memory (an upload from pageable memory may wait for the stream).
 
 - :func:`kernel_move`: the Triton page-copy kernel (:mod:`pagedkv.kernels.triton.page_copy`),
   one launch whatever the slots' order: the GPU reads and writes the pinned tier directly.
@@ -20,6 +22,7 @@ returns the temporaries that must live until the stream has run the copy.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -44,35 +47,42 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _index(pages: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(pages, dtype=torch.int64).to(device, non_blocking=True)
+class Pages(NamedTuple):
+    """One side of a move: page (or slot) numbers, and the same as an int64 index tensor on
+    the cache's device."""
+    ids: list[int]
+    index: torch.Tensor
+
+    @classmethod
+    def of(cls, ids: list[int], device: torch.device) -> "Pages":
+        """Upload ``ids`` to ``device`` on the current stream (from pinned memory on a GPU)."""
+        host = torch.tensor(ids, dtype=torch.int64, pin_memory=device.type == "cuda")
+        return cls(ids, host.to(device, non_blocking=True))
 
 
-def run_move(dst: torch.Tensor, dst_pages: list[int], src: torch.Tensor, src_pages: list[int],
+def run_move(dst: torch.Tensor, dst_pages: Pages, src: torch.Tensor, src_pages: Pages,
              to_host: bool) -> list[torch.Tensor]:
     """Gather or scatter on the cache's side, a transfer per run of consecutive tier slots."""
     if to_host:  # src: the cache, dst: the tier
-        staged = _bytes(src).index_select(0, _index(src_pages, src.device))
-        for first, at, n in slot_runs(dst_pages):
+        staged = _bytes(src).index_select(0, src_pages.index)
+        for first, at, n in slot_runs(dst_pages.ids):
             _bytes(dst)[first:first + n].copy_(staged[at:at + n], non_blocking=True)
         return [staged]
     raw = _bytes(src)
-    staged = torch.empty((len(src_pages), *raw.shape[1:]), dtype=torch.uint8, device=dst.device)
-    for first, at, n in slot_runs(src_pages):
+    staged = torch.empty((len(src_pages.ids), *raw.shape[1:]), dtype=torch.uint8, device=dst.device)
+    for first, at, n in slot_runs(src_pages.ids):
         staged[at:at + n].copy_(raw[first:first + n], non_blocking=True)
-    _bytes(dst).index_copy_(0, _index(dst_pages, dst.device), staged)
+    _bytes(dst).index_copy_(0, dst_pages.index, staged)
     return [staged]
 
 
-def kernel_move(dst: torch.Tensor, dst_pages: list[int], src: torch.Tensor, src_pages: list[int],
+def kernel_move(dst: torch.Tensor, dst_pages: Pages, src: torch.Tensor, src_pages: Pages,
                 to_host: bool) -> list[torch.Tensor]:
     """One Triton launch on the cache's device (the tier addressed directly)."""
     from pagedkv.kernels.triton.page_copy import copy_pages
 
-    device = (src if to_host else dst).device  # the cache's
-    s, d = _index(src_pages, device), _index(dst_pages, device)
-    copy_pages(dst, d, src, s)
-    return [s, d]
+    copy_pages(dst, dst_pages.index, src, src_pages.index)
+    return []
 
 
 def choose_move(device: torch.device):
