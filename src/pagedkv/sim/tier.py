@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.connectors.base import KVConnector, KVConnectorWorker
-from pagedkv.connectors.offload.cpu_tier import CPUOffloadScheduler
+from pagedkv.connectors.offload.cpu_tier import CPUOffloadScheduler, tier_capacity
 from pagedkv.connectors.offload.cpu_tier_worker import OffloadMeta
 from pagedkv.connectors.offload.disk_tier import RECORD_OVERHEAD, DiskPlan
 
@@ -133,15 +133,8 @@ def sim_tier(kv, config, worker: SimTierWorker) -> KVConnector:
         ValueError: prefix caching off, several KV cache groups, or a tier under one page.
     """
     costs = worker.costs
-    if not kv.enable_prefix_caching:
-        raise ValueError("the CPU KV tier (--kv-offload-memory) needs prefix caching: its blocks are keyed by "
-                         "their prefix hash")
-    if len(kv.groups) != 1:
-        raise ValueError("the CPU KV tier supports one KV cache group (full attention) so far")
     page = costs.page_bytes
-    capacity = int(config.kv_offload_memory) // page
-    if capacity < 1:
-        raise ValueError(f"--kv-offload-memory of {int(config.kv_offload_memory)} bytes holds no page of {page} bytes")
+    capacity = tier_capacity(kv, config.kv_offload_memory, page)
     disk = None
     if config.kv_offload_dir is not None:
         disk_capacity = int(config.kv_offload_disk_size) // (page + RECORD_OVERHEAD)  # as the engine sizes it

@@ -293,6 +293,25 @@ class CPUOffloadScheduler(KVConnectorScheduler):
             self.disk.index.check_invariants()
 
 
+def tier_capacity(kv, memory_bytes: int, page_bytes: int) -> int:
+    """Whole pages of ``page_bytes`` a CPU tier of ``memory_bytes`` holds behind the KV
+    manager ``kv`` (the engine's tier and the simulator's).
+
+    Raises:
+        ValueError: prefix caching off, several KV cache groups, or a size under one page.
+    """
+    if not kv.enable_prefix_caching:
+        raise ValueError("the CPU KV tier (kv_offload_memory, --kv-offload-memory) needs prefix caching "
+                         "(--enable-prefix-caching): its blocks are keyed by their prefix hash")
+    if len(kv.groups) != 1:
+        raise ValueError("the CPU KV tier supports one KV cache group (full attention) so far")
+    capacity = int(memory_bytes) // page_bytes
+    if capacity < 1:
+        raise ValueError(f"kv_offload_memory (--kv-offload-memory) of {int(memory_bytes)} bytes holds no page "
+                         f"of {page_bytes} bytes; give at least that much")
+    return capacity
+
+
 def cpu_offload_connector(kv, storage: KVCacheStorage, memory_bytes: int, policy: str, disk_dir: str | None = None,
                           disk_bytes: int = 0, copy_pages=torch_copy_pages, streams=None) -> KVConnector:
     """Both sides of a CPU tier of ``memory_bytes`` (pages laid out as the device ``storage``'s,
@@ -307,16 +326,8 @@ def cpu_offload_connector(kv, storage: KVCacheStorage, memory_bytes: int, policy
         ValueError: prefix caching off, several KV cache groups, a size under one page, or
             an unusable disk directory (see :class:`~pagedkv.connectors.offload.disk_records.DiskDirectory`).
     """
-    if not kv.enable_prefix_caching:
-        raise ValueError("the CPU KV tier (kv_offload_memory, --kv-offload-memory) needs prefix caching "
-                         "(--enable-prefix-caching): its blocks are keyed by their prefix hash")
-    if len(kv.groups) != 1:
-        raise ValueError("the CPU KV tier supports one KV cache group (full attention) so far")
     page_bytes = storage.page_size_bytes
-    capacity = int(memory_bytes) // page_bytes
-    if capacity < 1:
-        raise ValueError(f"kv_offload_memory (--kv-offload-memory) of {int(memory_bytes)} bytes holds no page "
-                         f"of {page_bytes} bytes; give at least that much")
+    capacity = tier_capacity(kv, memory_bytes, page_bytes)
     plan = io = None
     if disk_dir is not None:
         disk_capacity = int(disk_bytes) // (page_bytes + RECORD_OVERHEAD)
