@@ -179,3 +179,15 @@ def test_tiny_temperature_does_not_crash(tmp_path):
                 tmp_path)
     assert "Traceback" not in r.stderr, r.stderr[-500:]
     assert r.returncode == 0
+
+
+def test_a_bad_size_names_its_flag():
+    """With several size flags on one line, the error says which one is wrong (CLI and Python)."""
+    from pagedkv.config import EngineConfig
+
+    for kw, flag in (({"kv_offload_memory": 0}, "--kv-offload-memory"),
+                     ({"kv_cache_memory": "-1"}, "--kv-cache-memory"),
+                     ({"kv_offload_memory": "1GiB", "kv_offload_dir": "/nonexistent", "kv_offload_disk_size": "x"},
+                      "--kv-offload-disk-size")):
+        with pytest.raises(ValueError, match=rf"\({flag}\): (size must be positive|cannot parse size)"):
+            EngineConfig(**kw)

@@ -33,23 +33,25 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "k": 2**10, "m": 2**20, "g": 2**30}
 
 
-def parse_size(text: str | int) -> int:
-    """Parse ``"512MiB"``, ``"4GiB"``, ``"1.5GB"`` or a plain byte count into bytes.
+def parse_size(text: str | int, name: str | None = None) -> int:
+    """Parse ``"512MiB"``, ``"4GiB"``, ``"1.5GB"`` or a plain byte count into bytes;
+    ``name`` (e.g. ``"kv_offload_memory (--kv-offload-memory)"``) leads the error.
 
     Raises:
         ValueError: for anything else, or a size that is not positive.
     """
+    lead = f"{name}: " if name else ""
     if isinstance(text, bool):  # (True is an int: it would be one byte)
-        raise ValueError(f"a size is a byte count or text such as 512MiB, got {text!r}")
+        raise ValueError(f"{lead}a size is a byte count or text such as 512MiB, got {text!r}")
     if isinstance(text, int):
         value = text
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB, 4GiB or 2GB")
+            raise ValueError(f"{lead}cannot parse size {text!r}; use e.g. 512MiB, 4GiB or 2GB")
         value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
+        raise ValueError(f"{lead}size must be positive, got {text!r}")
     return value
 
 
@@ -219,14 +221,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory (--kv-cache-memory)")
         self._check_device()
         if self.kv_offload_memory is not None:
-            self.kv_offload_memory = parse_size(self.kv_offload_memory)
+            self.kv_offload_memory = parse_size(self.kv_offload_memory, "kv_offload_memory (--kv-offload-memory)")
         if self.kv_offload_disk_size is not None:
             if self.kv_offload_dir is None:
                 raise ValueError("kv_offload_disk_size sizes the disk tier: set kv_offload_dir (--kv-offload-dir) too")
-            self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
+            self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size,
+                                                   "kv_offload_disk_size (--kv-offload-disk-size)")
         elif self.kv_offload_dir is not None:
             self.kv_offload_disk_size = parse_size("4GiB")
         if isinstance(self.kv_offload_dir, os.PathLike):

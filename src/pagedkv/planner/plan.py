@@ -181,11 +181,11 @@ def _tiers(c: _Inputs, memory, disk) -> dict:
     page, out = pool_page_bytes(c.specs()), {}
     link = tier_link(c.dev, c.specs(), page) if c.dev is not None and (memory is not None or disk is not None) else None
     if memory is not None:
-        n = parse_size(memory) // page
+        n = parse_size(memory, "kv_offload_memory (--kv-offload-memory)") // page
         out.update(offload_cpu_blocks=n, offload_cpu_tokens=n * c.spec.block_size,
                    offload_cpu_block_load_seconds=page / link if link else None)
     if disk is not None:
-        n = parse_size(disk) // (page + RECORD_OVERHEAD)
+        n = parse_size(disk, "kv_offload_disk_size (--kv-offload-disk-size)") // (page + RECORD_OVERHEAD)
         out.update(offload_disk_blocks=n, offload_disk_tokens=n * c.spec.block_size,
                    offload_disk_block_load_seconds=disk_block_load_seconds(page, link) if c.dev else None)
     return out
@@ -228,7 +228,7 @@ def _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, util,
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
     if scale not in SCALE_GRANULARITIES:
         raise ValueError(f"kv scale granularity must be one of {', '.join(SCALE_GRANULARITIES)}")
-    budget = parse_size(kv_cache_memory) if kv_cache_memory is not None else None
+    budget = parse_size(kv_cache_memory, "kv_cache_memory (--kv-cache-memory)") if kv_cache_memory is not None else None
     m = load_model(model).with_kv_heads(None if kv_heads is None else _check_int("kv_heads", kv_heads))
     dev = get_device(gpu) if gpu else None
     on_gpu = dev is not None and not dev.is_cpu
@@ -287,7 +287,8 @@ def plan(model: str = "smollm2-135m-instruct", gpu: str | None = None, kv_cache_
     c = _resolve(model, gpu, kv_cache_dtype, weight_dtype, seq_len, batch, tp, gpu_memory_utilization,
                  kv_heads, block_size, kv_cache_memory, kv_scale_granularity, speculative_config)
     if activation_peak is not None:
-        c = replace(c, reserved=parse_size(activation_peak) if activation_peak not in (0, "0") else 0)
+        zero = activation_peak in (0, "0")
+        c = replace(c, reserved=0 if zero else parse_size(activation_peak, "activation_peak (--activation-peak)"))
     one_group = reads_whole_tables(c.draft is not None,
                                    kv_offload_memory is not None or kv_offload_disk_size is not None)
     c = replace(c, spec=whole_pages(c.spec, one_group), whole=whole_pages(c.whole, one_group))

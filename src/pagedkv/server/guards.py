@@ -158,7 +158,8 @@ def guard_config(args) -> GuardConfig:
     if args.limit_concurrency < 0:
         raise ValueError(f"--limit-concurrency must be >= 0, got {args.limit_concurrency}")
     return GuardConfig(tuple(keys), tuple(parse_allowed_hosts(args.allowed_hosts)),
-                       parse_size(args.max_body_bytes), HTTPLimits(limit_concurrency=args.limit_concurrency or None))
+                       parse_size(args.max_body_bytes, "--max-body-bytes"),
+                       HTTPLimits(limit_concurrency=args.limit_concurrency or None))
 
 
 def parse_allowed_hosts(text: str) -> list[str]:
